@@ -1,0 +1,932 @@
+"""Configuration objects, size parsing and TOML loading.
+
+A configuration has four parts, mirroring the TOML tables of a config file::
+
+    [host]            # pinned host-memory tier
+    capacity = "8GiB"
+
+    [[nvme]]          # one table per NVMe directory (optional)
+    path = "/mnt/nvme0/ssdtier"
+    capacity = "256GiB"
+
+    [io]
+    backend = "io_uring"
+
+    [policy]
+    prefetch_layers = 3
+
+Importing this module is cheap: it does not import torch and does not touch the
+filesystem.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, ClassVar, NoReturn
+
+from .errors import ConfigError
+
+__all__ = [
+    "RAMFS_MAGIC",
+    "TMPFS_MAGIC",
+    "Config",
+    "GiB",
+    "HostConfig",
+    "IoConfig",
+    "KiB",
+    "MiB",
+    "NvmeConfig",
+    "PolicyConfig",
+    "TiB",
+    "default_nvme_dir",
+    "format_size",
+    "is_tmpfs",
+    "load_config",
+    "parse_size",
+    "resolve_config",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+TMPFS_MAGIC = 0x01021994
+RAMFS_MAGIC = 0x858458F6
+
+# ---------------------------------------------------------------------------
+# Sizes
+# ---------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "pib": 1 << 50,
+}
+_BINARY_UNITS = (
+    ("KiB", KiB),
+    ("MiB", MiB),
+    ("GiB", GiB),
+    ("TiB", TiB),
+    ("PiB", 1 << 50),
+)
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*", re.ASCII)
+_SIZE_HELP = (
+    "a non-negative size: an integer number of bytes or a string such as "
+    "'4096', '64MiB', '1.5GiB' or '10GB' (units B, KB, MB, GB, TB, PB, "
+    "KiB, MiB, GiB, TiB, PiB)"
+)
+
+
+def _where(source: str | None, key: str) -> str:
+    return f"{source}: {key}" if source else key
+
+
+def _fail(
+    source: str | None,
+    key: str,
+    value: Any,
+    expected: str,
+    *,
+    show_type: bool = False,
+    hint: str = "",
+) -> NoReturn:
+    got = repr(value)
+    if show_type:
+        got += f" of type {type(value).__name__}"
+    raise ConfigError(f"{_where(source, key)}: expected {expected}, got {got}{hint}")
+
+
+def _parse_size(value: Any, key: str, source: str | None) -> int:
+    if isinstance(value, bool):
+        _fail(source, key, value, _SIZE_HELP, show_type=True)
+    if isinstance(value, int):
+        if value < 0:
+            _fail(source, key, value, _SIZE_HELP)
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or not value.is_integer():
+            _fail(source, key, value, _SIZE_HELP)
+        return int(value)
+    if not isinstance(value, str):
+        _fail(source, key, value, _SIZE_HELP, show_type=True)
+    m = _SIZE_RE.fullmatch(value)
+    mult = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or mult is None:
+        _fail(source, key, value, _SIZE_HELP)
+    amount = Fraction(m.group(1)) * mult
+    if mult == 1 and amount.denominator != 1:
+        _fail(source, key, value, _SIZE_HELP, hint=" (not a whole number of bytes)")
+    # Fractions of a larger unit are rounded down to whole bytes.
+    return int(amount)
+
+
+def parse_size(
+    value: float | str, *, key: str = "size", source: str = "<value>"
+) -> int:
+    """Parse a byte size.
+
+    Args:
+        value: A non-negative int (bytes), an integral float, or a string such
+            as ``"4096"``, ``"64MiB"``, ``"64 mib"``, ``"1.5GiB"`` or ``"10GB"``.
+            Binary units (KiB..PiB) are powers of 1024, SI units (KB..PB)
+            powers of 1000; units are case-insensitive. A fraction of a unit is
+            rounded down to whole bytes.
+        key: Key named in error messages.
+        source: Where the value came from, named in error messages.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ConfigError: ``value`` is not a valid size.
+    """
+    return _parse_size(value, key, source)
+
+
+def format_size(n: int) -> str:
+    """Format a byte count for humans.
+
+    Exact binary units are used when ``n`` is divisible by one (``"1GiB"``),
+    otherwise one decimal (``1536 -> "1.5KiB"``); below 1 KiB plain bytes
+    (``"100B"``).
+
+    Raises:
+        TypeError: ``n`` is not an int.
+        ValueError: ``n`` is negative.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"format_size() needs an int, got {n!r}")
+    if n < 0:
+        raise ValueError(f"format_size() needs a non-negative size, got {n}")
+    best = f"{n}B"
+    for i, (unit, mult) in enumerate(_BINARY_UNITS):
+        if n < mult:
+            break
+        if n % mult == 0:
+            best = f"{n // mult}{unit}"
+        elif round(n / mult, 1) < 1024 or unit == _BINARY_UNITS[-1][0]:
+            best = f"{n / mult:.1f}{unit}"
+        else:  # e.g. 1048575 is "1.0MiB", not "1024.0KiB"
+            best = f"{n / (mult * 1024):.1f}{_BINARY_UNITS[i + 1][0]}"
+    return best
+
+
+def _exact_size(n: int) -> str:
+    """Human size text that parses back to exactly ``n``."""
+    text = format_size(n)
+    if _parse_size(text, "size", None) == n:
+        return text
+    units = [
+        *_BINARY_UNITS,
+        ("KB", 10**3),
+        ("MB", 10**6),
+        ("GB", 10**9),
+        ("TB", 10**12),
+    ]
+    exact = [f"{n // mult}{unit}" for unit, mult in units if n % mult == 0]
+    return min(exact, key=len, default=f"{n}B")
+
+
+# ---------------------------------------------------------------------------
+# Field checkers
+# ---------------------------------------------------------------------------
+
+# (source, key prefix) of the table being built; set by from_dict() so that the
+# dataclasses' own validation can name the file and e.g. "nvme[1]".
+_LOCATION: ContextVar[tuple[str | None, str | None]] = ContextVar(
+    "ssdtier_config_location", default=(None, None)
+)
+
+
+@contextmanager
+def _located(source: str | None, prefix: str | None) -> Iterator[None]:
+    token = _LOCATION.set((source, prefix))
+    try:
+        yield
+    finally:
+        _LOCATION.reset(token)
+
+
+_Checker = Callable[[Any, str, "str | None"], Any]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_range(lo: int, hi: int | None = None) -> _Checker:
+    expected = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+
+    def check(value: Any, key: str, source: str | None) -> int:
+        if not _is_int(value):
+            _fail(source, key, value, expected, show_type=True)
+        if value < lo or (hi is not None and value > hi):
+            _fail(source, key, value, expected)
+        return value
+
+    return check
+
+
+def _size_range(
+    lo: int,
+    hi: int | None = None,
+    *,
+    power_of_two: bool = False,
+    optional: bool = False,
+) -> _Checker:
+    if hi is not None:
+        expected = f"a size between {format_size(lo)} and {format_size(hi)}"
+    else:
+        expected = f"a size >= {format_size(lo)}"
+    if power_of_two:
+        expected = "a power-of-two " + expected[2:]
+
+    def check(value: Any, key: str, source: str | None) -> int | None:
+        if value is None and optional:
+            return None
+        n = _parse_size(value, key, source)
+        bad = n < lo or (hi is not None and n > hi)
+        if power_of_two and n & (n - 1):
+            bad = True
+        if bad:
+            hint = "" if _is_int(value) else f" ({n} bytes)"
+            _fail(source, key, value, expected, hint=hint)
+        return n
+
+    return check
+
+
+def _bool(value: Any, key: str, source: str | None) -> bool:
+    if not isinstance(value, bool):
+        _fail(source, key, value, "true or false (a boolean)", show_type=True)
+    return value
+
+
+def _choice(*options: str) -> _Checker:
+    expected = "one of " + ", ".join(repr(o) for o in options)
+
+    def check(value: Any, key: str, source: str | None) -> str:
+        if not isinstance(value, str):
+            _fail(source, key, value, expected, show_type=True)
+        if value not in options:
+            close = difflib.get_close_matches(value, options, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            _fail(source, key, value, expected, hint=hint)
+        return value
+
+    return check
+
+
+def _path(value: Any, key: str, source: str | None) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        is_str = isinstance(value, str)
+        _fail(source, key, value, "a non-empty path string", show_type=not is_str)
+    return os.path.expanduser(value)
+
+
+def _keep_last_layers(value: Any, key: str, source: str | None) -> int | str:
+    if value == "auto" and isinstance(value, str):
+        return value
+    if not _is_int(value) or value < 0:
+        _fail(
+            source,
+            key,
+            value,
+            "'auto' or an integer >= 0",
+            show_type=not _is_int(value),
+        )
+    return value
+
+
+_MODULE_PATH_RE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII)
+
+
+def _module_path(value: Any, key: str, source: str | None) -> str | None:
+    if value is None:
+        return None
+    expected = "a dotted module path such as 'model.layers' (or no value)"
+    if not isinstance(value, str):
+        _fail(source, key, value, expected, show_type=True)
+    if not _MODULE_PATH_RE.fullmatch(value):
+        _fail(source, key, value, expected)
+    return value
+
+
+_TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
+    "host": {"capacity": _size_range(0, TiB)},
+    "nvme": {"path": _path, "capacity": _size_range(1)},
+    "io": {
+        "backend": _choice("auto", "io_uring", "posix"),
+        "queue_depth": _int_range(1, 4096),
+        "block_size": _size_range(4 * KiB, 64 * MiB, power_of_two=True),
+        "direct": _bool,
+        "fixed_buffers": _bool,
+        "threads": _int_range(1, 64),
+    },
+    "policy": {
+        "min_tensor_bytes": _size_range(0),
+        "keep_last_layers": _keep_last_layers,
+        "prefetch_layers": _int_range(0, 64),
+        "eviction": _choice("lifetime", "lru", "fifo"),
+        "dedup": _bool,
+        "layers": _module_path,
+        "mode": _choice("all", "adaptive", "none"),
+        "device_budget": _size_range(0, optional=True),
+    },
+}
+_SIZE_KEYS = {
+    ("host", "capacity"),
+    ("nvme", "capacity"),
+    ("io", "block_size"),
+    ("policy", "min_tensor_bytes"),
+    ("policy", "device_budget"),
+}
+_TABLES = tuple(_TABLE_FIELDS)
+_ALL_KEYS = tuple(f"{t}.{k}" for t, keys in _TABLE_FIELDS.items() for k in keys)
+_OVERRIDE_KEYS = tuple(k for k in _ALL_KEYS if not k.startswith("nvme."))
+
+
+def _validate(obj: Any) -> None:
+    """Check and normalise every field of a table dataclass in place."""
+    source, prefix = _LOCATION.get()
+    prefix = prefix or obj._TABLE
+    for name, check in _TABLE_FIELDS[obj._TABLE].items():
+        value = check(getattr(obj, name), f"{prefix}.{name}", source)
+        object.__setattr__(obj, name, value)
+
+
+def _suggest(word: str, options: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _suggest_qualified(name: str) -> str:
+    """Suggest ``table.key`` for a bare key name (e.g. ``queue_depth``)."""
+    owners = [t for t, keys in _TABLE_FIELDS.items() if name in keys]
+    if len(owners) == 1:
+        return f"; did you mean '{owners[0]}.{name}' (key {name!r} of [{owners[0]}])?"
+    return _suggest(name, _ALL_KEYS)
+
+
+# ---------------------------------------------------------------------------
+# Dataclasses
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Pinned host-memory tier.
+
+    Attributes:
+        capacity: Bytes of pinned host memory (0 disables the host tier, so
+            everything goes straight to NVMe); at most 1 TiB. Size strings such
+            as ``"8GiB"`` are accepted and stored as ints.
+    """
+
+    _TABLE: ClassVar[str] = "host"
+
+    capacity: int = 1 * GiB
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """One NVMe directory that holds spill files.
+
+    Attributes:
+        path: Directory for spill files (``~`` is expanded).
+        capacity: Maximum bytes to use in that directory (> 0).
+    """
+
+    _TABLE: ClassVar[str] = "nvme"
+
+    path: str
+    capacity: int = 64 * GiB
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class IoConfig:
+    """I/O engine settings.
+
+    Attributes:
+        backend: ``"auto"``, ``"io_uring"`` or ``"posix"``.
+        queue_depth: Submission queue depth, 1..4096.
+        block_size: I/O block size, a power of two from 4 KiB to 64 MiB.
+        direct: Use ``O_DIRECT``.
+        fixed_buffers: Register host buffers with io_uring.
+        threads: Worker threads of the posix backend, 1..64.
+    """
+
+    _TABLE: ClassVar[str] = "io"
+
+    backend: str = "auto"
+    queue_depth: int = 64
+    block_size: int = 1 * MiB
+    direct: bool = True
+    fixed_buffers: bool = True
+    threads: int = 4
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which activations are offloaded, and when they come back.
+
+    Attributes:
+        min_tensor_bytes: Smaller tensors stay on the device.
+        keep_last_layers: ``"auto"`` or how many final layers stay on device.
+        prefetch_layers: Layers to prefetch ahead during backward, 0..64.
+        eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
+        dedup: Store tensors that share storage only once.
+        layers: Dotted path of the module list holding the layers
+            (``"model.layers"``), or None to detect it.
+        mode: ``"all"``, ``"adaptive"`` or ``"none"``.
+        device_budget: Device memory budget for ``"adaptive"``, or None.
+    """
+
+    _TABLE: ClassVar[str] = "policy"
+
+    min_tensor_bytes: int = 1 * MiB
+    keep_last_layers: int | str = "auto"
+    prefetch_layers: int = 2
+    eviction: str = "lifetime"
+    dedup: bool = True
+    layers: str | None = None
+    mode: str = "all"
+    device_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+_TABLE_CLASSES: dict[str, type] = {
+    "host": HostConfig,
+    "nvme": NvmeConfig,
+    "io": IoConfig,
+    "policy": PolicyConfig,
+}
+
+
+def _table_dict(obj: Any, *, human: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _TABLE_FIELDS[obj._TABLE]:
+        value = getattr(obj, name)
+        if human and value is not None and (obj._TABLE, name) in _SIZE_KEYS:
+            value = _exact_size(value)
+        out[name] = value
+    return out
+
+
+def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        _fail(source, prefix, data, "a table", show_type=True)
+    table = cls._TABLE  # type: ignore[attr-defined]
+    allowed = list(_TABLE_FIELDS[table])
+    for key in data:
+        if not isinstance(key, str) or key not in _TABLE_FIELDS[table]:
+            hint = _suggest(key, allowed) if isinstance(key, str) else ""
+            raise ConfigError(
+                f"{_where(source, f'{prefix}.{key}')}: unknown key{hint or '.'} "
+                f"Allowed keys in [{table}]: {', '.join(allowed)}"
+            )
+    if table == "nvme" and "path" not in data:
+        raise ConfigError(
+            f"{_where(source, prefix)}: missing required key 'path' "
+            "(the directory for spill files)"
+        )
+    with _located(source, prefix):
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A complete ssdtier configuration.
+
+    Attributes:
+        host: The pinned host-memory tier.
+        nvme: NVMe directories; empty means one directory at
+            :func:`default_nvme_dir`.
+        io: I/O engine settings.
+        policy: Offload policy.
+        source: Where the configuration came from (not compared).
+    """
+
+    host: HostConfig = field(default_factory=HostConfig)
+    nvme: tuple[NvmeConfig, ...] = ()
+    io: IoConfig = field(default_factory=IoConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    source: str = field(default="<defaults>", compare=False)
+
+    def __post_init__(self) -> None:
+        source, _ = _LOCATION.get()
+        for name in ("host", "io", "policy"):
+            cls = _TABLE_CLASSES[name]
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                _fail(source, name, value, f"a {cls.__name__}", show_type=True)
+        nvme = self.nvme
+        if isinstance(nvme, NvmeConfig):
+            nvme = (nvme,)
+        if not isinstance(nvme, (tuple, list)):
+            _fail(source, "nvme", nvme, "a tuple of NvmeConfig", show_type=True)
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(nvme):
+            if not isinstance(entry, NvmeConfig):
+                _fail(source, f"nvme[{i}]", entry, "an NvmeConfig", show_type=True)
+            norm = os.path.normpath(entry.path)
+            if norm in seen:
+                _fail(
+                    source,
+                    f"nvme[{i}].path",
+                    entry.path,
+                    "a directory not already listed",
+                    hint=f" (same as nvme[{seen[norm]}].path)",
+                )
+            seen[norm] = i
+        object.__setattr__(self, "nvme", tuple(nvme))
+        if not isinstance(self.source, str):
+            raise ConfigError(f"source: expected a str, got {self.source!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "<dict>") -> Config:
+        """Build a Config from the TOML structure (tables host, nvme, io, policy).
+
+        Args:
+            d: Mapping of table name to table. ``nvme`` is a list of tables
+                (a single table is accepted too). Sizes may be ints or strings.
+            source: Where ``d`` came from, named in error messages.
+
+        Raises:
+            ConfigError: Unknown table or key, wrong type or value out of range.
+        """
+        if not isinstance(d, Mapping):
+            _fail(source, "<config>", d, "a mapping of tables", show_type=True)
+        for name, value in d.items():
+            if isinstance(name, str) and name in _TABLE_FIELDS:
+                continue
+            hint = ""
+            if isinstance(name, str):
+                hint = _suggest(name, _TABLES) or _suggest_qualified(name)
+            is_table = isinstance(value, Mapping) or (
+                isinstance(value, list) and value and isinstance(value[0], Mapping)
+            )
+            what = (
+                f"unknown table [{name}]"
+                if is_table
+                else f"unknown top-level key {name!r}"
+            )
+            raise ConfigError(
+                f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}"
+            )
+        nvme_data = d.get("nvme", [])
+        if isinstance(nvme_data, (Mapping, NvmeConfig)):
+            nvme_data = [nvme_data]
+        if not isinstance(nvme_data, (list, tuple)):
+            _fail(
+                source,
+                "nvme",
+                nvme_data,
+                "an array of tables ([[nvme]])",
+                show_type=True,
+            )
+        host = _build_table(HostConfig, d.get("host", {}), source, "host")
+        nvme = tuple(
+            _build_table(NvmeConfig, entry, source, f"nvme[{i}]")
+            for i, entry in enumerate(nvme_data)
+        )
+        io = _build_table(IoConfig, d.get("io", {}), source, "io")
+        policy = _build_table(PolicyConfig, d.get("policy", {}), source, "policy")
+        with _located(source, None):
+            return cls(host=host, nvme=nvme, io=io, policy=policy, source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the configuration as plain dicts (sizes as strings).
+
+        The result round-trips through :meth:`from_dict`. Unset optional keys
+        are None.
+        """
+        return {
+            "host": _table_dict(self.host, human=True),
+            "nvme": [_table_dict(n, human=True) for n in self.nvme],
+            "io": _table_dict(self.io, human=True),
+            "policy": _table_dict(self.policy, human=True),
+        }
+
+    def to_toml(self) -> str:
+        """Return the effective configuration as TOML text (loadable again)."""
+        source = self.source.replace("\n", " ").replace("\r", " ")
+        lines = [f"# ssdtier effective configuration (source: {source})", ""]
+        data = self.to_dict()
+        lines += _toml_table("[host]", data["host"])
+        if data["nvme"]:
+            for entry in data["nvme"]:
+                lines += _toml_table("[[nvme]]", entry)
+        else:
+            lines += [
+                "# No [[nvme]] tables: spill files go to the default directory",
+                "# ($SSDTIER_DIR, else $XDG_CACHE_HOME/ssdtier or ~/.cache/ssdtier).",
+                "",
+            ]
+        lines += _toml_table("[io]", data["io"])
+        lines += _toml_table("[policy]", data["policy"])
+        return "\n".join(lines).rstrip("\n") + "\n"
+
+    def replace(
+        self, overrides: Mapping[str, Any] | None = None, /, **kwargs: Any
+    ) -> Config:
+        """Return a copy with some settings changed.
+
+        Keys are ``"table.key"`` or ``"table__key"`` (``policy__prefetch_layers=3``,
+        ``**{"host.capacity": "64MiB"}``), or a table name with a mapping
+        (``host={"capacity": "64MiB"}``) or a table object. ``nvme`` is
+        replaced as a whole (a list of tables). Errors name ``<overrides>``.
+
+        Raises:
+            ConfigError: Unknown key or invalid value.
+        """
+        items = list((overrides or {}).items()) + list(kwargs.items())
+        if not items:
+            return self
+        src = "<overrides>"
+        data: dict[str, Any] = {
+            "host": _table_dict(self.host, human=False),
+            "nvme": [_table_dict(n, human=False) for n in self.nvme],
+            "io": _table_dict(self.io, human=False),
+            "policy": _table_dict(self.policy, human=False),
+        }
+        for key, value in items:
+            if not isinstance(key, str):
+                raise ConfigError(f"{src}: override keys must be strings, got {key!r}")
+            parts = key.split("__") if "__" in key else key.split(".")
+            if len(parts) == 1:
+                if key not in _TABLE_FIELDS:
+                    hint = _suggest(key, _TABLES) or _suggest_qualified(key)
+                    raise ConfigError(
+                        f"{src}: unknown key {key!r}{hint or '.'} Allowed keys: "
+                        f"{', '.join(_OVERRIDE_KEYS)}, or a table: {', '.join(_TABLES)}"
+                    )
+                if key == "nvme":
+                    data["nvme"] = value
+                elif isinstance(value, _TABLE_CLASSES[key]):
+                    data[key] = _table_dict(value, human=False)
+                elif isinstance(value, Mapping):
+                    data[key] = {**data[key], **value}
+                else:
+                    cls_name = _TABLE_CLASSES[key].__name__
+                    _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
+                continue
+            dotted = ".".join(parts)
+            if (
+                parts[0] == "nvme"
+                and len(parts) == 2
+                and parts[1] in _TABLE_FIELDS["nvme"]
+            ):
+                raise ConfigError(
+                    f"{src}: cannot override {dotted!r}: nvme is a list of tables; "
+                    "replace it as a whole, e.g. nvme=[{'path': ..., 'capacity': ...}]"
+                )
+            if len(parts) != 2 or dotted not in _OVERRIDE_KEYS:
+                raise ConfigError(
+                    f"{src}: unknown key {key!r}{_suggest(dotted, _OVERRIDE_KEYS) or '.'} "
+                    f"Allowed keys: {', '.join(_OVERRIDE_KEYS)}"
+                )
+            data[parts[0]][parts[1]] = value
+        cfg = Config.from_dict(data, source=src)
+        with _located(src, None):
+            return Config(
+                host=cfg.host,
+                nvme=cfg.nvme,
+                io=cfg.io,
+                policy=cfg.policy,
+                source=f"{self.source} + {src}",
+            )
+
+
+# ---------------------------------------------------------------------------
+# TOML writing
+# ---------------------------------------------------------------------------
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n"}
+_TOML_ESCAPES.update({"\f": "\\f", "\r": "\\r"})
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        out = []
+        for ch in value:
+            if ch in _TOML_ESCAPES:
+                out.append(_TOML_ESCAPES[ch])
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04X}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_table(header: str, table: Mapping[str, Any]) -> list[str]:
+    lines = [header]
+    for key, value in table.items():
+        if value is None:
+            lines.append(f"# {key} is not set")
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    lines.append("")
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Loading and resolving
+# ---------------------------------------------------------------------------
+
+
+def _toml_module(path: str) -> Any:
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError(
+                f"{path}: loading TOML needs Python 3.11+ or `pip install tomli`"
+            ) from None
+    return tomllib
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Load a TOML config file.
+
+    Args:
+        path: The file to read.
+
+    Returns:
+        The Config, with ``source`` set to the path.
+
+    Raises:
+        ConfigError: The file is missing or unreadable, is not valid TOML, or
+            holds an invalid configuration. Every message names the file.
+    """
+    name = os.fsdecode(os.fspath(path))
+    toml = _toml_module(name)
+    try:
+        with open(name, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        raise ConfigError(f"{name}: config file not found") from e
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read config file: {e.strerror or e}") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: config file is not valid UTF-8: {e}") from e
+    try:
+        data = toml.loads(text)
+    except toml.TOMLDecodeError as e:
+        raise ConfigError(f"{name}: invalid TOML: {e}") from e
+    return Config.from_dict(data, source=name)
+
+
+def resolve_config(config: Any = None, **overrides: Any) -> Config:
+    """Turn what a user passed as ``config`` into a Config.
+
+    Args:
+        config: None (then the file named by ``$SSDTIER_CONFIG`` if set, else
+            the defaults), a path (str or PathLike) to a TOML file, a Mapping
+            in the TOML structure, or a Config (returned as is).
+        **overrides: Applied with :meth:`Config.replace`.
+
+    Raises:
+        ConfigError: The configuration is invalid.
+        TypeError: ``config`` has an unsupported type.
+    """
+    if config is None:
+        env = os.environ.get("SSDTIER_CONFIG")
+        if env:
+            try:
+                cfg = load_config(env)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (path taken from $SSDTIER_CONFIG)") from e
+        else:
+            cfg = Config()
+    elif isinstance(config, Config):
+        cfg = config
+    elif isinstance(config, Mapping):
+        cfg = Config.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = load_config(config)
+    else:
+        raise TypeError(
+            "config must be None, a path (str or os.PathLike) to a TOML file, "
+            f"a mapping or an ssdtier Config, not {type(config).__name__}"
+        )
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def default_nvme_dir() -> str:
+    """Return the default spill directory (no filesystem access).
+
+    ``$SSDTIER_DIR`` if set, else ``$XDG_CACHE_HOME/ssdtier`` (when that is an
+    absolute path), else ``~/.cache/ssdtier``.
+    """
+    explicit = os.environ.get("SSDTIER_DIR")
+    if explicit:
+        return os.path.expanduser(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "ssdtier")
+    return os.path.join(os.path.expanduser("~"), ".cache", "ssdtier")
+
+
+@lru_cache(maxsize=1)
+def _statfs() -> tuple[Any, Any] | None:
+    import ctypes
+
+    class StatFs(ctypes.Structure):
+        # struct statfs of glibc/musl on Linux (LP64 and ILP32): f_type first.
+        _fields_ = [
+            ("f_type", ctypes.c_long),
+            ("f_bsize", ctypes.c_long),
+            ("f_blocks", ctypes.c_ulong),
+            ("f_bfree", ctypes.c_ulong),
+            ("f_bavail", ctypes.c_ulong),
+            ("f_files", ctypes.c_ulong),
+            ("f_ffree", ctypes.c_ulong),
+            ("f_fsid", ctypes.c_int * 2),
+            ("f_namelen", ctypes.c_long),
+            ("f_frsize", ctypes.c_long),
+            ("f_flags", ctypes.c_long),
+            ("f_spare", ctypes.c_long * 4),
+            ("_slack", ctypes.c_char * 64),  # room in case a libc's struct is larger
+        ]
+
+    try:
+        func = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_char_p, ctypes.POINTER(StatFs)]
+    func.restype = ctypes.c_int
+    return func, StatFs
+
+
+def is_tmpfs(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` (or its nearest existing ancestor) is on tmpfs or ramfs.
+
+    Spill files there would use RAM, not disk. Returns False on any failure
+    and on non-Linux systems.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        found = _statfs()
+        if found is None:
+            return False
+        func, struct_type = found
+        p = os.path.abspath(os.path.expanduser(os.fsdecode(os.fspath(path))))
+        while not os.path.exists(p):
+            parent = os.path.dirname(p)
+            if parent == p:
+                return False
+            p = parent
+        buf = struct_type()
+        import ctypes
+
+        if func(os.fsencode(p), ctypes.byref(buf)) != 0:
+            return False
+        return (buf.f_type & 0xFFFFFFFF) in (TMPFS_MAGIC, RAMFS_MAGIC)
+    except (OSError, ValueError, TypeError):
+        return False

@@ -1,0 +1,85 @@
+//! The host tier: one page-aligned anonymous mapping.
+
+use crate::error::{Error, Result};
+use std::ptr::NonNull;
+
+/// A page-aligned anonymous memory region. Python views slots of it as tensors
+/// and, on CUDA, registers the whole region with `cudaHostRegister`.
+pub struct Arena {
+    ptr: Option<NonNull<u8>>,
+    len: usize,
+}
+
+// Safety: the region is plain memory owned by this struct; callers coordinate
+// access to slots through the store's allocator.
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Map `len` bytes (rounded up to the page size). Zero maps nothing.
+    pub fn new(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Ok(Arena { ptr: None, len: 0 });
+        }
+        let page = 4096usize;
+        let len = len.div_ceil(page) * page;
+        // Safety: anonymous private mapping with no fixed address; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::ENOMEM);
+            return Err(Error::Invalid(format!(
+                "cannot map a host arena of {len} bytes: {}",
+                std::io::Error::from_raw_os_error(errno)
+            )));
+        }
+        Ok(Arena { ptr: NonNull::new(p as *mut u8), len })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.map_or(std::ptr::null_mut(), |p| p.as_ptr())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if let Some(p) = self.ptr {
+            // Safety: the mapping was made by `new` with this length and is unmapped once.
+            unsafe { libc::munmap(p.as_ptr() as *mut libc::c_void, self.len) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_aligned_and_writable() {
+        let a = Arena::new(10_000).unwrap();
+        assert_eq!(a.len(), 12_288);
+        assert_eq!(a.as_ptr() as usize % 4096, 0);
+        // Safety: inside the mapping.
+        unsafe {
+            *a.as_ptr().add(a.len() - 1) = 7;
+            assert_eq!(*a.as_ptr().add(a.len() - 1), 7);
+        }
+        assert!(Arena::new(0).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,15 @@
+//! ssdtier-core: the mechanism under ssdtier. A tiered byte store with a host
+//! arena (one page-aligned mapping) and NVMe files written with O_DIRECT
+//! through io_uring (or a POSIX thread pool). It knows bytes, never tensors.
+
+pub mod alloc;
+pub mod arena;
+pub mod device;
+pub mod engine;
+pub mod error;
+pub mod store;
+
+pub use device::ALIGN;
+pub use engine::Ticket;
+pub use error::{Error, Result};
+pub use store::{Backend, DeviceConfig, Eviction, Stats, Store, StoreConfig};

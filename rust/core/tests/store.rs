@@ -1,0 +1,305 @@
+//! The store: host arena, eviction to NVMe, striping, direct streaming,
+//! capacity limits, and parity between the two backends.
+
+mod common;
+use common::*;
+use ssdtier_core::{Backend, DeviceConfig, Error, Eviction, Store, StoreConfig};
+
+fn cfg(dirs: &[&std::path::Path], host: u64, backend: Backend) -> StoreConfig {
+    StoreConfig {
+        host_capacity: host,
+        devices: dirs.iter().map(|p| DeviceConfig { path: p.to_path_buf(), capacity: 1 << 30 }).collect(),
+        backend,
+        queue_depth: 16,
+        block_size: 256 << 10,
+        ..Default::default()
+    }
+}
+
+fn put(s: &Store, data: &[u8]) -> u64 {
+    let (key, slot) = s.reserve(data.len() as u64).unwrap();
+    match slot {
+        Some(off) => {
+            // Safety: the slot holds data.len() bytes and is ours until commit.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.arena_ptr().add(off as usize), data.len()) };
+            s.commit(key).unwrap();
+        }
+        // Safety: data is valid for its length.
+        None => unsafe { s.write_direct(key, data.as_ptr()).unwrap() },
+    }
+    key
+}
+
+fn get(s: &Store, key: u64) -> Vec<u8> {
+    let len = s.len_of(key).unwrap() as usize;
+    let mut out = vec![0u8; len];
+    match s.acquire(key).unwrap() {
+        Some(off) => {
+            // Safety: the pinned slot holds len bytes.
+            unsafe { std::ptr::copy_nonoverlapping(s.arena_ptr().add(off as usize), out.as_mut_ptr(), len) };
+            s.release(key).unwrap();
+        }
+        // Safety: out holds len bytes.
+        None => unsafe { s.read_direct(key, out.as_mut_ptr()).unwrap() },
+    }
+    out
+}
+
+const SIZES: [usize; 9] = [0, 1, 4095, 4096, 4097, 100_000, 256 << 10, (1 << 20) + 3, 3 << 20];
+
+#[test]
+fn round_trip_through_nvme_both_backends() {
+    for backend in [Backend::IoUring, Backend::Posix] {
+        let d = real_dir();
+        // A 2 MiB arena: the larger entries stream past it, the rest are evicted.
+        let s = Store::new(cfg(&[d.path()], 2 << 20, backend)).unwrap();
+        assert_eq!(s.backend(), if backend == Backend::Posix { "posix" } else { "io_uring" });
+        let keys: Vec<(u64, usize, u64)> = (0..60)
+            .map(|i| {
+                let len = SIZES[i % SIZES.len()];
+                let seed = i as u64 * 31 + 1;
+                (put(&s, &pattern(len, seed)), len, seed)
+            })
+            .collect();
+        s.flush().unwrap();
+        let st = s.stats();
+        assert!(st.nvme_bytes_written > 0);
+        assert!(st.host_used <= 2 << 20);
+        for &(k, len, seed) in &keys {
+            assert!(get(&s, k) == pattern(len, seed), "{backend:?} len {len}");
+        }
+        // Read them all twice, in reverse: each read brings entries back, evicting others.
+        for &(k, len, seed) in keys.iter().rev() {
+            assert!(get(&s, k) == pattern(len, seed), "{backend:?} len {len}");
+        }
+        assert!(s.stats().nvme_bytes_read > 0);
+        for &(k, _, _) in &keys {
+            s.free(k).unwrap();
+        }
+        let st = s.stats();
+        assert_eq!((st.host_used, st.nvme_used, st.entries), (0, 0, 0));
+    }
+}
+
+#[test]
+fn evict_prefetch_and_locations() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 8 << 20, Backend::Auto)).unwrap();
+    let data = pattern(300_000, 9);
+    let k = put(&s, &data);
+    assert_eq!(s.location(k).unwrap(), (true, false));
+    s.evict(k).unwrap();
+    assert_eq!(s.location(k).unwrap(), (false, true));
+    assert_eq!(s.stats().host_used, 0);
+    let t = s.prefetch(k).unwrap();
+    t.wait().unwrap();
+    assert_eq!(s.location(k).unwrap(), (true, true));
+    let before = s.stats().nvme_bytes_read;
+    assert!(get(&s, k) == data);
+    assert_eq!(s.stats().nvme_bytes_read, before, "a prefetched entry is served from the host");
+    // Evicting a clean entry is free: no second write.
+    let w = s.stats().nvme_bytes_written;
+    s.evict(k).unwrap();
+    assert_eq!(s.stats().nvme_bytes_written, w);
+    assert!(get(&s, k) == data);
+    assert!(matches!(s.evict(999), Err(Error::UnknownKey(999))));
+}
+
+#[test]
+fn zero_host_capacity_streams_everything() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 0, Backend::Auto)).unwrap();
+    assert_eq!(s.arena_len(), 0);
+    for (i, &len) in SIZES.iter().enumerate() {
+        let data = pattern(len, i as u64);
+        let k = put(&s, &data);
+        assert!(get(&s, k) == data, "len {len}");
+        s.free(k).unwrap();
+    }
+    assert_eq!(s.stats().nvme_used, 0);
+}
+
+#[test]
+fn striping_spreads_bytes_over_directories() {
+    let a = real_dir();
+    let b = real_dir();
+    let s = Store::new(cfg(&[a.path(), b.path()], 0, Backend::Auto)).unwrap();
+    let data = pattern(4 << 20, 5);
+    let k = put(&s, &data);
+    let st = s.stats();
+    // 16 units of 256 KiB, alternating over the two directories.
+    assert_eq!(st.device_bytes_written, vec![2 << 20, 2 << 20]);
+    assert!(get(&s, k) == data);
+    assert_eq!(s.stats().device_bytes_read, vec![2 << 20, 2 << 20]);
+}
+
+#[test]
+fn a_full_directory_hands_over_then_out_of_space() {
+    let a = real_dir();
+    let b = real_dir();
+    let mut c = cfg(&[a.path(), b.path()], 0, Backend::Auto);
+    c.devices[0].capacity = 1 << 20;
+    c.devices[1].capacity = 4 << 20;
+    let s = Store::new(c).unwrap();
+    let mut keys = Vec::new();
+    // 5 MiB in all fit: the first device fills and the second takes over.
+    for i in 0..5 {
+        keys.push((put(&s, &pattern(1 << 20, i)), i));
+    }
+    let st = s.stats();
+    assert_eq!(st.nvme_used, 5 << 20);
+    assert_eq!(st.device_used, vec![1 << 20, 4 << 20]);
+    let (k, _) = s.reserve(4096).unwrap();
+    // Safety: a valid 4096-byte buffer.
+    let err = unsafe { s.write_direct(k, pattern(4096, 0).as_ptr()) }.unwrap_err();
+    assert!(matches!(err, Error::OutOfSpace { .. }), "{err}");
+    assert_eq!(err.errno(), Some(libc::ENOSPC));
+    for (k, i) in keys {
+        assert!(get(&s, k) == pattern(1 << 20, i));
+    }
+}
+
+#[test]
+fn arena_full_and_nvme_full_is_out_of_space_and_nothing_is_lost() {
+    let d = real_dir();
+    let mut c = cfg(&[d.path()], 1 << 20, Backend::Auto);
+    c.devices[0].capacity = 1 << 20;
+    let s = Store::new(c).unwrap();
+    let mut keys = Vec::new();
+    let mut err = None;
+    for i in 0..12 {
+        let data = pattern(256 << 10, i);
+        match s.reserve(data.len() as u64).unwrap() {
+            (k, Some(off)) => {
+                // Safety: slot of the right size.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.arena_ptr().add(off as usize), data.len()) };
+                s.commit(k).unwrap();
+                keys.push((k, i));
+            }
+            // No slot can be made: streaming past the arena is what fails.
+            // Safety: data is valid for its length.
+            (k, None) => {
+                err = Some(unsafe { s.write_direct(k, data.as_ptr()) }.unwrap_err());
+                s.free(k).unwrap();
+                break;
+            }
+        }
+    }
+    let err = err.expect("2 MiB of data cannot fit 1 MiB of arena plus 1 MiB of NVMe");
+    assert!(matches!(err, Error::OutOfSpace { .. }), "{err}");
+    assert!(err.to_string().contains("host arena is full"), "{err}");
+    // 1 MiB of arena plus 1 MiB of NVMe hold exactly eight.
+    assert_eq!(keys.len(), 8);
+    for (k, i) in keys {
+        assert!(get(&s, k) == pattern(256 << 10, i));
+    }
+}
+
+#[test]
+fn put_get_free_cycles_do_not_grow() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let mut live = std::collections::VecDeque::new();
+    let mut sizes = Vec::new();
+    for i in 0..1500u64 {
+        let len = ((i * 7919) % 200_000) as usize + 1;
+        live.push_back((put(&s, &pattern(len, i)), len, i));
+        if live.len() > 12 {
+            let (k, len, seed) = live.pop_front().unwrap();
+            assert!(get(&s, k) == pattern(len, seed));
+            s.free(k).unwrap();
+        }
+        if i % 250 == 249 {
+            sizes.push(s.stats().device_file_size[0]);
+        }
+    }
+    // At most 13 entries of < 200 KiB are live at once: the file never grows past that.
+    assert!(sizes.iter().all(|&s| s <= 13 * (200 << 10)), "{sizes:?}");
+    for (k, _, _) in live {
+        s.free(k).unwrap();
+    }
+    let st = s.stats();
+    assert_eq!((st.nvme_used, st.host_used, st.entries), (0, 0, 0));
+}
+
+#[test]
+fn eviction_policies_pick_their_victims() {
+    // Arena of 4 pages; the store keeps a quarter (1 page) free or leaving, so
+    // each step below evicts exactly one victim, chosen by the policy.
+    // Steps: put A B C D · get B · put E · get A · get B. Expected resident sets after each step.
+    let expect: [(Eviction, [&str; 3]); 3] = [
+        // Lifetime goes by put order alone: B first although it was just read.
+        (Eviction::Lifetime, ["CDE", "ADE", "BDE"]),
+        // FIFO goes by entry into the host tier: A, read back, counts as new.
+        (Eviction::Fifo, ["CDE", "ADE", "ABE"]),
+        // LRU goes by last access: the read of B keeps it.
+        (Eviction::Lru, ["BDE", "ABE", "ABE"]),
+    ];
+    for (policy, want) in expect {
+        let d = real_dir();
+        let mut c = cfg(&[d.path()], 4 * 4096, Backend::Auto);
+        c.eviction = policy;
+        let s = Store::new(c).unwrap();
+        let k: Vec<u64> = (0..4).map(|i| put(&s, &pattern(4096, i))).collect();
+        s.flush().unwrap();
+        get(&s, k[1]);
+        let mut keys = k.clone();
+        keys.push(put(&s, &pattern(4096, 4)));
+        let resident = |s: &Store| -> String {
+            s.flush().unwrap();
+            let mut r: Vec<char> = (0..5).filter(|&i| s.location(keys[i]).unwrap().0).map(|i| (b'A' + i as u8) as char).collect();
+            r.sort();
+            r.into_iter().collect()
+        };
+        let mut got = vec![resident(&s)];
+        assert_eq!(get(&s, keys[0]), pattern(4096, 0));
+        got.push(resident(&s));
+        assert_eq!(get(&s, keys[1]), pattern(4096, 1));
+        got.push(resident(&s));
+        let want: Vec<String> = want.iter().map(|w| { let mut c: Vec<char> = w.chars().collect(); c.sort(); c.into_iter().collect() }).collect();
+        assert_eq!(got, want, "{policy:?}");
+    }
+}
+
+#[test]
+fn io_uring_can_be_disabled_and_auto_falls_back() {
+    // A separate process: the variable is read when the store starts.
+    if std::env::var_os("SSDTIER_DISABLE_IO_URING").is_none() {
+        let exe = std::env::current_exe().unwrap();
+        let out = std::process::Command::new(exe)
+            .args(["io_uring_can_be_disabled_and_auto_falls_back", "--exact", "--nocapture"])
+            .env("SSDTIER_DISABLE_IO_URING", "1")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
+        return;
+    }
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    assert_eq!(s.backend(), "posix");
+    let notes = s.take_notices();
+    assert!(notes.iter().any(|n| n.contains("io_uring is not available")), "{notes:?}");
+    let err = Store::new(cfg(&[d.path()], 1 << 20, Backend::IoUring)).err().unwrap();
+    assert!(err.to_string().contains("io_uring cannot be set up"), "{err}");
+}
+
+#[test]
+fn closed_store_refuses_use() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let k = put(&s, &pattern(5000, 1));
+    s.close().unwrap();
+    assert!(matches!(s.acquire(k), Err(Error::Closed)));
+    assert!(matches!(s.reserve(1), Err(Error::Closed)));
+}
+
+#[test]
+fn bad_config_is_refused() {
+    let d = real_dir();
+    let mut c = cfg(&[d.path()], 1 << 20, Backend::Auto);
+    c.block_size = 3000;
+    assert!(Store::new(c).err().unwrap().to_string().contains("block_size"));
+    let c = cfg(&[], 1 << 20, Backend::Auto);
+    assert!(Store::new(c).err().unwrap().to_string().contains("NVMe directory"));
+}
