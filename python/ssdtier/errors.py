@@ -18,6 +18,8 @@ __all__ = [
     "SsdtierFileNotFoundError",
     "SsdtierPermissionError",
     "OutOfSpaceError",
+    "UnknownKeyError",
+    "SsdtierWarning",
 ]
 
 
@@ -31,6 +33,17 @@ class ConfigError(SsdtierError, ValueError):
 
 class StoreClosedError(SsdtierError, RuntimeError):
     """The store was used after ``close()``."""
+
+
+class UnknownKeyError(SsdtierError, KeyError):
+    """A store key that was freed already, or never put."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SsdtierWarning(UserWarning):
+    """A fallback was taken (no O_DIRECT, no O_TMPFILE, no io_uring...): it works, maybe slower."""
 
 
 class SsdtierOSError(SsdtierError, OSError):
@@ -65,3 +78,16 @@ def os_error(code: int, message: str, filename: str | None = None) -> SsdtierOSE
     if filename is None:
         return cls(code, message)
     return cls(code, message, filename)
+
+
+def from_native(kind: str, message: str, errno: int | None, filename: str | None) -> Exception:
+    """Map an error of the Rust core to its exception (called by ``_native``)."""
+    if kind == "os" and errno is not None:
+        return os_error(errno, message, filename)
+    if kind == "key":
+        return UnknownKeyError(message)
+    if kind == "closed":
+        return StoreClosedError(message)
+    if kind == "invalid":
+        return ConfigError(message)
+    return SsdtierError(message)

@@ -1,0 +1,51 @@
+"""ssdtier: offload PyTorch training activations to pinned host memory and NVMe SSDs.
+
+Importing ssdtier is cheap: it does not import torch, open a file, start an
+I/O ring or initialise CUDA. Those happen when a store is created.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .config import Config, load_config
+from .errors import (
+    ConfigError,
+    OutOfSpaceError,
+    SsdtierError,
+    SsdtierOSError,
+    SsdtierWarning,
+    StoreClosedError,
+    UnknownKeyError,
+)
+
+if TYPE_CHECKING:
+    from .store import StoreStats, TieredStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "OutOfSpaceError",
+    "SsdtierError",
+    "SsdtierOSError",
+    "SsdtierWarning",
+    "StoreClosedError",
+    "StoreStats",
+    "TieredStore",
+    "UnknownKeyError",
+    "load_config",
+]
+
+_LAZY = {"TieredStore": "store", "StoreStats": "store"}
+
+
+def __getattr__(name: str) -> Any:
+    # torch and the native module load on first use, not at import.
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'ssdtier' has no attribute {name!r}")

@@ -1,0 +1,310 @@
+"""`TieredStore`: tensors in, tensors out, through the host arena and NVMe files."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from . import _native
+from .config import Config, GiB, default_nvme_dir, format_size, is_tmpfs, resolve_config
+from .errors import ConfigError, StoreClosedError, SsdtierWarning, UnknownKeyError
+
+__all__ = ["StoreStats", "TieredStore"]
+
+log = logging.getLogger("ssdtier")
+
+# Notices that mean "this works, but not the fast way": warned about, not just logged.
+_WARN_MARKERS = ("O_DIRECT", "O_TMPFILE", "io_uring is not available", "cannot register")
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Traffic per tier and direction, space used, and time spent waiting on I/O.
+
+    Byte counts of NVMe traffic include the padding of each entry to 4 KiB.
+    """
+
+    host_bytes_in: int
+    host_bytes_out: int
+    host_puts: int
+    host_gets: int
+    nvme_bytes_written: int
+    nvme_bytes_read: int
+    nvme_write_ops: int
+    nvme_read_ops: int
+    direct_puts: int
+    direct_gets: int
+    evictions: int
+    prefetches: int
+    prefetch_skipped: int
+    host_hits: int
+    nvme_hits: int
+    wait_seconds: float
+    host_used: int
+    host_capacity: int
+    host_peak: int
+    nvme_used: int
+    nvme_capacity: int
+    nvme_peak: int
+    entries: int
+    device_used: list[int]
+    device_bytes_written: list[int]
+    device_bytes_read: list[int]
+    device_file_size: list[int]
+
+    @classmethod
+    def _from_native(cls, d: dict[str, Any]) -> StoreStats:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+def _devices(cfg: Config) -> list[tuple[str, int]]:
+    """(directory, capacity) per NVMe device; the default directory when none is configured."""
+    if cfg.nvme:
+        devs = [(os.path.abspath(n.path), n.capacity) for n in cfg.nvme]
+        where = "its [[nvme]] path"
+    else:
+        path = os.path.abspath(default_nvme_dir())
+        # Never promise more than the file system has: 90% of what is free now, at most 64 GiB.
+        probe = path
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe).free
+        devs = [(path, max(min(64 * GiB, free * 9 // 10), 1 << 20))]
+        where = "SSDTIER_DIR"
+    if cfg.io.direct:
+        for path, _ in devs:
+            if is_tmpfs(path):
+                raise ConfigError(
+                    f"{cfg.source}: {path} is on tmpfs, which does not support O_DIRECT; "
+                    f"point {where} at a directory on an SSD, or set io.direct = false"
+                )
+    return devs
+
+
+class TieredStore:
+    """A store of tensors over a pinned-host-memory tier and NVMe files.
+
+    ``put`` copies a tensor into the host arena and returns at once; under arena
+    pressure (or on ``evict``) the bytes go to NVMe, written with O_DIRECT
+    through io_uring. ``get`` returns an equal tensor (same dtype, shape and
+    device, contiguous), reading it back if needed.
+
+    Args:
+        config: a path to a TOML file, a dict, a :class:`~ssdtier.Config`, or
+            None (``SSDTIER_CONFIG`` if set, else defaults: a 1 GiB arena and the
+            directory from ``SSDTIER_DIR`` or ``~/.cache/ssdtier``).
+        **overrides: config keys to override, e.g. ``host__capacity="64MiB"``.
+
+    Raises:
+        ConfigError: bad configuration (names the key and the source).
+        OSError: a directory cannot be created or opened (``PermissionError``...).
+
+    Example:
+        >>> with ssdtier.TieredStore({"host": {"capacity": "64MiB"}}) as store:
+        ...     key = store.put(torch.randn(1024, 1024))
+        ...     store.evict(key)          # force it to NVMe
+        ...     x = store.get(key)
+    """
+
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        self.config = resolve_config(config, **overrides)
+        cfg = self.config
+        self._devices = _devices(cfg)
+        self._native = _native.Store(
+            self._devices,
+            cfg.host.capacity,
+            backend=cfg.io.backend,
+            queue_depth=cfg.io.queue_depth,
+            block_size=cfg.io.block_size,
+            direct=cfg.io.direct,
+            fixed_buffers=cfg.io.fixed_buffers,
+            threads=cfg.io.threads,
+            eviction=cfg.policy.eviction,
+            throttle_bytes_per_sec=getattr(cfg.io, "throttle_bytes_per_sec", 0) or 0,
+        )
+        for notice in self._native.take_notices():
+            if any(m in notice for m in _WARN_MARKERS):
+                warnings.warn(f"ssdtier: {notice}", SsdtierWarning, stacklevel=2)
+            else:
+                log.info("ssdtier: %s", notice)
+        log.info(
+            "ssdtier: %s backend, host arena %s, NVMe %s",
+            self._native.backend,
+            format_size(cfg.host.capacity),
+            ", ".join(f"{p} ({format_size(c)})" for p, c in self._devices),
+        )
+        n = self._native.arena_nbytes
+        self._arena: torch.Tensor | None = None
+        if n:
+            buf = (ctypes.c_uint8 * n).from_address(self._native.arena_address)
+            self._arena = torch.frombuffer(buf, dtype=torch.uint8)
+        self._meta: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        self._closed = False
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def backend(self) -> str:
+        """``"io_uring"`` or ``"posix"``: the engine in use."""
+        return self._native.backend
+
+    @property
+    def direct(self) -> bool:
+        """True when every NVMe file uses O_DIRECT."""
+        return all(self._native.direct)
+
+    @property
+    def fixed_buffers(self) -> bool:
+        """True when the arena is registered with io_uring as fixed buffers."""
+        return self._native.fixed_buffers
+
+    @property
+    def arena(self) -> torch.Tensor | None:
+        """The whole host arena as a uint8 tensor (for cudaHostRegister); None without one."""
+        return self._arena
+
+    # ---------------------------------------------------------------- API
+
+    def put(self, tensor: torch.Tensor) -> int:
+        """Store a copy of ``tensor`` and return its key.
+
+        Any dtype, shape and strides; the tensor may be on any device and is not
+        kept. Returns once the bytes are in the host arena (or, for a tensor
+        bigger than the arena, on NVMe).
+
+        Raises:
+            TypeError: not a plain strided tensor.
+            OutOfSpaceError: the host arena and every NVMe device are full.
+        """
+        self._check_open()
+        t = _plain(tensor)
+        nbytes = t.numel() * t.element_size()
+        key, off = self._native.reserve(nbytes)
+        try:
+            if off is not None:
+                self._slot(off, nbytes, t.dtype, t.shape).copy_(t)
+                self._native.commit(key)
+            elif nbytes:
+                src = t.detach().to("cpu").contiguous()
+                self._native.write_direct(key, src.data_ptr())
+        except BaseException:
+            self._native.free(key)
+            raise
+        self._meta[key] = (t.shape, t.dtype, t.device)
+        return key
+
+    def get(self, key: int) -> torch.Tensor:
+        """A new contiguous tensor equal to the one put under ``key`` (same dtype, shape, device)."""
+        self._check_open()
+        shape, dtype, device = self._entry(key)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        nbytes = out.numel() * out.element_size()
+        off = self._native.acquire(key)
+        if off is not None:
+            try:
+                out.copy_(self._slot(off, nbytes, dtype, shape))
+            finally:
+                self._native.release(key)
+        elif nbytes:
+            host = out if out.device.type == "cpu" else torch.empty(shape, dtype=dtype)
+            self._native.read_direct(key, host.data_ptr())
+            if host is not out:
+                out.copy_(host)
+        return out
+
+    def prefetch(self, key: int) -> _native.Ticket:
+        """Start reading ``key`` back into the host arena; returns a ticket (``done()``, ``wait()``).
+
+        Best effort: when the arena has no room that can be made without waiting, nothing is read.
+        """
+        self._check_open()
+        self._entry(key)
+        return self._native.prefetch(key)
+
+    def evict(self, key: int) -> None:
+        """Write ``key``'s bytes to NVMe (if not there yet) and release its arena slot. Blocks."""
+        self._check_open()
+        self._entry(key)
+        self._native.evict(key)
+
+    def free(self, key: int) -> None:
+        """Forget ``key`` and give its space back."""
+        self._check_open()
+        self._entry(key)
+        self._native.free(key)
+        del self._meta[key]
+
+    def flush(self) -> None:
+        """Wait for every pending write; raises the first error of a write nobody waited on."""
+        self._check_open()
+        self._native.flush()
+
+    def location(self, key: int) -> tuple[bool, bool]:
+        """(in the host arena, on NVMe) for ``key``."""
+        self._check_open()
+        self._entry(key)
+        return self._native.location(key)
+
+    def stats(self) -> StoreStats:
+        """Counters of traffic and space; see :class:`StoreStats`."""
+        return StoreStats._from_native(self._native.stats())
+
+    def close(self) -> None:
+        """Wait for transfers in flight and release the arena and files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._arena = None
+        self._meta.clear()
+        self._native.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._meta
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._meta)} entries"
+        return f"<TieredStore {self.backend} host={format_size(self.config.host.capacity)} {state}>"
+
+    # ---------------------------------------------------------------- helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    def _entry(self, key: int) -> tuple[torch.Size, torch.dtype, torch.device]:
+        try:
+            return self._meta[key]
+        except KeyError:
+            raise UnknownKeyError(f"unknown key {key!r} (freed already, or never put)") from None
+
+    def _slot(self, off: int, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        assert self._arena is not None
+        return self._arena[off : off + nbytes].view(dtype).view(shape)
+
+
+def _plain(tensor: Any) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise TypeError(f"only strided tensors can be stored, got layout {tensor.layout}")
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        raise TypeError(f"tensor subclasses cannot be stored, got {type(tensor).__name__}")
+    if tensor.device.type == "meta":
+        raise TypeError("meta tensors have no data to store")
+    return tensor.detach()
