@@ -8,7 +8,7 @@ use crate::engine::{Dir, IoQueue, IoReq, PosixQueue, Throttle, Ticket, UringQueu
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 /// io_uring limits one registered buffer to 1 GiB, so the arena is registered
@@ -225,8 +225,9 @@ struct Inner {
 
 pub struct Store {
     inner: Mutex<Inner>,
-    // Field order matters on drop: the queues (and their threads) go before the arena and staging.
-    devices: Vec<Device>,
+    // Emptied by close(). Field order matters on drop: the queues (and their
+    // threads) go before the arena and staging.
+    devices: RwLock<Vec<Device>>,
     staging: Mutex<Arena>,
     arena: Arena,
     cfg: StoreConfig,
@@ -328,7 +329,7 @@ impl Store {
                 deferred: None,
                 closed: false,
             }),
-            devices,
+            devices: RwLock::new(devices),
             staging: Mutex::new(staging),
             arena,
             cfg,
@@ -349,10 +350,11 @@ impl Store {
         self.backend_name
     }
     pub fn fixed_buffers(&self) -> bool {
-        self.devices.iter().all(|d| d.queue.fixed_buffers())
+        let devs = self.devices.read().unwrap();
+        !devs.is_empty() && devs.iter().all(|d| d.queue.fixed_buffers())
     }
     pub fn direct(&self) -> Vec<bool> {
-        self.devices.iter().map(|d| d.file.direct).collect()
+        self.devices.read().unwrap().iter().map(|d| d.file.direct).collect()
     }
     pub fn config(&self) -> &StoreConfig {
         &self.cfg
@@ -372,7 +374,9 @@ impl Store {
         s.nvme_peak = g.devs.iter().map(|d| d.peak_used()).sum();
         s.entries = g.entries.len() as u64;
         s.device_used = g.devs.iter().map(|d| d.used()).collect();
-        s.device_file_size = self.devices.iter().map(|d| d.file.size()).collect();
+        let devs = self.devices.read().unwrap();
+        // After close the files are gone: their size is 0.
+        s.device_file_size = (0..g.devs.len()).map(|i| devs.get(i).map_or(0, |d| d.file.size())).collect();
         s
     }
 
@@ -516,7 +520,7 @@ impl Store {
                     std::ptr::copy_nonoverlapping(buf.add(base as usize), staging.as_ptr(), n as usize);
                 }
             }
-            let mut per_dev: Vec<Vec<IoReq>> = (0..self.devices.len()).map(|_| Vec::new()).collect();
+            let mut per_dev: Vec<Vec<IoReq>> = (0..self.cfg.devices.len()).map(|_| Vec::new()).collect();
             for p in chunk.iter() {
                 per_dev[p.dev].push(IoReq {
                     dir,
@@ -802,6 +806,11 @@ impl Store {
         }
         g.closed = true;
         g.entries.clear();
+        drop(g);
+        // No stream through staging is running once we hold its lock; then the
+        // queues (joining their threads) and the files go.
+        let _staging = self.staging.lock().unwrap();
+        self.devices.write().unwrap().clear();
         match r {
             Err(Error::Closed) => Ok(()),
             r => r,
@@ -1054,21 +1063,28 @@ impl Store {
                 .collect();
             return Ok(Placement { pieces, ranges });
         }
-        let avail: u64 = (0..g.devs.len()).filter(|&d| !g.dev_full[d]).map(|d| g.devs[d].available()).sum();
+        let states: Vec<String> = (0..g.devs.len())
+            .map(|d| {
+                let path = self.cfg.devices[d].path.display();
+                if g.dev_full[d] {
+                    format!("{path}: its file system is full")
+                } else {
+                    let (free, big) = (g.devs[d].available(), g.devs[d].largest_free());
+                    format!("{path}: {free} of {} bytes free, largest free range {big}", g.devs[d].capacity())
+                }
+            })
+            .collect();
         Err(Error::OutOfSpace {
             needed: len,
-            detail: format!(
-                "the host arena is full and the NVMe tier has {avail} bytes free in {} of {} directories{}",
-                g.dev_full.iter().filter(|f| !**f).count(),
-                g.devs.len(),
-                if avail >= len { " (fragmented)" } else { "" }
-            ),
+            detail: format!("the host arena is full and no NVMe directory has room ({})", states.join("; ")),
         })
     }
 
     fn release_placement(g: &mut Inner, pl: &Placement) {
         for &(d, off, l) in &pl.ranges {
             g.devs[d].free(off, l);
+            // Room on a device whose file system was full: worth trying again.
+            g.dev_full[d] = false;
         }
     }
 
@@ -1104,7 +1120,7 @@ impl Store {
             }
         }
         let ticket = Ticket::new(reqs.len());
-        let mut per_dev: Vec<Vec<IoReq>> = (0..self.devices.len()).map(|_| Vec::new()).collect();
+        let mut per_dev: Vec<Vec<IoReq>> = (0..self.cfg.devices.len()).map(|_| Vec::new()).collect();
         for c in reqs {
             let a = arena_off + c.entry_off;
             per_dev[c.dev].push(IoReq {
@@ -1123,13 +1139,18 @@ impl Store {
 
     /// Hand requests to the device queues, counting them in `g`'s stats.
     fn submit(&self, g: &mut Inner, per_dev: Vec<Vec<IoReq>>, dir: Dir) {
+        let devices = self.devices.read().unwrap();
         for (d, reqs) in per_dev.into_iter().enumerate() {
             if reqs.is_empty() {
                 continue;
             }
             let bytes: u64 = reqs.iter().map(|r| r.len as u64).sum();
             Self::count(g, d, dir, bytes, reqs.len() as u64);
-            self.devices[d].queue.submit(reqs);
+            match devices.get(d) {
+                Some(dev) => dev.queue.submit(reqs),
+                // Closed under a racing caller: fail the requests rather than lose them.
+                None => reqs.iter().for_each(|r| r.ticket.complete(Err(Error::Closed))),
+            }
         }
     }
 

@@ -1,0 +1,313 @@
+"""TieredStore: exact round trips through the host arena and NVMe, both I/O
+engines, every dtype, sizes from 0 to 64 MiB, and the error paths."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import ssdtier
+from ssdtier import ConfigError, OutOfSpaceError, StoreClosedError, TieredStore, UnknownKeyError
+
+from .conftest import REPO, store_config
+
+BACKENDS = ["io_uring", "posix"]
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+# Bytes, including 0, sizes that are not multiples of 4096, and 64 MiB.
+SIZES = [0, 1, 7, 4095, 4096, 4097, 100_003, (1 << 20) + 5, 3 << 20, 64 << 20]
+
+
+def random_tensor(nbytes: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bits viewed as `dtype` (bool gets 0/1), about `nbytes` long."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    n = nbytes // esize
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8).view(torch.bool)
+    raw = torch.randint(0, 256, (n * esize,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (random bits include NaNs, for which torch.equal is False)."""
+    if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_dtype_and_size_round_trips(store_dir, backend):
+    gen = torch.Generator().manual_seed(0)
+    # A 16 MiB arena: small entries stay and are evicted under pressure, 64 MiB ones stream past it.
+    with TieredStore(store_config(store_dir, host="16MiB", backend=backend)) as store:
+        assert store.backend == backend
+        assert store.direct
+        cases = []
+        for i, dtype in enumerate(DTYPES):
+            for nbytes in SIZES[:-1] if i % 4 else SIZES:
+                t = random_tensor(nbytes, dtype, gen)
+                cases.append((store.put(t), t))
+        store.flush()
+        for key, t in cases:
+            out = store.get(key)
+            assert same(out, t), (t.dtype, t.numel())
+            assert out.is_contiguous()
+        st = store.stats()
+        assert st.nvme_bytes_written > 64 << 20
+        assert st.nvme_bytes_read > 0
+        assert st.direct_puts >= 1 and st.direct_gets >= 1
+        # Evict each and read it back again: every entry through NVMe.
+        for key, t in cases:
+            store.evict(key)
+            assert store.location(key)[0] is False
+            assert same(store.get(key), t)
+        for key, _ in cases:
+            store.free(key)
+        st = store.stats()
+        assert (st.entries, st.host_used, st.nvme_used) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(store_dir, backend):
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    views = [
+        base.transpose(0, 2),
+        base[:, ::2, 1::3],
+        base[1],
+        base[..., 0],
+        base[0, 0, 0],  # 0-d
+        torch.tensor(3.5).expand(5, 7),  # stride 0
+        base.permute(2, 0, 1).flip(0),
+        torch.empty(0, 3)[:, 1:],
+    ]
+    with TieredStore(store_config(store_dir, host="1MiB", backend=backend)) as store:
+        keys = [store.put(v) for v in views]
+        for k in keys:
+            store.evict(k)
+        for k, v in zip(keys, views, strict=True):
+            out = store.get(k)
+            assert torch.equal(out, v) and out.shape == v.shape and out.dtype == v.dtype
+            assert out.is_contiguous()
+
+
+def test_ten_thousand_small_tensors(store_dir):
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(int(n), generator=gen) for n in torch.randint(1, 300, (10_000,), generator=gen)]
+    # 8 MiB of arena for 10,000 slots of 4 KiB: about a fifth stay, the rest go to NVMe.
+    with TieredStore(store_config(store_dir, host="8MiB")) as store:
+        keys = [store.put(t) for t in tensors]
+        assert len(store) == 10_000
+        for k, t in zip(keys, tensors, strict=True):
+            assert torch.equal(store.get(k), t)
+        st = store.stats()
+        assert st.entries == 10_000 and st.nvme_bytes_written > 0
+        for k in keys:
+            store.free(k)
+        assert store.stats().entries == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_put_get_free_cycles_do_not_grow(store_dir, backend):
+    t = torch.arange(256 * 1024, dtype=torch.int32)  # 1 MiB
+    with TieredStore(store_config(store_dir, host="4MiB", backend=backend)) as store:
+        live = []
+        seen = []
+        for i in range(3000):
+            live.append(store.put(t + i))
+            if len(live) > 6:
+                k = live.pop(0)
+                assert store.get(k)[0].item() == i - 6
+                store.free(k)
+            if i % 500 == 499:
+                st = store.stats()
+                seen.append((st.host_used, st.nvme_used, st.device_file_size[0]))
+        # At most 7 live entries of 1 MiB: which of them sit in the arena depends on
+        # when writes complete, but no checkpoint may exceed the live set.
+        assert all(h <= 4 << 20 and n <= 7 << 20 and f <= 7 << 20 for h, n, f in seen), seen
+        for k in live:
+            store.free(k)
+        st = store.stats()
+        assert (st.host_used, st.nvme_used, st.entries) == (0, 0, 0)
+
+
+def test_prefetch_and_locations(store_dir):
+    t = torch.randn(1000, 100)
+    with TieredStore(store_config(store_dir)) as store:
+        k = store.put(t)
+        assert store.location(k) == (True, False)
+        store.evict(k)
+        assert store.location(k) == (False, True)
+        ticket = store.prefetch(k)
+        ticket.wait()
+        assert ticket.done()
+        assert store.location(k) == (True, True)
+        read = store.stats().nvme_bytes_read
+        assert torch.equal(store.get(k), t)
+        assert store.stats().nvme_bytes_read == read
+        assert store.stats().nvme_hits == 0 and store.stats().host_hits == 1
+
+
+def test_fixed_buffers_off_and_on_agree(store_dir):
+    t = torch.randn(300_000)
+    for fixed in (True, False):
+        with TieredStore(store_config(store_dir, host="2MiB", fixed_buffers=fixed)) as store:
+            # 2 MiB is under the default RLIMIT_MEMLOCK (8 MiB), so registration succeeds when asked.
+            assert store.fixed_buffers is fixed
+            k = store.put(t)
+            store.evict(k)
+            assert torch.equal(store.get(k), t)
+
+
+def test_stats_count_traffic(store_dir):
+    t = torch.zeros(1 << 20, dtype=torch.uint8)
+    with TieredStore(store_config(store_dir)) as store:
+        k = store.put(t)
+        store.evict(k)
+        store.get(k)
+        st = store.stats()
+        assert st.host_bytes_in == 1 << 20
+        assert st.nvme_bytes_written == 1 << 20
+        assert st.nvme_bytes_read == 1 << 20
+        assert st.nvme_write_ops == 4  # 256 KiB blocks
+        assert st.wait_seconds >= 0.0
+        assert isinstance(st, ssdtier.StoreStats)
+
+
+def test_out_of_space_is_its_own_error_and_loses_nothing(store_dir):
+    t = torch.ones(256 * 1024, dtype=torch.uint8)
+    with TieredStore(store_config(store_dir, host="1MiB", nvme="1MiB")) as store:
+        keys = []
+        with pytest.raises(OutOfSpaceError) as info:
+            for i in range(100):
+                keys.append(store.put(t * (i % 200)))
+        assert info.value.errno == errno.ENOSPC
+        assert isinstance(info.value, OSError) and isinstance(info.value, ssdtier.SsdtierError)
+        assert len(keys) == 8
+        for i, k in enumerate(keys):
+            assert torch.equal(store.get(k), t * (i % 200))
+
+
+def test_misuse_gives_clear_errors(store_dir):
+    store = TieredStore(store_config(store_dir))
+    with pytest.raises(UnknownKeyError, match="unknown key 12345"):
+        store.get(12345)
+    with pytest.raises(KeyError):
+        store.free(12345)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        store.put([1, 2, 3])
+    with pytest.raises(TypeError, match="strided"):
+        store.put(torch.eye(3).to_sparse())
+    k = store.put(torch.ones(3))
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(StoreClosedError):
+        store.get(k)
+
+
+def test_bad_directories(store_dir):
+    plain = store_dir / "a-file"
+    plain.write_text("x")
+    with pytest.raises(ssdtier.SsdtierOSError) as info:
+        TieredStore(store_config(plain))
+    assert info.value.errno == errno.ENOTDIR
+    assert str(plain) in str(info.value)
+    if os.path.isdir("/dev/shm"):
+        with pytest.raises(ConfigError, match="tmpfs"):
+            TieredStore(store_config("/dev/shm/ssdtier-test"))
+
+
+def test_tmpfs_with_direct_off_warns_once_and_works(store_dir):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    cfg = store_config("/dev/shm/ssdtier-test-buffered", direct=False)
+    with TieredStore(cfg) as store:
+        assert store.direct is False
+        k = store.put(torch.arange(10))
+        store.evict(k)
+        assert torch.equal(store.get(k), torch.arange(10))
+
+
+def test_default_directory_from_env(store_dir, monkeypatch):
+    monkeypatch.setenv("SSDTIER_DIR", str(store_dir / "default"))
+    monkeypatch.delenv("SSDTIER_CONFIG", raising=False)
+    with TieredStore(host__capacity="1MiB") as store:
+        k = store.put(torch.arange(100_000))
+        store.evict(k)
+        assert torch.equal(store.get(k), torch.arange(100_000))
+    assert (store_dir / "default").is_dir()
+    assert oct((store_dir / "default").stat().st_mode & 0o777) == oct(0o700)
+    # The file had no name: nothing is left behind.
+    assert os.listdir(store_dir / "default") == []
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_io_uring_unavailable_falls_back_to_posix_with_a_warning(store_dir):
+    code = f"""
+import warnings, torch, ssdtier
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as w:
+    s = ssdtier.TieredStore({store_config(store_dir)!r})
+print(s.backend)
+print([str(x.message) for x in w])
+k = s.put(torch.arange(5)); s.evict(k); assert torch.equal(s.get(k), torch.arange(5))
+"""
+    r = _run(code, SSDTIER_DISABLE_IO_URING="1")
+    assert r.returncode == 0, r.stderr
+    backend, msgs = r.stdout.strip().splitlines()
+    assert backend == "posix"
+    assert "io_uring is not available" in msgs
+    r = _run(code.replace("'block_size'", "'backend': 'io_uring', 'block_size'"), SSDTIER_DISABLE_IO_URING="1")
+    assert r.returncode != 0 and "io_uring cannot be set up" in r.stderr
+
+
+def test_import_is_lean():
+    code = """
+import os, sys
+before = sorted(os.listdir('/proc/self/fd'))
+import ssdtier
+after = sorted(os.listdir('/proc/self/fd'))
+print(before == after, 'torch' in sys.modules, 'ssdtier._native' in sys.modules)
+"""
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False", "False"]
+
+
+def test_no_warning_on_a_real_file_system(store_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TieredStore(store_config(store_dir)) as store:
+            assert store.backend == "io_uring"
