@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from ssdtier.config import is_tmpfs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,10 +7,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 from ssdtier.config import (
@@ -99,9 +99,7 @@ def test_parse_size_valid(value, expected):
     ],
 )
 def test_parse_size_invalid(value, shown):
-    pattern = (
-        rf"^my\.toml: host\.capacity: expected a non-negative size: .*got {shown}$"
-    )
+    pattern = rf"^my\.toml: host\.capacity: expected a non-negative size: .*got {shown}$"
     with pytest.raises(ConfigError, match=pattern):
         parse_size(value, key="host.capacity", source="my.toml")
 
@@ -221,23 +219,15 @@ def test_direct_construction_normalises_and_validates(monkeypatch):
     assert PolicyConfig(layers="0.blocks").layers == "0.blocks"
     cfg = Config(nvme=[NvmeConfig("/a"), NvmeConfig("/b")])
     assert cfg.nvme == (NvmeConfig("/a"), NvmeConfig("/b"))
-    with pytest.raises(
-        ConfigError, match=r"^host\.capacity: expected a non-negative size.*got -1$"
-    ):
+    with pytest.raises(ConfigError, match=r"^host\.capacity: expected a non-negative size.*got -1$"):
         HostConfig(capacity=-1)
-    with pytest.raises(
-        ConfigError, match=r"^io\.threads: expected an integer in 1\.\.64"
-    ):
+    with pytest.raises(ConfigError, match=r"^io\.threads: expected an integer in 1\.\.64"):
         IoConfig(threads=0)
-    with pytest.raises(
-        ConfigError, match=r"^nvme\.capacity: expected a size >= 1B, got 0$"
-    ):
+    with pytest.raises(ConfigError, match=r"^nvme\.capacity: expected a size >= 1B, got 0$"):
         NvmeConfig("/x", 0)
     with pytest.raises(ConfigError, match=r"^host: expected a HostConfig, got \{\}"):
         Config(host={})  # type: ignore[arg-type]
-    with pytest.raises(
-        ConfigError, match=r"^nvme\[0\]: expected an NvmeConfig, got '/x'"
-    ):
+    with pytest.raises(ConfigError, match=r"^nvme\[0\]: expected an NvmeConfig, got '/x'"):
         Config(nvme=("/x",))  # type: ignore[arg-type]
 
 
@@ -313,9 +303,7 @@ FULL_CONFIG = Config(
         NvmeConfig("/mnt/nvme1/ssdtier", 100 * 10**9),
     ),
     io=IoConfig("io_uring", 128, 2 * MiB, False, False, 8),
-    policy=PolicyConfig(
-        64 * KiB, 1, 3, "lru", False, "model.layers", "adaptive", 20 * GiB
-    ),
+    policy=PolicyConfig(64 * KiB, 1, 3, "lru", False, "model.layers", "adaptive", 20 * GiB),
 )
 
 
@@ -592,26 +580,20 @@ def test_bad_config_files_are_many_and_distinct():
 
 def test_load_config_missing_file(tmp_path):
     path = tmp_path / "nope.toml"
-    with pytest.raises(
-        ConfigError, match=f"^{re.escape(str(path))}: config file not found$"
-    ) as info:
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: config file not found$") as info:
         load_config(path)
     assert isinstance(info.value.__cause__, FileNotFoundError)
 
 
 def test_load_config_directory(tmp_path):
-    with pytest.raises(
-        ConfigError, match=f"^{re.escape(str(tmp_path))}: cannot read config file"
-    ):
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path))}: cannot read config file"):
         load_config(tmp_path)
 
 
 def test_load_config_not_utf8(tmp_path):
     path = tmp_path / "latin1.toml"
     path.write_bytes(b'[nvme]\npath = "/caf\xe9"\n')
-    with pytest.raises(
-        ConfigError, match=f"^{re.escape(str(path))}: config file is not valid UTF-8"
-    ):
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: config file is not valid UTF-8"):
         load_config(path)
 
 
@@ -700,9 +682,7 @@ def test_to_toml_round_trip_property(host, nvme, block_shift, min_bytes, budget,
         host=HostConfig(host),
         nvme=tuple(NvmeConfig(f"/d{i}", cap) for i, cap in enumerate(nvme)),
         io=IoConfig(block_size=1 << block_shift),
-        policy=PolicyConfig(
-            min_tensor_bytes=min_bytes, device_budget=budget, keep_last_layers=keep
-        ),
+        policy=PolicyConfig(min_tensor_bytes=min_bytes, device_budget=budget, keep_last_layers=keep),
     )
     assert Config.from_dict(tomllib.loads(cfg.to_toml())) == cfg
     assert Config.from_dict(cfg.to_dict()) == cfg

@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 import torch
-
 from ssdtier import OutOfSpaceError, TieredStore
 
 from .conftest import REPO, store_config

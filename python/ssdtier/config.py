@@ -140,9 +140,7 @@ def _parse_size(value: Any, key: str, source: str | None) -> int:
     return int(amount)
 
 
-def parse_size(
-    value: float | str, *, key: str = "size", source: str = "<value>"
-) -> int:
+def parse_size(value: float | str, *, key: str = "size", source: str = "<value>") -> int:
     """Parse a byte size.
 
     Args:
@@ -522,8 +520,7 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
             )
     if table == "nvme" and "path" not in data:
         raise ConfigError(
-            f"{_where(source, prefix)}: missing required key 'path' "
-            "(the directory for spill files)"
+            f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)"
         )
     with _located(source, prefix):
         return cls(**data)
@@ -601,14 +598,8 @@ class Config:
             is_table = isinstance(value, Mapping) or (
                 isinstance(value, list) and value and isinstance(value[0], Mapping)
             )
-            what = (
-                f"unknown table [{name}]"
-                if is_table
-                else f"unknown top-level key {name!r}"
-            )
-            raise ConfigError(
-                f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}"
-            )
+            what = f"unknown table [{name}]" if is_table else f"unknown top-level key {name!r}"
+            raise ConfigError(f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}")
         nvme_data = d.get("nvme", [])
         if isinstance(nvme_data, (Mapping, NvmeConfig)):
             nvme_data = [nvme_data]
@@ -622,8 +613,7 @@ class Config:
             )
         host = _build_table(HostConfig, d.get("host", {}), source, "host")
         nvme = tuple(
-            _build_table(NvmeConfig, entry, source, f"nvme[{i}]")
-            for i, entry in enumerate(nvme_data)
+            _build_table(NvmeConfig, entry, source, f"nvme[{i}]") for i, entry in enumerate(nvme_data)
         )
         io = _build_table(IoConfig, d.get("io", {}), source, "io")
         policy = _build_table(PolicyConfig, d.get("policy", {}), source, "policy")
@@ -662,9 +652,7 @@ class Config:
         lines += _toml_table("[policy]", data["policy"])
         return "\n".join(lines).rstrip("\n") + "\n"
 
-    def replace(
-        self, overrides: Mapping[str, Any] | None = None, /, **kwargs: Any
-    ) -> Config:
+    def replace(self, overrides: Mapping[str, Any] | None = None, /, **kwargs: Any) -> Config:
         """Return a copy with some settings changed.
 
         Keys are ``"table.key"`` or ``"table__key"`` (``policy__prefetch_layers=3``,
@@ -707,11 +695,7 @@ class Config:
                     _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
                 continue
             dotted = ".".join(parts)
-            if (
-                parts[0] == "nvme"
-                and len(parts) == 2
-                and parts[1] in _TABLE_FIELDS["nvme"]
-            ):
+            if parts[0] == "nvme" and len(parts) == 2 and parts[1] in _TABLE_FIELDS["nvme"]:
                 raise ConfigError(
                     f"{src}: cannot override {dotted!r}: nvme is a list of tables; "
                     "replace it as a whole, e.g. nvme=[{'path': ..., 'capacity': ...}]"
@@ -782,9 +766,7 @@ def _toml_module(path: str) -> Any:
         try:
             import tomli as tomllib  # type: ignore[no-redef]
         except ModuleNotFoundError:
-            raise ConfigError(
-                f"{path}: loading TOML needs Python 3.11+ or `pip install tomli`"
-            ) from None
+            raise ConfigError(f"{path}: loading TOML needs Python 3.11+ or `pip install tomli`") from None
     return tomllib
 
 

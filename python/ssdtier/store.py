@@ -14,7 +14,7 @@ import torch
 
 from . import _native
 from .config import Config, GiB, default_nvme_dir, format_size, is_tmpfs, resolve_config
-from .errors import ConfigError, StoreClosedError, SsdtierWarning, UnknownKeyError
+from .errors import ConfigError, SsdtierWarning, StoreClosedError, UnknownKeyError
 
 __all__ = ["StoreStats", "TieredStore"]
 

@@ -71,7 +71,7 @@ impl DeviceFile {
                 }
                 Err(_) => open_fallback(dir, &mut direct, &mut tmpfile, notices)?,
             },
-            Err(e) if matches!(e, libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL) => {
+            Err(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL) => {
                 open_fallback(dir, &mut direct, &mut tmpfile, notices)?
             }
             Err(e) => return Err(Error::io("open", dir, 0, 0, e)),
@@ -120,12 +120,7 @@ fn open_tmpfile(cdir: &CString, direct: bool) -> std::result::Result<OwnedFd, i3
 
 /// No O_TMPFILE: create a uniquely named file (0600) and unlink it at once, so
 /// it still has no name and its space is freed when the process ends.
-fn open_fallback(
-    dir: &Path,
-    direct: &mut bool,
-    tmpfile: &mut bool,
-    notices: &mut Vec<String>,
-) -> Result<OwnedFd> {
+fn open_fallback(dir: &Path, direct: &mut bool, tmpfile: &mut bool, notices: &mut Vec<String>) -> Result<OwnedFd> {
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path = dir.join(format!(".ssdtier-{}-{n}", std::process::id()));

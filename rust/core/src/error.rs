@@ -8,13 +8,7 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {
     /// An operating-system error on a file of the store.
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        offset: u64,
-        len: u64,
-        errno: i32,
-    },
+    Io { op: &'static str, path: PathBuf, offset: u64, len: u64, errno: i32 },
     /// Every tier that could take the bytes is full.
     OutOfSpace { needed: u64, detail: String },
     /// A bad argument or configuration value.

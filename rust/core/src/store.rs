@@ -278,7 +278,14 @@ impl Store {
                         let res = if std::env::var_os("SSDTIER_DISABLE_IO_URING").is_some() {
                             Err(std::io::Error::from_raw_os_error(libc::ENOSYS))
                         } else {
-                            UringQueue::new(fd, d.path.clone(), cfg.queue_depth, &buffers, throttle.clone(), &mut notices)
+                            UringQueue::new(
+                                fd,
+                                d.path.clone(),
+                                cfg.queue_depth,
+                                &buffers,
+                                throttle.clone(),
+                                &mut notices,
+                            )
                         };
                         match res {
                             Ok(q) => {
@@ -573,9 +580,7 @@ impl Store {
                 let t = t.clone();
                 let (g2, r) = self.wait_unlocked(g, &t);
                 g = g2;
-                if let Err(err) = r {
-                    return Err(err);
-                }
+                r?;
                 continue;
             }
             if let Some(off) = e.host {
@@ -951,13 +956,8 @@ impl Store {
     /// give up their slot at once; dirty ones are written first, until NVMe
     /// has no room for them.
     fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64) {
-        let leaving: u64 = g
-            .writing
-            .iter()
-            .filter_map(|k| g.entries.get(k))
-            .filter(|e| e.evicting)
-            .map(|e| g.host.round(e.len))
-            .sum();
+        let leaving: u64 =
+            g.writing.iter().filter_map(|k| g.entries.get(k)).filter(|e| e.evicting).map(|e| g.host.round(e.len)).sum();
         let mut budget = (need + headroom).saturating_sub(g.host.available() + leaving);
         if budget == 0 {
             return;
@@ -1031,8 +1031,7 @@ impl Store {
         while !devs.is_empty() {
             let k = devs.len() as u64;
             let unit_len = |i: u64| if i + 1 == nunits { len - i * unit } else { unit };
-            let sizes: Vec<u64> =
-                (0..k).map(|j| (j..nunits).step_by(k as usize).map(unit_len).sum::<u64>()).collect();
+            let sizes: Vec<u64> = (0..k).map(|j| (j..nunits).step_by(k as usize).map(unit_len).sum::<u64>()).collect();
             let mut ranges = Vec::new();
             let mut failed = None;
             for (j, &d) in devs.iter().enumerate() {
@@ -1114,7 +1113,12 @@ impl Store {
             if end > boundary {
                 let first = boundary - start;
                 reqs.push(Piece { len: first, ..c });
-                reqs.push(Piece { file_off: c.file_off + first, entry_off: c.entry_off + first, len: c.len - first, ..c });
+                reqs.push(Piece {
+                    file_off: c.file_off + first,
+                    entry_off: c.entry_off + first,
+                    len: c.len - first,
+                    ..c
+                });
             } else {
                 reqs.push(c);
             }

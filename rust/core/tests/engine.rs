@@ -63,7 +63,9 @@ fn many_tickets_in_flight_and_a_full_queue() {
         let tickets: Vec<Arc<Ticket>> = (0..n).map(|_| Ticket::new(1)).collect();
         let reqs = (0..n)
             // Safety: inside src.
-            .map(|i| one(Dir::Write, unsafe { src.as_mut_ptr().add(i * len) }, len, (i * len) as u64, None, &tickets[i]))
+            .map(|i| {
+                one(Dir::Write, unsafe { src.as_mut_ptr().add(i * len) }, len, (i * len) as u64, None, &tickets[i])
+            })
             .collect();
         q.submit(reqs);
         for t in &tickets {
@@ -142,7 +144,9 @@ fn throttle_caps_bandwidth() {
     let t = Ticket::new(8);
     let t0 = std::time::Instant::now();
     // Safety: inside b.
-    let reqs = (0..8).map(|i| one(Dir::Write, unsafe { b.as_mut_ptr().add(i << 20) }, 1 << 20, (i as u64) << 20, None, &t)).collect();
+    let reqs = (0..8)
+        .map(|i| one(Dir::Write, unsafe { b.as_mut_ptr().add(i << 20) }, 1 << 20, (i as u64) << 20, None, &t))
+        .collect();
     q.submit(reqs);
     t.wait().unwrap();
     // A lower bound only: the cap may never be exceeded; being slower is allowed.

@@ -247,7 +247,8 @@ fn eviction_policies_pick_their_victims() {
         keys.push(put(&s, &pattern(4096, 4)));
         let resident = |s: &Store| -> String {
             s.flush().unwrap();
-            let mut r: Vec<char> = (0..5).filter(|&i| s.location(keys[i]).unwrap().0).map(|i| (b'A' + i as u8) as char).collect();
+            let mut r: Vec<char> =
+                (0..5).filter(|&i| s.location(keys[i]).unwrap().0).map(|i| (b'A' + i as u8) as char).collect();
             r.sort();
             r.into_iter().collect()
         };
@@ -256,7 +257,14 @@ fn eviction_policies_pick_their_victims() {
         got.push(resident(&s));
         assert_eq!(get(&s, keys[1]), pattern(4096, 1));
         got.push(resident(&s));
-        let want: Vec<String> = want.iter().map(|w| { let mut c: Vec<char> = w.chars().collect(); c.sort(); c.into_iter().collect() }).collect();
+        let want: Vec<String> = want
+            .iter()
+            .map(|w| {
+                let mut c: Vec<char> = w.chars().collect();
+                c.sort();
+                c.into_iter().collect()
+            })
+            .collect();
         assert_eq!(got, want, "{policy:?}");
     }
 }
