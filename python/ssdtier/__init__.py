@@ -20,6 +20,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .offload import Offloader, OffloadStats, attach
     from .store import StoreStats, TieredStore
 
 __version__ = "0.1.0"
@@ -27,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigError",
+    "OffloadStats",
+    "Offloader",
     "OutOfSpaceError",
     "SsdtierError",
     "SsdtierOSError",
@@ -35,10 +38,17 @@ __all__ = [
     "StoreStats",
     "TieredStore",
     "UnknownKeyError",
+    "attach",
     "load_config",
 ]
 
-_LAZY = {"TieredStore": "store", "StoreStats": "store"}
+_LAZY = {
+    "TieredStore": "store",
+    "StoreStats": "store",
+    "attach": "offload",
+    "Offloader": "offload",
+    "OffloadStats": "offload",
+}
 
 
 def __getattr__(name: str) -> Any:

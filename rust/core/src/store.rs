@@ -353,6 +353,9 @@ impl Store {
     pub fn arena_len(&self) -> usize {
         self.arena.len()
     }
+    pub fn host_used(&self) -> u64 {
+        self.inner.lock().unwrap().host.used()
+    }
     pub fn backend(&self) -> &'static str {
         self.backend_name
     }

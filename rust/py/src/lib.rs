@@ -192,6 +192,12 @@ impl Store {
         self.inner.arena_len()
     }
 
+    /// Bytes of the host arena in use (cheap: no full stats).
+    #[getter]
+    fn host_used(&self) -> u64 {
+        self.inner.host_used()
+    }
+
     #[getter]
     fn backend(&self) -> &'static str {
         self.inner.backend()

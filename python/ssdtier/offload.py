@@ -1,0 +1,545 @@
+"""`attach(model)`: saved activations go through the tiered store.
+
+The saved-tensor hooks are active during the model's forward only. Each saved
+tensor is classified once, at pack time:
+
+- parameters and buffers (recognised by storage, so ``weight.t()`` is too),
+  tensors that are not plain strided tensors, tensors on devices other than
+  CPU/CUDA: returned as they are;
+- tensors smaller than ``policy.min_tensor_bytes`` and tensors of kept layers:
+  held as they are (counted as resident);
+- everything else: its *storage* goes to the store once (two saved tensors on
+  one storage are one entry), and unpack rebuilds the view with its offset,
+  size and stride.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import Config, resolve_config
+from .errors import ConfigError, OutOfSpaceError, SsdtierError
+from .store import StoreStats, TieredStore
+
+__all__ = ["OffloadStats", "Offloader", "attach", "find_layers"]
+
+log = logging.getLogger("ssdtier")
+
+_ATTR = "_ssdtier_offloader"
+
+
+def _storage_objects_preserved() -> bool:
+    t = torch.empty(1)
+    return t.untyped_storage() is t.untyped_storage()
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What the offloader did so far.
+
+    ``peak_resident_bytes`` is the most bytes of saved activations that ssdtier
+    held in device or process memory at once: kept tensors, the host arena in
+    use, GPU tensors whose copy is in flight, and restored storages.
+    """
+
+    tensors_offloaded: int
+    bytes_offloaded: int
+    bytes_written_nvme: int
+    bytes_read_nvme: int
+    dedup_hits: int
+    forwarded: int
+    peak_resident_bytes: int
+    stall_seconds: float
+    layers_offloaded: int
+    layers_kept: int
+    tensors_kept: int
+    bytes_kept: int
+    packs: int
+    unpacks: int
+    store: StoreStats
+
+
+def find_layers(
+    model: nn.Module, path: str | None = None
+) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
+    """The model's repeated blocks: the largest ModuleList/Sequential whose children share one class.
+
+    Args:
+        model: the model.
+        path: a dotted path (``"transformer.h"``) that names the container instead.
+
+    Returns:
+        (path, container), or None when the model has no such container.
+    """
+    if path is not None:
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError as e:
+            raise ConfigError(f"policy.layers = {path!r}: the model has no submodule {path!r}") from e
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) == 0:
+            raise ConfigError(
+                f"policy.layers = {path!r} is a {type(mod).__name__}, not a non-empty ModuleList/Sequential"
+            )
+        return path, mod
+    best: tuple[str, Any] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            kinds = {type(m) for m in mod}
+            if len(kinds) == 1 and (best is None or len(mod) > len(best[1])):
+                best = (name, mod)
+    return best
+
+
+class _Kept:
+    """A saved tensor held as it is (small, or in a kept layer)."""
+
+    __slots__ = ("__weakref__", "nbytes", "off", "tensor")
+
+    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int) -> None:
+        self.off, self.tensor, self.nbytes = off, tensor, nbytes
+        off._resident_kept += nbytes
+
+    def __del__(self) -> None:
+        self.off._resident_kept -= self.nbytes
+
+
+class _Entry:
+    """One offloaded storage."""
+
+    __slots__ = (
+        "device",
+        "event",
+        "forward",
+        "gpu",
+        "key",
+        "layer",
+        "nbytes",
+        "prefetched",
+        "refs",
+        "restored",
+    )
+
+    def __init__(self, key: int, nbytes: int, device: torch.device, forward: int, layer: int) -> None:
+        self.key, self.nbytes, self.device = key, nbytes, device
+        self.forward, self.layer = forward, layer
+        self.refs = 0
+        self.gpu: torch.Tensor | None = None  # CUDA: the source, held until its copy is done
+        self.event: Any = None
+        # The restored storage, while some unpacked view still uses it.
+        self.restored: weakref.ref | None = None
+        self.prefetched = False
+
+
+class _Saved:
+    """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
+
+    __slots__ = ("dtype", "entry", "off", "offset", "size", "stride")
+
+    def __init__(self, off: Offloader, entry: _Entry, t: torch.Tensor) -> None:
+        self.off, self.entry = off, entry
+        self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+        entry.refs += 1
+
+    def __del__(self) -> None:
+        self.off._release(self.entry)
+
+
+class Offloader:
+    """Offloads a model's saved activations; made by :func:`attach`.
+
+    Use it as a context manager (detaches on exit) or call :meth:`detach`.
+    """
+
+    def __init__(self, model: nn.Module, config: Config) -> None:
+        if getattr(model, _ATTR, None) is not None:
+            raise SsdtierError(
+                f"ssdtier is already attached to this {type(model).__name__}; detach() it first"
+            )
+        pol = config.policy
+        if pol.mode == "adaptive":
+            raise ConfigError(f"{config.source}: policy.mode = 'adaptive' is not available in this release")
+        if pol.device_budget is not None:
+            raise ConfigError(f"{config.source}: policy.device_budget is not available in this release")
+        # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.model = model
+        self.config = config
+        self.store = TieredStore(config)
+        self._lock = threading.RLock()
+        self._dedup_ok = pol.dedup and _storage_objects_preserved()
+        found = find_layers(model, pol.layers)
+        self.layers_path = found[0] if found else None
+        n = len(found[1]) if found else 0
+        self._n_layers = n
+        # "auto" keeps the last block: its backward starts right after the forward,
+        # leaving no time to write its activations out and read them back.
+        keep = min(n, 1 if pol.keep_last_layers == "auto" else int(pol.keep_last_layers))
+        if pol.mode == "none":
+            keep = n
+        self._layers_kept = keep
+        # Tags: 0 before the blocks, i + 1 in block i, n + 1 after them. Tags from
+        # _keep_from on are kept: the last `keep` blocks and what follows them.
+        self._keep_from = n - keep + 1 if keep else n + 2
+        if pol.mode == "none":
+            self._keep_from = 0
+        self._tag = 0
+        self._forward = 0
+        self._depth = 0
+        self._param_ptrs: set[tuple[torch.device, int]] = set()
+        self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
+        self._by_layer: dict[tuple[int, int], list[_Entry]] = {}
+        self._pending: list[_Entry] = []  # CUDA copies to the arena in flight, in order
+        self._cuda: dict[torch.device, Any] = {}
+        self._registered = False
+        self._closed = False
+        self._live = 0
+        self._resident_kept = 0
+        self._resident_gpu = 0
+        self._peak = 0
+        self._counts = dict.fromkeys(
+            (
+                "tensors_offloaded",
+                "bytes_offloaded",
+                "dedup_hits",
+                "forwarded",
+                "tensors_kept",
+                "bytes_kept",
+                "packs",
+                "unpacks",
+            ),
+            0,
+        )
+        self._stall = 0.0
+        self._handles = [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._exit, always_call=True),
+        ]
+        if found:
+            for i, block in enumerate(found[1]):
+                self._handles.append(block.register_forward_pre_hook(self._block_enter(i + 1)))
+                self._handles.append(block.register_forward_hook(self._block_exit(i + 1), always_call=True))
+        setattr(model, _ATTR, self)
+        log.info(
+            "ssdtier: attached to %s; layers %s (%d), keeping the last %d, prefetching %d ahead",
+            type(model).__name__,
+            self.layers_path,
+            n,
+            keep,
+            pol.prefetch_layers,
+        )
+
+    # ---------------------------------------------------------------- hooks on modules
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._forward += 1
+            self._tag = 0
+            self._param_ptrs = {
+                (p.device, p.untyped_storage().data_ptr())
+                for p in itertools.chain(module.parameters(), module.buffers())
+            }
+            self._hooks.__enter__()
+        self._depth += 1
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._hooks.__exit__(None, None, None)
+            self._poll_pending()
+
+    def _block_enter(self, tag: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._tag = tag
+
+        return hook
+
+    def _block_exit(self, tag: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._tag = self._n_layers + 1 if tag == self._n_layers else tag
+
+        return hook
+
+    # ---------------------------------------------------------------- pack / unpack
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        c = self._counts
+        c["packs"] += 1
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
+            return t
+        dev = t.device
+        if dev.type not in ("cpu", "cuda"):
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if (dev, ptr) in self._param_ptrs:
+            return t
+        nbytes = st.nbytes()
+        if nbytes < self.config.policy.min_tensor_bytes or self._tag >= self._keep_from:
+            c["tensors_kept"] += 1
+            c["bytes_kept"] += nbytes
+            kept = _Kept(self, t, nbytes)
+            self._note_peak()
+            return kept
+        with self._lock:
+            if self._dedup_ok:
+                hit = self._dedup.get((dev, ptr))
+                if hit is not None and hit[0]() is st and hit[1] == t._version and hit[2].refs > 0:
+                    c["dedup_hits"] += 1
+                    return _Saved(self, hit[2], t)
+            try:
+                entry = self._offload(t, st, nbytes)
+            except OutOfSpaceError as e:
+                self._warn_full(e)
+                c["tensors_kept"] += 1
+                c["bytes_kept"] += nbytes
+                return _Kept(self, t, nbytes)
+            c["tensors_offloaded"] += 1
+            c["bytes_offloaded"] += nbytes
+            if self._dedup_ok:
+                self._dedup[(dev, ptr)] = (weakref.ref(st), t._version, entry)
+            self._by_layer.setdefault((entry.forward, entry.layer), []).append(entry)
+            saved = _Saved(self, entry, t)
+            self._live += 1
+        self._note_peak()
+        return saved
+
+    def _offload(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int) -> _Entry:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        store = self.store
+        if t.device.type == "cuda":
+            return self._offload_cuda(whole, nbytes)
+        key = store.put(whole)
+        return _Entry(key, nbytes, t.device, self._forward, self._tag)
+
+    def _unpack(self, h: Any) -> torch.Tensor:
+        if isinstance(h, torch.Tensor):
+            return h
+        self._counts["unpacks"] += 1
+        if isinstance(h, _Kept):
+            return h.tensor
+        e: _Entry = h.entry
+        with self._lock:
+            self._prefetch_ahead(e)
+            storage = self._restore(e)
+        self._note_peak()
+        out = torch.empty(0, dtype=h.dtype, device=e.device)
+        return out.set_(storage, h.offset, h.size, h.stride)
+
+    def _restore(self, e: _Entry) -> torch.UntypedStorage:
+        if e.gpu is not None:
+            self._counts["forwarded"] += 1
+            return e.gpu.untyped_storage()
+        st = e.restored() if e.restored is not None else None
+        if st is not None:
+            self._counts["forwarded"] += 1
+            return st
+        in_host = self.store._native.location(e.key)[0]
+        t0 = time.perf_counter()
+        if e.device.type == "cuda":
+            data = self._restore_cuda(e)
+        else:
+            data = self.store.get(e.key)
+        if in_host:
+            self._counts["forwarded"] += 1
+        else:
+            self._stall += time.perf_counter() - t0
+        st = data.untyped_storage()
+        e.restored = weakref.ref(st)
+        return st
+
+    def _prefetch_ahead(self, e: _Entry) -> None:
+        """Entering a layer's backward: start reading the next layers' entries."""
+        if e.prefetched:
+            return
+        for entry in self._by_layer.get((e.forward, e.layer), ()):
+            entry.prefetched = True
+        for d in range(1, self.config.policy.prefetch_layers + 1):
+            for entry in self._by_layer.get((e.forward, e.layer - d), ()):
+                if not entry.prefetched and entry.gpu is None:
+                    self.store._native.prefetch(entry.key)
+
+    def _release(self, e: _Entry) -> None:
+        e.refs -= 1
+        if e.refs:
+            return
+        with self._lock:
+            e.gpu = None
+            e.restored = None
+            group = self._by_layer.get((e.forward, e.layer))
+            if group is not None:
+                group.remove(e)
+                if not group:
+                    del self._by_layer[(e.forward, e.layer)]
+            self._live -= 1
+            if not self.store._closed:
+                try:
+                    self.store._native.free(e.key)
+                except SsdtierError:
+                    pass
+            if self._closed and self._live == 0:
+                self._close_store()
+
+    # ---------------------------------------------------------------- CUDA staging
+
+    def _streams(self, device: torch.device) -> Any:
+        s = self._cuda.get(device)
+        if s is None:
+            if not self._registered and self.store.arena is not None:
+                self._register_arena()
+            s = torch.cuda.Stream(device)
+            self._cuda[device] = s
+        return s
+
+    def _register_arena(self) -> None:
+        arena = self.store.arena
+        assert arena is not None
+        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        ok = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+        self._registered = ok
+        if not ok:
+            log.warning(
+                "ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc
+            )
+
+    def _offload_cuda(self, whole: torch.Tensor, nbytes: int) -> _Entry:
+        native = self.store._native
+        key, off = native.reserve(nbytes)
+        entry = _Entry(key, nbytes, whole.device, self._forward, self._tag)
+        if off is None:
+            # Bigger than the arena: a synchronous copy, streamed to NVMe.
+            try:
+                if nbytes:
+                    native.write_direct(key, whole.cpu().data_ptr())
+            except BaseException:
+                native.free(key)
+                raise
+            return entry
+        stream = self._streams(whole.device)
+        slot = self.store._slot(off, nbytes, torch.uint8, torch.Size([nbytes]))
+        stream.wait_stream(torch.cuda.current_stream(whole.device))
+        with torch.cuda.stream(stream):
+            slot.copy_(whole, non_blocking=True)
+            entry.event = torch.cuda.Event()
+            entry.event.record(stream)
+        # Hold the source until the copy is done: its memory is not reused before.
+        entry.gpu = whole
+        self._resident_gpu += nbytes
+        self._pending.append(entry)
+        self._poll_pending()
+        return entry
+
+    def _poll_pending(self) -> None:
+        """Commit the arena slots whose device-to-host copy is complete; drop their GPU sources."""
+        native = self.store._native
+        while self._pending and self._pending[0].event.query():
+            e = self._pending.pop(0)
+            native.commit(e.key)
+            e.event = None
+            if e.gpu is not None:
+                self._resident_gpu -= e.nbytes
+                e.gpu = None
+
+    def _restore_cuda(self, e: _Entry) -> torch.Tensor:
+        native = self.store._native
+        out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+        off = native.acquire(e.key)
+        if off is None:
+            host = torch.empty(e.nbytes, dtype=torch.uint8)
+            native.read_direct(e.key, host.data_ptr())
+            out.copy_(host)
+            return out
+        try:
+            out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
+            # The slot is released once the copy has read it.
+            torch.cuda.current_stream(e.device).synchronize()
+        finally:
+            native.release(e.key)
+        return out
+
+    # ---------------------------------------------------------------- misc
+
+    def _note_peak(self) -> None:
+        resident = self._resident_kept + self._resident_gpu + self.store._native.host_used
+        if resident > self._peak:
+            self._peak = resident
+
+    def _warn_full(self, e: Exception) -> None:
+        if not getattr(self, "_warned_full", False):
+            self._warned_full = True
+            log.warning("ssdtier: %s; activations stay in memory until space frees up", e)
+
+    def stats(self) -> OffloadStats:
+        """Counters so far; see :class:`OffloadStats`."""
+        st = self.store.stats()
+        return OffloadStats(
+            bytes_written_nvme=st.nvme_bytes_written,
+            bytes_read_nvme=st.nvme_bytes_read,
+            peak_resident_bytes=self._peak,
+            stall_seconds=self._stall,
+            layers_offloaded=self._n_layers - self._layers_kept,
+            layers_kept=self._layers_kept,
+            store=st,
+            **self._counts,
+        )
+
+    def detach(self) -> None:
+        """Remove every hook and restore the module; the store closes once no graph holds an entry."""
+        if self._closed:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+        self._closed = True
+        with self._lock:
+            if self._live == 0:
+                self._close_store()
+
+    def _close_store(self) -> None:
+        if self._registered and self.store.arena is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
+            self._registered = False
+        self.store.close()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"<Offloader {type(self.model).__name__} layers={self.layers_path!r} store={self.store!r}>"
+
+
+def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
+    """Offload ``model``'s saved activations through the tiered store.
+
+    Args:
+        model: the module whose forward saves activations.
+        config: a TOML path, a dict, a :class:`Config`, or None (``SSDTIER_CONFIG`` if set, else defaults).
+        **overrides: config keys, e.g. ``policy__prefetch_layers=3``.
+
+    Returns:
+        The :class:`Offloader`; use it as a context manager or call ``detach()``.
+
+    Raises:
+        SsdtierError: already attached to this module.
+        ConfigError: bad configuration.
+
+    Example:
+        >>> with ssdtier.attach(model, host__capacity="8GiB") as off:
+        ...     loss = model(batch).loss
+        ...     loss.backward()
+        >>> print(off.stats())
+    """
+    return Offloader(model, resolve_config(config, **overrides))

@@ -1,0 +1,347 @@
+"""attach(model): gradients bit-identical (torch.equal) to a twin model built
+from the same seed and run without ssdtier, across model families, training
+patterns and store configurations."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import ssdtier
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ssdtier.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
+from torch import nn
+
+from .conftest import store_config
+
+TINY = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4)
+CONFIGS = {
+    "gpt": GPTConfig(n_layers=3, **TINY),
+    "bert": BertConfig(n_layers=3, **TINY),
+    "t5": T5Config(n_encoder_layers=3, n_decoder_layers=2, **TINY),
+}
+
+
+def offload_config(path, host="64KiB", **policy):
+    """Everything goes through NVMe: a tiny arena, no size floor, no kept layer."""
+    cfg = store_config(path, host=host)
+    cfg["policy"] = {"min_tensor_bytes": 0, "keep_last_layers": 0, **policy}
+    return cfg
+
+
+def train(model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=None):
+    """Build from seed 0, run `micro` micro-batches of gradient accumulation with
+    seed 1 for dropout; returns losses, grads and the offloader's stats."""
+    torch.manual_seed(0)
+    model = build_model(model_cfg)
+    gen = torch.Generator().manual_seed(2)
+    batches = [make_batch(model_cfg, batch, gen) for _ in range(micro)]
+    off = ssdtier.attach(model, ssd_cfg) if ssd_cfg is not None else None
+    torch.manual_seed(1)
+    losses = []
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    for b in batches:
+        with ctx:
+            loss = batch_loss(model, b)
+        (backward or (lambda x: x.backward()))(loss)
+        losses.append(loss.detach())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    stats = off.stats() if off else None
+    if off:
+        off.detach()
+    return losses, grads, stats
+
+
+def assert_same(a, b):
+    la, ga, _ = a
+    lb, gb, _ = b
+    for x, y in zip(la, lb, strict=True):
+        assert torch.equal(x, y), (x, y)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        if ga[name] is None:
+            assert gb[name] is None, name
+        else:
+            assert torch.equal(ga[name], gb[name]), name
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_exact_gradients_through_nvme(store_dir, family):
+    ref = train(CONFIGS[family])
+    got = train(CONFIGS[family], offload_config(store_dir))
+    assert_same(ref, got)
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
+    assert s.layers_offloaded == 3 and s.layers_kept == 0
+    assert s.store.entries == 0, "every entry is freed once its graph is gone"
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "posix"])
+def test_both_backends(store_dir, backend):
+    cfg = offload_config(store_dir)
+    cfg["io"]["backend"] = backend
+    assert_same(train(CONFIGS["gpt"]), train(CONFIGS["gpt"], cfg))
+
+
+def test_large_arena_forwards_everything_without_reads(store_dir):
+    got = train(CONFIGS["gpt"], offload_config(store_dir, host="64MiB"))
+    assert_same(train(CONFIGS["gpt"]), got)
+    s = got[2]
+    assert s.bytes_read_nvme == 0 and s.forwarded > 0 and s.stall_seconds == 0.0
+
+
+def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
+    cfg = store_config(store_dir)
+    cfg["policy"] = {"min_tensor_bytes": "4KiB"}
+    got = train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64}), cfg)
+    assert_same(train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64})), got)
+    s = got[2]
+    assert s.layers_kept == 1 and s.layers_offloaded == 3
+    assert s.tensors_kept > 0 and s.tensors_offloaded > 0
+
+
+def test_bf16_autocast(store_dir):
+    assert_same(
+        train(CONFIGS["gpt"], autocast=True), train(CONFIGS["gpt"], offload_config(store_dir), autocast=True)
+    )
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_checkpointing_inside(store_dir, family):
+    cfg = CONFIGS[family].__class__(**{**CONFIGS[family].__dict__, "checkpoint": True})
+    assert_same(train(cfg), train(cfg, offload_config(store_dir)))
+
+
+def test_retain_graph_unpacks_twice(store_dir):
+    def twice(loss):
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    ref = train(CONFIGS["bert"], backward=twice, micro=1)
+    got = train(CONFIGS["bert"], offload_config(store_dir), backward=twice, micro=1)
+    assert_same(ref, got)
+    assert got[2].unpacks > got[2].packs - got[2].tensors_kept
+
+
+def test_several_forwards_before_one_backward(store_dir):
+    def run(ssd):
+        torch.manual_seed(0)
+        model = build_model(CONFIGS["gpt"])
+        gen = torch.Generator().manual_seed(2)
+        off = ssdtier.attach(model, ssd) if ssd else None
+        torch.manual_seed(1)
+        losses = [batch_loss(model, make_batch(CONFIGS["gpt"], 2, gen)) for _ in range(3)]
+        sum(losses).backward()
+        if off:
+            off.detach()
+        return [x.detach() for x in losses], {n: p.grad for n, p in model.named_parameters()}, None
+
+    assert_same(run(None), run(offload_config(store_dir)))
+
+
+def test_double_backward(store_dir):
+    def run(ssd):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        off = ssdtier.attach(model, ssd) if ssd else None
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(3))
+        loss = model(x).square().mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        penalty = sum(g.square().sum() for g in grads)
+        penalty.backward()
+        if off:
+            off.detach()
+        return [loss.detach(), penalty.detach()], {n: p.grad for n, p in model.named_parameters()}, None
+
+    assert_same(run(None), run(offload_config(store_dir)))
+
+
+def test_no_grad_and_inference_mode_offload_nothing(store_dir):
+    torch.manual_seed(0)
+    model = build_model(CONFIGS["gpt"])
+    batch = make_batch(CONFIGS["gpt"], 2, torch.Generator().manual_seed(0))
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        with torch.no_grad():
+            model(*batch)
+        with torch.inference_mode():
+            model(*batch)
+        s = off.stats()
+        assert (s.packs, s.tensors_offloaded, s.store.host_puts) == (0, 0, 0)
+
+
+def test_parameters_and_weight_transposes_are_not_offloaded(store_dir):
+    lin = nn.Linear(512, 512)  # 1 MiB weight; addmm saves weight.t()
+    x = torch.randn(4, 512, requires_grad=True)
+    with ssdtier.attach(lin, offload_config(store_dir)) as off:
+        lin(x).sum().backward()
+        s = off.stats()
+    # Only the input (8 KiB) is offloaded; the weight and its transpose are recognised by storage.
+    assert s.bytes_offloaded == x.numel() * 4
+    assert s.tensors_offloaded == 1
+
+
+def test_tied_embeddings_stay_tied_and_exact(store_dir):
+    cfg = GPTConfig(n_layers=2, tie_embeddings=True, **TINY)
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    assert m.lm_head.weight is m.tok_emb.weight
+    assert_same(train(cfg), train(cfg, offload_config(store_dir)))
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, fail=False):
+        y = self.lin(x).tanh()
+        if fail:
+            raise RuntimeError("boom")
+        return y
+
+
+def test_forward_that_raises_leaves_no_hooks_on(store_dir):
+    m = Boom()
+    x = torch.randn(4, 8, requires_grad=True)
+    with ssdtier.attach(m, offload_config(store_dir)) as off:
+        with pytest.raises(RuntimeError, match="boom"):
+            m(x, fail=True)
+        packs = off.stats().packs
+        # Outside the model's forward our hooks are off: this saves tensors, but not through ssdtier.
+        (x * x).tanh().sum().backward()
+        assert off.stats().packs == packs
+        # And the next forward works as usual.
+        m(x).sum().backward()
+        assert off.stats().packs > packs
+
+
+def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
+    m = build_model(CONFIGS["gpt"])
+    before = {
+        name: (dict(mod._forward_pre_hooks), dict(mod._forward_hooks), set(mod.__dict__))
+        for name, mod in m.named_modules()
+    }
+    off = ssdtier.attach(m, offload_config(store_dir))
+    with pytest.raises(ssdtier.SsdtierError, match="already attached"):
+        ssdtier.attach(m, offload_config(store_dir))
+    off.detach()
+    off.detach()  # idempotent
+    after = {
+        name: (dict(mod._forward_pre_hooks), dict(mod._forward_hooks), set(mod.__dict__))
+        for name, mod in m.named_modules()
+    }
+    assert before == after
+    ssdtier.attach(m, offload_config(store_dir)).detach()
+
+
+def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir, caplog):
+    cfg = offload_config(store_dir, host="8KiB")
+    cfg["nvme"][0]["capacity"] = "16KiB"
+    with caplog.at_level(logging.WARNING, logger="ssdtier"):
+        got = train(CONFIGS["gpt"], cfg)
+    assert_same(train(CONFIGS["gpt"]), got)
+    assert got[2].tensors_kept > 0
+    assert sum("stay in memory" in r.message for r in caplog.records) == 1
+
+
+def test_mode_none_keeps_everything(store_dir):
+    got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none"))
+    assert_same(train(CONFIGS["gpt"]), got)
+    assert got[2].tensors_offloaded == 0 and got[2].layers_kept == 3
+
+
+def test_layers_found_and_overridden(store_dir):
+    from ssdtier.offload import find_layers
+
+    t5 = build_model(CONFIGS["t5"])
+    assert find_layers(t5)[0] == "encoder_blocks"
+    assert find_layers(t5, "decoder_blocks")[0] == "decoder_blocks"
+    with pytest.raises(ssdtier.ConfigError, match="no submodule"):
+        find_layers(t5, "nope")
+    got = train(CONFIGS["t5"], offload_config(store_dir, layers="decoder_blocks"))
+    assert got[2].layers_offloaded == 2
+
+
+# ------------------------------------------------------------------ views of one storage
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
+
+
+@st.composite
+def views(draw):
+    shape = draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))
+    dtype = draw(st.sampled_from(DTYPES))
+    n = 1
+    for s in shape:
+        n *= s
+    ops = draw(
+        st.lists(st.sampled_from(["t", "slice", "step", "select", "expand", "flat", "strided"]), max_size=3)
+    )
+    return shape, dtype, ops, draw(st.integers(0, 2**31))
+
+
+def apply(t, op, seed):
+    if op == "t" and t.dim() >= 2:
+        return t.transpose(0, -1)
+    if op == "slice" and t.shape[0] > 1:
+        return t[1:]
+    if op == "step" and t.shape[-1] > 1:
+        return t[..., ::2]
+    if op == "select" and t.dim() >= 2:
+        return t[seed % t.shape[0]]
+    if op == "expand" and t.dim() >= 1:
+        return t.unsqueeze(0).expand(2, *t.shape)
+    if op == "flat" and t.is_contiguous():
+        return t.view(-1)
+    if op == "strided" and t.numel() >= 2:
+        return t.as_strided((t.numel() // 2,), (1,), t.storage_offset() + 1)
+    return t
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=views())
+def test_unpack_of_pack_is_the_same_view(spec):
+    shape, dtype, ops, seed = spec
+    gen = torch.Generator().manual_seed(seed)
+    base = (
+        torch.randint(0, 2, shape, generator=gen).to(dtype)
+        if dtype == torch.bool
+        else (torch.randn(shape, generator=gen).to(dtype))
+    )
+    v = base
+    for op in ops:
+        v = apply(v, op, seed)
+    off = _OFF
+    hb, hv = off._pack(base), off._pack(v)
+    for h, t in ((hb, base), (hv, v)):
+        u = off._unpack(h)
+        assert u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride()
+        assert u.storage_offset() == t.storage_offset() and u.device == t.device
+        assert torch.equal(u, t)
+    # Both sit on one storage: one entry.
+    assert type(hb).__name__ == type(hv).__name__ == "_Saved"
+    assert hb.entry is hv.entry
+
+
+_OFF = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offloader_for_views():
+    """One offloader for all hypothesis examples (fixtures are not reset between them)."""
+    global _OFF
+    import shutil
+    import tempfile
+
+    from .conftest import STORE_ROOT
+
+    STORE_ROOT.mkdir(parents=True, exist_ok=True)
+    path = tempfile.mkdtemp(dir=STORE_ROOT)
+    _OFF = ssdtier.attach(nn.Identity(), offload_config(path, host="256KiB"))
+    yield
+    _OFF.detach()
+    _OFF = None
+    shutil.rmtree(path)
