@@ -1,4 +1,4 @@
-"""Command line: ``ssdtier info`` and ``ssdtier demo`` (also ``python -m ssdtier``)."""
+"""Command line: ``ssdtier info``, ``ssdtier demo`` and ``ssdtier roundtrip`` (also ``python -m ssdtier``)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,113 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _saved_bytes(step) -> int:
+    """Bytes of distinct storages autograd saves in one step, parameters excluded."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is torch.Tensor:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(count_only=True)
+    return sum(seen.values())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Train a small GPT for a few steps with and without ssdtier; compare memory and step time."""
+    import statistics
+
+    import torch
+
+    from .models import GPTConfig, batch_loss, build_model, make_batch
+    from .offload import attach
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = GPTConfig(vocab_size=1024, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=8)
+    batch = make_batch(cfg, args.batch, torch.Generator().manual_seed(0), device=device)
+
+    def run(offload: bool) -> tuple[list[float], int, float, object]:
+        torch.manual_seed(0)
+        model = build_model(cfg).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        off = None
+        if offload:
+            store: dict = {"host": {"capacity": args.arena}, "policy": {"min_tensor_bytes": "64KiB"}}
+            if args.dir:
+                store["nvme"] = [{"path": args.dir, "capacity": "64GiB"}]
+            off = attach(model, store)
+        times, loss0 = [], 0.0
+
+        def step(count_only: bool = False) -> float:
+            loss = batch_loss(model, batch)
+            loss.backward()
+            if not count_only:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss)
+
+        for i in range(args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            t0 = time.perf_counter()
+            loss = step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            loss0 = loss0 or loss
+            print(
+                f"  {'ssdtier' if offload else 'keep   '} step {i + 1}/{args.steps}: loss {loss:.4f}, "
+                f"{times[-1]:.3f} s",
+                file=sys.stderr,
+            )
+        if device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated() - base
+        elif off is not None:
+            mem = off.stats().peak_resident_bytes
+        else:
+            mem = _saved_bytes(step)
+        stats = off.stats() if off is not None else None
+        if off is not None:
+            off.detach()
+        return times, mem, loss0, stats
+
+    print(
+        f"ssdtier demo: GPT with {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
+        f"batch {args.batch}, on {device.type}",
+        file=sys.stderr,
+    )
+    t_keep, m_keep, l_keep, _ = run(False)
+    t_ssd, m_ssd, l_ssd, st = run(True)
+    med_keep = statistics.median(t_keep[1:])
+    med_ssd = statistics.median(t_ssd[1:])
+    what = "peak GPU memory of the step" if device.type == "cuda" else "activation bytes held in memory"
+    print(
+        f"{what:36s} keep {format_size(m_keep):>9s}   ssdtier {format_size(m_ssd):>9s}   "
+        f"ratio {m_ssd / max(m_keep, 1):.2f}"
+    )
+    print(
+        f"{'median step time':36s} keep {med_keep:8.3f}s   ssdtier {med_ssd:8.3f}s   "
+        f"ratio {med_ssd / med_keep:.2f}"
+    )
+    assert st is not None
+    print(
+        f"offloaded {format_size(st.bytes_offloaded)} in {st.tensors_offloaded} tensors; "
+        f"NVMe wrote {format_size(st.bytes_written_nvme)}, read {format_size(st.bytes_read_nvme)}; "
+        f"stalled {st.stall_seconds:.3f} s"
+    )
+    same = l_keep == l_ssd
+    print(f"first-step loss identical: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+def cmd_roundtrip(args: argparse.Namespace) -> int:
     """Round-trip tensors through the store with a small arena, so they go to NVMe."""
     import torch
 
@@ -99,12 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="what this machine supports (io_uring, O_DIRECT, CUDA)")
     p.add_argument("dir", nargs="?", help="directory to check (default: SSDTIER_DIR or ~/.cache/ssdtier)")
     p.set_defaults(func=cmd_info)
-    p = sub.add_parser("demo", help="round-trip tensors through NVMe and print the bandwidth")
+    p = sub.add_parser("demo", help="train a small GPT with and without ssdtier; compare memory and time")
+    p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR or ~/.cache/ssdtier)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--arena", default="64MiB", help="host arena (default 64MiB)")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("roundtrip", help="round-trip tensors through NVMe and print the bandwidth")
     p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR or ~/.cache/ssdtier)")
     p.add_argument("--size", default="1GiB", help="bytes in all (default 1GiB)")
     p.add_argument("--tensor", default="32MiB", help="bytes per tensor (default 32MiB)")
     p.add_argument("--arena", default="128MiB", help="host arena (default 128MiB)")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_roundtrip)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

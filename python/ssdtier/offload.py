@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import threading
 import time
 import weakref
@@ -35,6 +36,13 @@ __all__ = ["OffloadStats", "Offloader", "attach", "find_layers"]
 log = logging.getLogger("ssdtier")
 
 _ATTR = "_ssdtier_offloader"
+_PAGE = 4096
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor on its own page-aligned anonymous mapping, unmapped with the tensor."""
+    size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)[:nbytes]
 
 
 def _storage_objects_preserved() -> bool:
@@ -125,6 +133,7 @@ class _Entry:
         "nbytes",
         "prefetched",
         "refs",
+        "reading",
         "restored",
     )
 
@@ -136,6 +145,8 @@ class _Entry:
         self.event: Any = None
         # The restored storage, while some unpacked view still uses it.
         self.restored: weakref.ref | None = None
+        # A read under way: (buffer or None, ticket or None, served from the host arena).
+        self.reading: tuple[torch.Tensor | None, Any, bool] | None = None
         self.prefetched = False
 
 
@@ -204,6 +215,7 @@ class Offloader:
         self._live = 0
         self._resident_kept = 0
         self._resident_gpu = 0
+        self._resident_restored = 0
         self._peak = 0
         self._counts = dict.fromkeys(
             (
@@ -342,19 +354,40 @@ class Offloader:
         if st is not None:
             self._counts["forwarded"] += 1
             return st
-        in_host = self.store._native.location(e.key)[0]
-        t0 = time.perf_counter()
-        if e.device.type == "cuda":
-            data = self._restore_cuda(e)
-        else:
-            data = self.store.get(e.key)
-        if in_host:
+        if e.reading is None:
+            self._start_read(e)
+        data, ticket, from_host = e.reading
+        e.reading = None
+        if from_host:
             self._counts["forwarded"] += 1
-        else:
+        if ticket is not None and not ticket.done():
+            t0 = time.perf_counter()
+            ticket.wait()
             self._stall += time.perf_counter() - t0
+        elif ticket is not None:
+            ticket.wait()  # raises the read's error, if any
+        if data is None:  # CUDA: through a pinned slot
+            data = self._restore_cuda(e)
         st = data.untyped_storage()
         e.restored = weakref.ref(st)
+        self._resident_restored += e.nbytes
+        weakref.finalize(st, self._forget_restored, e.nbytes)
         return st
+
+    def _forget_restored(self, nbytes: int) -> None:
+        self._resident_restored -= nbytes
+
+    def _start_read(self, e: _Entry) -> None:
+        """Begin bringing an entry back. On CPU the bytes go from NVMe straight into
+        the page-aligned buffer that becomes the restored storage; the arena is not
+        used, so read-ahead never evicts what is about to be needed."""
+        native = self.store._native
+        from_host = native.location(e.key)[0]
+        if e.device.type == "cpu":
+            buf = _aligned_empty(e.nbytes)
+            e.reading = (buf, native.read_into(e.key, buf.data_ptr()), from_host)
+        else:
+            e.reading = (None, None if from_host else native.prefetch(e.key), from_host)
 
     def _prefetch_ahead(self, e: _Entry) -> None:
         """Entering a layer's backward: start reading the next layers' entries."""
@@ -364,8 +397,8 @@ class Offloader:
             entry.prefetched = True
         for d in range(1, self.config.policy.prefetch_layers + 1):
             for entry in self._by_layer.get((e.forward, e.layer - d), ()):
-                if not entry.prefetched and entry.gpu is None:
-                    self.store._native.prefetch(entry.key)
+                if entry.reading is None and entry.gpu is None and entry.restored is None:
+                    self._start_read(entry)
 
     def _release(self, e: _Entry) -> None:
         e.refs -= 1
@@ -374,6 +407,9 @@ class Offloader:
         with self._lock:
             e.gpu = None
             e.restored = None
+            if e.reading is not None and e.reading[1] is not None:
+                e.reading[1].wait()  # the buffer must outlive its read
+            e.reading = None
             group = self._by_layer.get((e.forward, e.layer))
             if group is not None:
                 group.remove(e)
@@ -468,7 +504,9 @@ class Offloader:
     # ---------------------------------------------------------------- misc
 
     def _note_peak(self) -> None:
-        resident = self._resident_kept + self._resident_gpu + self.store._native.host_used
+        resident = (
+            self._resident_kept + self._resident_gpu + self._resident_restored + self.store._native.host_used
+        )
         if resident > self._peak:
             self._peak = resident
 

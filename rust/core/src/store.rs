@@ -126,6 +126,15 @@ impl StoreConfig {
     }
 }
 
+/// Where a transfer's bytes are in memory.
+#[derive(Clone, Copy)]
+enum Target {
+    /// The slot at this arena offset.
+    Arena(u64),
+    /// Caller memory (page-aligned, the entry's length rounded up to 4096).
+    User(*mut u8),
+}
+
 /// One range of an entry on one device.
 #[derive(Debug, Clone, Copy)]
 struct Piece {
@@ -147,7 +156,19 @@ struct Placement {
 enum Inflight {
     None,
     Write(Arc<Ticket>),
+    /// NVMe to the entry's host slot.
     Read(Arc<Ticket>),
+    /// NVMe straight into caller memory (`read_into`); the arena is not involved.
+    Direct(Arc<Ticket>),
+}
+
+impl Inflight {
+    fn ticket(&self) -> Option<&Arc<Ticket>> {
+        match self {
+            Inflight::None => None,
+            Inflight::Write(t) | Inflight::Read(t) | Inflight::Direct(t) => Some(t),
+        }
+    }
 }
 
 struct Entry {
@@ -217,6 +238,8 @@ struct Inner {
     dev_full: Vec<bool>,
     /// Keys with a write in flight (eviction or explicit).
     writing: Vec<u64>,
+    /// Keys with a read in flight (to a slot or to caller memory).
+    reading: Vec<u64>,
     stats: Stats,
     /// An error of a background write that nobody waited on yet.
     deferred: Option<Error>,
@@ -332,6 +355,7 @@ impl Store {
                 devs,
                 dev_full: vec![false; n],
                 writing: Vec::new(),
+                reading: Vec::new(),
                 stats,
                 deferred: None,
                 closed: false,
@@ -579,7 +603,7 @@ impl Store {
             if e.filling {
                 return Err(Error::Invalid(format!("entry {key} is still being filled")));
             }
-            if let Inflight::Read(t) = &e.inflight {
+            if let Inflight::Read(t) | Inflight::Direct(t) = &e.inflight {
                 let t = t.clone();
                 let (g2, r) = self.wait_unlocked(g, &t);
                 g = g2;
@@ -640,7 +664,7 @@ impl Store {
         loop {
             Self::reap(&mut g);
             let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
-            if let Inflight::Read(t) | Inflight::Write(t) = &e.inflight {
+            if let Some(t) = e.inflight.ticket() {
                 let t = t.clone();
                 let (g2, _) = self.wait_unlocked(g, &t);
                 g = g2;
@@ -673,6 +697,52 @@ impl Store {
         }
     }
 
+    /// Read an entry into caller memory without going through the arena.
+    /// A resident entry is copied from its slot at once (the ticket is done);
+    /// otherwise the read from NVMe is submitted straight into `dst` and the
+    /// ticket completes when it lands. Only one transfer per entry at a time.
+    ///
+    /// # Safety
+    /// `dst` must be 4096-aligned and valid for writes of the entry's length
+    /// rounded up to 4096 until the ticket is done.
+    pub unsafe fn read_into(&self, key: u64, dst: *mut u8) -> Result<Arc<Ticket>> {
+        let mut g = self.lock()?;
+        loop {
+            Self::reap(&mut g);
+            let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
+            if e.filling {
+                return Err(Error::Invalid(format!("entry {key} is still being filled")));
+            }
+            if let Inflight::Read(t) | Inflight::Direct(t) = &e.inflight {
+                let t = t.clone();
+                let (g2, r) = self.wait_unlocked(g, &t);
+                g = g2;
+                r?;
+                continue;
+            }
+            let len = e.len;
+            if len == 0 {
+                return Ok(Ticket::done());
+            }
+            if let Some(off) = e.host {
+                // Safety: the slot holds len bytes; dst has room per the contract.
+                std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(off as usize), dst, len as usize);
+                g.stats.host_hits += 1;
+                g.stats.host_bytes_out += len;
+                return Ok(Ticket::done());
+            }
+            if (dst as u64) % ALIGN != 0 {
+                return Err(Error::Invalid(format!("read_into needs a {ALIGN}-byte aligned buffer")));
+            }
+            let pl = e.nvme.clone().ok_or_else(|| Error::Invalid(format!("entry {key} has no bytes")))?;
+            let t = self.submit_placement(&mut g, &pl, Dir::Read, Target::User(dst));
+            g.entries.get_mut(&key).unwrap().inflight = Inflight::Direct(t.clone());
+            g.reading.push(key);
+            g.stats.nvme_hits += 1;
+            return Ok(t);
+        }
+    }
+
     /// Start reading the entry back into the host tier without waiting.
     /// Best effort: when the arena has no room that can be made without
     /// waiting, nothing is read (counted as `prefetch_skipped`).
@@ -681,7 +751,7 @@ impl Store {
         Self::reap(&mut g);
         let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
         match (&e.inflight, e.host) {
-            (Inflight::Read(t), _) => return Ok(t.clone()),
+            (Inflight::Read(t) | Inflight::Direct(t), _) => return Ok(t.clone()),
             (_, Some(_)) => return Ok(Ticket::done()),
             _ => {}
         }
@@ -712,8 +782,9 @@ impl Store {
         e.host = Some(off);
         e.host_seq = seq;
         e.access_seq = seq;
-        let t = self.submit_placement(g, &pl, Dir::Read, off);
+        let t = self.submit_placement(g, &pl, Dir::Read, Target::Arena(off));
         g.entries.get_mut(&key).unwrap().inflight = Inflight::Read(t.clone());
+        g.reading.push(key);
         t
     }
 
@@ -728,16 +799,13 @@ impl Store {
             if e.pins > 0 {
                 return Err(Error::Invalid(format!("entry {key} is in use (being filled or read)")));
             }
-            match &e.inflight {
-                Inflight::Write(t) | Inflight::Read(t) => {
-                    let t = t.clone();
-                    g.entries.get_mut(&key).unwrap().evicting = true;
-                    let (g2, r) = self.wait_unlocked(g, &t);
-                    g = g2;
-                    r?;
-                    continue;
-                }
-                Inflight::None => {}
+            if let Some(t) = e.inflight.ticket() {
+                let t = t.clone();
+                g.entries.get_mut(&key).unwrap().evicting = true;
+                let (g2, r) = self.wait_unlocked(g, &t);
+                g = g2;
+                r?;
+                continue;
             }
             let Some(off) = e.host else { return Ok(()) };
             if e.nvme_valid || e.len == 0 {
@@ -758,7 +826,7 @@ impl Store {
         loop {
             Self::reap(&mut g);
             let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
-            if let Inflight::Write(t) | Inflight::Read(t) = &e.inflight {
+            if let Some(t) = e.inflight.ticket() {
                 let t = t.clone();
                 let (g2, _) = self.wait_unlocked(g, &t);
                 g = g2;
@@ -802,10 +870,7 @@ impl Store {
         let r = self.flush();
         let mut g = self.inner.lock().unwrap();
         loop {
-            let t = g.entries.values().find_map(|e| match &e.inflight {
-                Inflight::Read(t) | Inflight::Write(t) => Some(t.clone()),
-                Inflight::None => None,
-            });
+            let t = g.entries.values().find_map(|e| e.inflight.ticket().cloned());
             let Some(t) = t else { break };
             drop(g);
             let _ = t.wait();
@@ -868,19 +933,27 @@ impl Store {
                 }
             }
         }
-        // Reads: cheap to scan only entries that have one; most have none.
-        let done_reads: Vec<(u64, Result<()>)> = g
-            .entries
-            .iter()
-            .filter_map(|(k, e)| match &e.inflight {
-                Inflight::Read(t) => t.poll().map(|r| (*k, r)),
-                _ => None,
-            })
-            .collect();
-        for (key, res) in done_reads {
+        let mut i = 0;
+        while i < g.reading.len() {
+            let key = g.reading[i];
+            let res = match g.entries.get(&key).map(|e| &e.inflight) {
+                Some(Inflight::Read(t) | Inflight::Direct(t)) => match t.poll() {
+                    Some(r) => r,
+                    None => {
+                        i += 1;
+                        continue;
+                    }
+                },
+                _ => {
+                    g.reading.swap_remove(i);
+                    continue;
+                }
+            };
+            g.reading.swap_remove(i);
             let e = g.entries.get_mut(&key).unwrap();
+            let to_slot = matches!(e.inflight, Inflight::Read(_));
             e.inflight = Inflight::None;
-            if res.is_err() {
+            if to_slot && res.is_err() {
                 // The NVMe copy is still there; give up the slot, the next acquire retries.
                 let (off, len) = (e.host.take().unwrap(), e.len);
                 e.prefetched = false;
@@ -922,18 +995,26 @@ impl Store {
             Self::reap(&mut g);
             if let Some(off) = g.host.alloc(need) {
                 if wait {
-                    self.start_evictions(&mut g, 0, headroom);
+                    self.start_evictions(&mut g, 0, headroom, false);
                 }
                 return Ok((g, Some(off)));
             }
             // An NVMe allocation failure is not an error here: without a slot the
             // caller streams through staging, which reports it if it applies.
-            self.start_evictions(&mut g, need, headroom);
+            self.start_evictions(&mut g, need, headroom, false);
             if let Some(off) = g.host.alloc(need) {
                 return Ok((g, Some(off)));
             }
             if !wait {
                 return Ok((g, None));
+            }
+            let writes_pending = g.writing.iter().any(|k| g.entries.get(k).is_some_and(|e| e.evicting));
+            if !writes_pending {
+                // Nothing else is leaving: as a last resort, read-ahead entries go too.
+                self.start_evictions(&mut g, need, 0, true);
+                if let Some(off) = g.host.alloc(need) {
+                    return Ok((g, Some(off)));
+                }
             }
             // Wait for the oldest eviction write.
             let t = g.writing.iter().find_map(|k| match g.entries.get(k) {
@@ -957,8 +1038,10 @@ impl Store {
 
     /// Start evictions until free + leaving ≥ `need + headroom`. Clean entries
     /// give up their slot at once; dirty ones are written first, until NVMe
-    /// has no room for them.
-    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64) {
+    /// has no room for them. Entries read ahead and not used yet are taken
+    /// only with `take_prefetched` (a caller that must have the space):
+    /// evicting them would mean reading them again.
+    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool) {
         let leaving: u64 =
             g.writing.iter().filter_map(|k| g.entries.get(k)).filter(|e| e.evicting).map(|e| g.host.round(e.len)).sum();
         let mut budget = (need + headroom).saturating_sub(g.host.available() + leaving);
@@ -970,7 +1053,12 @@ impl Store {
             .entries
             .iter()
             .filter(|(_, e)| {
-                e.host.is_some() && e.pins == 0 && !e.filling && matches!(e.inflight, Inflight::None) && e.len > 0
+                e.host.is_some()
+                    && e.pins == 0
+                    && !e.filling
+                    && matches!(e.inflight, Inflight::None)
+                    && e.len > 0
+                    && (take_prefetched || !e.prefetched)
             })
             .map(|(k, e)| {
                 let prio = match policy {
@@ -1012,7 +1100,7 @@ impl Store {
         let len = g.entries[&key].len;
         let pl = self.alloc_placement(g, len)?;
         let off = g.entries[&key].host.expect("a dirty entry has a host slot");
-        let t = self.submit_placement(g, &pl, Dir::Write, off);
+        let t = self.submit_placement(g, &pl, Dir::Write, Target::Arena(off));
         let e = g.entries.get_mut(&key).unwrap();
         e.nvme = Some(pl);
         e.inflight = Inflight::Write(t);
@@ -1106,37 +1194,49 @@ impl Store {
         out
     }
 
-    fn submit_placement(&self, g: &mut Inner, pl: &Placement, dir: Dir, arena_off: u64) -> Arc<Ticket> {
+    fn submit_placement(&self, g: &mut Inner, pl: &Placement, dir: Dir, target: Target) -> Arc<Ticket> {
         let mut reqs: Vec<Piece> = Vec::new();
         for c in self.chunks(pl) {
-            // Split where the chunk crosses a 1 GiB registered-buffer boundary.
-            let start = arena_off + c.entry_off;
-            let end = start + c.len;
-            let boundary = (start / FIXED_BUF + 1) * FIXED_BUF;
-            if end > boundary {
-                let first = boundary - start;
-                reqs.push(Piece { len: first, ..c });
-                reqs.push(Piece {
-                    file_off: c.file_off + first,
-                    entry_off: c.entry_off + first,
-                    len: c.len - first,
-                    ..c
-                });
-            } else {
-                reqs.push(c);
+            match target {
+                // Split where the chunk crosses a 1 GiB registered-buffer boundary.
+                Target::Arena(arena_off) => {
+                    let start = arena_off + c.entry_off;
+                    let end = start + c.len;
+                    let boundary = (start / FIXED_BUF + 1) * FIXED_BUF;
+                    if end > boundary {
+                        let first = boundary - start;
+                        reqs.push(Piece { len: first, ..c });
+                        reqs.push(Piece {
+                            file_off: c.file_off + first,
+                            entry_off: c.entry_off + first,
+                            len: c.len - first,
+                            ..c
+                        });
+                        continue;
+                    }
+                    reqs.push(c)
+                }
+                Target::User(_) => reqs.push(c),
             }
         }
         let ticket = Ticket::new(reqs.len());
         let mut per_dev: Vec<Vec<IoReq>> = (0..self.cfg.devices.len()).map(|_| Vec::new()).collect();
         for c in reqs {
-            let a = arena_off + c.entry_off;
+            let (buf, fixed) = match target {
+                Target::Arena(arena_off) => {
+                    let a = arena_off + c.entry_off;
+                    // Safety: the slot [arena_off, arena_off + rounded len) lies in the arena.
+                    (unsafe { self.arena.as_ptr().add(a as usize) }, Some((a / FIXED_BUF) as u16))
+                }
+                // Safety: the caller of read_into guarantees room for the rounded length.
+                Target::User(p) => (unsafe { p.add(c.entry_off as usize) }, None),
+            };
             per_dev[c.dev].push(IoReq {
                 dir,
                 file_off: c.file_off,
-                // Safety: the slot [arena_off, arena_off + rounded len) lies in the arena.
-                buf: unsafe { self.arena.as_ptr().add(a as usize) },
+                buf,
                 len: c.len as usize,
-                fixed: Some((a / FIXED_BUF) as u16),
+                fixed,
                 ticket: ticket.clone(),
             });
         }

@@ -311,3 +311,58 @@ fn bad_config_is_refused() {
     let c = cfg(&[], 1 << 20, Backend::Auto);
     assert!(Store::new(c).err().unwrap().to_string().contains("NVMe directory"));
 }
+
+#[test]
+fn read_into_caller_memory_skips_the_arena() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let data = pattern(700_001, 4);
+    let k = put(&s, &data);
+    let mut dst = Aligned::new(700_001usize.div_ceil(4096) * 4096);
+    // Resident: copied from the slot, the ticket is done at once.
+    // Safety: dst is aligned and large enough.
+    let t = unsafe { s.read_into(k, dst.as_mut_ptr()) }.unwrap();
+    assert!(t.is_done());
+    assert!(&dst.slice()[..data.len()] == data.as_slice());
+    s.evict(k).unwrap();
+    dst.slice_mut().fill(0);
+    let before = s.stats();
+    // Safety: as above.
+    let t = unsafe { s.read_into(k, dst.as_mut_ptr()) }.unwrap();
+    t.wait().unwrap();
+    assert!(&dst.slice()[..data.len()] == data.as_slice());
+    let after = s.stats();
+    assert_eq!(after.host_used, 0, "the arena was not used");
+    assert_eq!(after.nvme_bytes_read - before.nvme_bytes_read, 700_416);
+    assert_eq!(s.location(k).unwrap(), (false, true));
+    // Misaligned caller memory is refused, not silently corrupted.
+    // Safety: the pointer is never written through (the call fails first).
+    let err = unsafe { s.read_into(k, dst.as_mut_ptr().add(8)) }.err().unwrap();
+    assert!(err.to_string().contains("aligned"), "{err}");
+    s.free(k).unwrap();
+}
+
+#[test]
+fn read_ahead_does_not_evict_what_it_read_ahead() {
+    // Arena of four entries, a read-ahead window of four: every entry is read exactly once.
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let n = 16;
+    let keys: Vec<u64> = (0..n).map(|i| put(&s, &pattern(256 << 10, i as u64))).collect();
+    s.flush().unwrap();
+    for &k in &keys {
+        s.evict(k).unwrap();
+    }
+    let before = s.stats().nvme_bytes_read;
+    for &k in keys.iter().take(3) {
+        s.prefetch(k).unwrap();
+    }
+    for i in 0..n {
+        if i + 3 < n {
+            s.prefetch(keys[i + 3]).unwrap();
+        }
+        assert!(get(&s, keys[i]) == pattern(256 << 10, i as u64));
+        s.free(keys[i]).unwrap();
+    }
+    assert_eq!(s.stats().nvme_bytes_read - before, n as u64 * (256 << 10), "no entry is read twice");
+}

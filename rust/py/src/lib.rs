@@ -141,6 +141,16 @@ impl Store {
         py.detach(move || unsafe { s.read_direct(key, address as *mut u8) }).py_err(py)
     }
 
+    /// Read an entry into page-aligned host memory at `address` (room for the
+    /// length rounded up to 4096), bypassing the arena; returns a Ticket.
+    fn read_into(&self, py: Python<'_>, key: u64, address: usize) -> PyResult<Ticket> {
+        let s = self.inner.clone();
+        // Safety: the Python layer passes a page-aligned buffer of the rounded
+        // length that it keeps alive until the ticket is done.
+        let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8) }).py_err(py)?;
+        Ok(Ticket { inner: t })
+    }
+
     /// Start reading the entry back into the host tier; returns a Ticket.
     fn prefetch(&self, py: Python<'_>, key: u64) -> PyResult<Ticket> {
         let s = self.inner.clone();
