@@ -1,0 +1,101 @@
+"""CUDA staging: device-to-host copies on the offload stream into the registered
+arena, forwarding while a copy is in flight, and exact gradients. Skipped
+without CUDA; run on a GPU machine."""
+
+from __future__ import annotations
+
+import os
+
+# cuBLAS is deterministic only with a fixed workspace; set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import ssdtier  # noqa: E402
+from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch  # noqa: E402
+
+from .test_attach import TINY, assert_same, offload_config  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0):
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg).cuda()
+        gen = torch.Generator().manual_seed(2)
+        batches = [make_batch(cfg, 2, gen, device="cuda") for _ in range(micro)]
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        torch.manual_seed(1)
+        losses = []
+        for b in batches:
+            loss = batch_loss(model, b)
+            if sleep_cycles:
+                # Keep the compute stream busy so offload copies are still in flight at backward.
+                torch.cuda._sleep(sleep_cycles)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.cuda.synchronize()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        stats = off.stats() if off else None
+        if off:
+            off.detach()
+        return losses, grads, stats
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+CFG = GPTConfig(n_layers=3, **TINY)
+
+
+@pytest.mark.parametrize("host", ["64KiB", "64MiB"])
+def test_exact_gradients_on_cuda(store_dir, host):
+    ref = train_cuda(CFG)
+    got = train_cuda(CFG, offload_config(store_dir, host=host))
+    assert_same(ref, got)
+    s = got[2]
+    assert s.tensors_offloaded > 0
+    if host == "64KiB":
+        assert s.bytes_read_nvme > 0
+    else:
+        assert s.forwarded > 0
+
+
+def test_races_widened_with_sleep(store_dir):
+    ref = train_cuda(CFG, sleep_cycles=50_000_000)
+    got = train_cuda(CFG, offload_config(store_dir), sleep_cycles=50_000_000)
+    assert_same(ref, got)
+
+
+def test_bf16_autocast_on_cuda(store_dir):
+    def run(ssd):
+        torch.manual_seed(0)
+        model = build_model(CFG).cuda()
+        batch = make_batch(CFG, 2, torch.Generator().manual_seed(2), device="cuda")
+        off = ssdtier.attach(model, ssd) if ssd else None
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = batch_loss(model, batch)
+        loss.backward()
+        if off:
+            off.detach()
+        return [loss.detach()], {n: p.grad for n, p in model.named_parameters()}, None
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_same(run(None), run(offload_config(store_dir)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_store_round_trip_of_cuda_tensors(store_dir):
+    from .conftest import store_config
+
+    x = torch.randn(1000, 300, device="cuda")
+    with ssdtier.TieredStore(store_config(store_dir, host="1MiB")) as store:
+        k = store.put(x.t())
+        store.evict(k)
+        out = store.get(k)
+        assert out.device == x.device and torch.equal(out, x.t())
