@@ -7,8 +7,12 @@ import os
 import tempfile
 from pathlib import Path
 
-import pytest
-from ssdtier.config import is_tmpfs
+# cuBLAS is deterministic only with a fixed workspace; it must be set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+
+from ssdtier.config import is_tmpfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_ROOT = REPO / "target" / "pytest-stores"

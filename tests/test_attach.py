@@ -8,12 +8,13 @@ import contextlib
 import logging
 
 import pytest
-import ssdtier
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ssdtier.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
 from torch import nn
+
+import ssdtier
+from ssdtier.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
 
 from .conftest import store_config
 

@@ -13,6 +13,7 @@ import pytest
 import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
+
 from ssdtier.config import (
     RAMFS_MAGIC,
     TMPFS_MAGIC,

@@ -4,18 +4,15 @@ without CUDA; run on a GPU machine."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-# cuBLAS is deterministic only with a fixed workspace; set before CUDA starts.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import ssdtier
+from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from .test_attach import TINY, assert_same, offload_config
 
-import ssdtier  # noqa: E402
-from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch  # noqa: E402
-
-from .test_attach import TINY, assert_same, offload_config  # noqa: E402
+# CUBLAS_WORKSPACE_CONFIG (needed for deterministic cuBLAS) is set in conftest.py, before CUDA starts.
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

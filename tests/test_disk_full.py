@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import torch
+
 from ssdtier import OutOfSpaceError, TieredStore
 
 from .conftest import REPO, store_config

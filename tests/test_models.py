@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from ssdtier import models
 from ssdtier.models import (
     GPT,
@@ -28,7 +30,6 @@ from ssdtier.models import (
     make_batch,
     t5_batch,
 )
-from torch import nn
 
 FAMILIES = ["gpt", "bert", "t5"]
 BATCH = 3

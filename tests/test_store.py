@@ -10,8 +10,9 @@ import sys
 import warnings
 
 import pytest
-import ssdtier
 import torch
+
+import ssdtier
 from ssdtier import ConfigError, OutOfSpaceError, StoreClosedError, TieredStore, UnknownKeyError
 
 from .conftest import REPO, store_config
