@@ -375,7 +375,7 @@ BAD_FILES = [
         "[io.extra]\nx = 1\n",
         (
             r"io\.extra: unknown key\. Allowed keys in \[io\]: backend, queue_depth, "
-            r"block_size, direct, fixed_buffers, threads$"
+            r"block_size, direct, fixed_buffers, threads, throttle$"
         ),
     ),
     (
@@ -626,6 +626,7 @@ def test_to_dict():
             "direct": False,
             "fixed_buffers": False,
             "threads": 8,
+            "throttle": None,
         },
         "policy": {
             "min_tensor_bytes": "64KiB",

@@ -231,13 +231,26 @@ def test_misuse_gives_clear_errors(store_dir):
 def test_bad_directories(store_dir):
     plain = store_dir / "a-file"
     plain.write_text("x")
+    # Checked before anything is opened, naming the key and the path.
+    for path in (plain, plain / "below"):
+        with pytest.raises(ConfigError, match=r"nvme\[0\]\.path = .*a-file.* is not a directory"):
+            TieredStore(store_config(path))
+    if os.path.isdir("/dev/shm"):
+        with pytest.raises(ConfigError, match="tmpfs.*io.direct = false"):
+            TieredStore(store_config("/dev/shm/ssdtier-test"))
+
+
+def test_directory_that_vanishes_is_an_os_error(store_dir, monkeypatch):
+    # Past the config check, the OS's own error comes through with errno and path.
+    import ssdtier.store as store_mod
+
+    plain = store_dir / "a-file"
+    plain.write_text("x")
+    monkeypatch.setattr(store_mod, "check_paths", lambda cfg: [str(plain)])
     with pytest.raises(ssdtier.SsdtierOSError) as info:
         TieredStore(store_config(plain))
     assert info.value.errno == errno.ENOTDIR
     assert str(plain) in str(info.value)
-    if os.path.isdir("/dev/shm"):
-        with pytest.raises(ConfigError, match="tmpfs"):
-            TieredStore(store_config("/dev/shm/ssdtier-test"))
 
 
 def test_tmpfs_with_direct_off_warns_once_and_works(store_dir):

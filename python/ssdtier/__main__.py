@@ -1,4 +1,4 @@
-"""Command line: ``ssdtier info``, ``ssdtier demo`` and ``ssdtier roundtrip`` (also ``python -m ssdtier``)."""
+"""Command line: ``ssdtier check``, ``info``, ``demo`` and ``roundtrip`` (also ``python -m ssdtier``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,19 @@ def _store(args: argparse.Namespace, host: int):
     if args.dir:
         cfg["nvme"] = [{"path": args.dir, "capacity": "1TiB"}]
     return TieredStore(cfg)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Validate a config file and print the effective config, defaults filled in."""
+    from .config import check_paths, load_config
+
+    cfg = load_config(args.file)
+    paths = check_paths(cfg)
+    print(f"# {args.file}: valid. Effective configuration, defaults filled in:")
+    if not cfg.nvme:
+        print(f"# no [[nvme]] table: the default directory {paths[0]} is used")
+    print(cfg.to_toml(), end="")
+    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -202,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ssdtier", description=__doc__)
     parser.add_argument("--version", action="version", version=f"ssdtier {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("check", help="validate a TOML config file and print the effective config")
+    p.add_argument("file", help="path of the TOML file")
+    p.set_defaults(func=cmd_check)
     p = sub.add_parser("info", help="what this machine supports (io_uring, O_DIRECT, CUDA)")
     p.add_argument("dir", nargs="?", help="directory to check (default: SSDTIER_DIR or ~/.cache/ssdtier)")
     p.set_defaults(func=cmd_info)

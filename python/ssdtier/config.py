@@ -53,6 +53,7 @@ __all__ = [
     "is_tmpfs",
     "load_config",
     "parse_size",
+    "check_paths",
     "resolve_config",
 ]
 
@@ -342,6 +343,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
         "direct": _bool,
         "fixed_buffers": _bool,
         "threads": _int_range(1, 64),
+        "throttle": _size_range(0, optional=True),
     },
     "policy": {
         "min_tensor_bytes": _size_range(0),
@@ -358,6 +360,7 @@ _SIZE_KEYS = {
     ("host", "capacity"),
     ("nvme", "capacity"),
     ("io", "block_size"),
+    ("io", "throttle"),
     ("policy", "min_tensor_bytes"),
     ("policy", "device_budget"),
 }
@@ -440,6 +443,8 @@ class IoConfig:
         direct: Use ``O_DIRECT``.
         fixed_buffers: Register host buffers with io_uring.
         threads: Worker threads of the posix backend, 1..64.
+        throttle: Cap each directory's bandwidth at this many bytes per
+            second (a size; for benchmarks that imitate a slow disk), or None.
     """
 
     _TABLE: ClassVar[str] = "io"
@@ -450,6 +455,7 @@ class IoConfig:
     direct: bool = True
     fixed_buffers: bool = True
     threads: int = 4
+    throttle: int | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -912,3 +918,38 @@ def is_tmpfs(path: str | os.PathLike[str]) -> bool:
         return (buf.f_type & 0xFFFFFFFF) in (TMPFS_MAGIC, RAMFS_MAGIC)
     except (OSError, ValueError, TypeError):
         return False
+
+
+def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
+    """Check that every NVMe directory can be used; returns the absolute paths.
+
+    A directory must exist or be creatable (its nearest existing ancestor is a
+    writable directory) and be writable; with ``io.direct`` on it must not be on
+    tmpfs, which refuses ``O_DIRECT``. Nothing is created.
+
+    Raises:
+        ConfigError: naming the source, the key and the path.
+    """
+    if config.nvme:
+        paths = [(f"nvme[{i}].path", n.path) for i, n in enumerate(config.nvme)]
+    else:
+        paths = [("SSDTIER_DIR (the default directory)", default_dir or default_nvme_dir())]
+    out = []
+    for key, path in paths:
+        path = os.path.abspath(os.path.expanduser(path))
+        probe = path
+        while not os.path.lexists(probe):
+            probe = os.path.dirname(probe)
+        where = f"{config.source}: {key} = {path!r}"
+        if not os.path.isdir(probe):
+            raise ConfigError(f"{where}: {probe} is not a directory")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
+            raise ConfigError(f"{where}: the directory {what}")
+        if config.io.direct and is_tmpfs(probe):
+            raise ConfigError(
+                f"{where}: the directory is on tmpfs, which does not support O_DIRECT; "
+                "use a directory on an SSD, or set io.direct = false"
+            )
+        out.append(path)
+    return out

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from . import _native
-from .config import Config, GiB, default_nvme_dir, format_size, is_tmpfs, resolve_config
-from .errors import ConfigError, SsdtierWarning, StoreClosedError, UnknownKeyError
+from .config import Config, GiB, check_paths, format_size, resolve_config
+from .errors import SsdtierWarning, StoreClosedError, UnknownKeyError
 
 __all__ = ["StoreStats", "TieredStore"]
 
@@ -66,26 +66,15 @@ class StoreStats:
 
 def _devices(cfg: Config) -> list[tuple[str, int]]:
     """(directory, capacity) per NVMe device; the default directory when none is configured."""
+    paths = check_paths(cfg)
     if cfg.nvme:
-        devs = [(os.path.abspath(n.path), n.capacity) for n in cfg.nvme]
-        where = "its [[nvme]] path"
-    else:
-        path = os.path.abspath(default_nvme_dir())
-        # Never promise more than the file system has: 90% of what is free now, at most 64 GiB.
-        probe = path
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        free = shutil.disk_usage(probe).free
-        devs = [(path, max(min(64 * GiB, free * 9 // 10), 1 << 20))]
-        where = "SSDTIER_DIR"
-    if cfg.io.direct:
-        for path, _ in devs:
-            if is_tmpfs(path):
-                raise ConfigError(
-                    f"{cfg.source}: {path} is on tmpfs, which does not support O_DIRECT; "
-                    f"point {where} at a directory on an SSD, or set io.direct = false"
-                )
-    return devs
+        return [(p, n.capacity) for p, n in zip(paths, cfg.nvme, strict=True)]
+    # Never promise more than the file system has: 90% of what is free now, at most 64 GiB.
+    probe = paths[0]
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    return [(paths[0], max(min(64 * GiB, free * 9 // 10), 1 << 20))]
 
 
 class TieredStore:
@@ -127,7 +116,7 @@ class TieredStore:
             fixed_buffers=cfg.io.fixed_buffers,
             threads=cfg.io.threads,
             eviction=cfg.policy.eviction,
-            throttle_bytes_per_sec=getattr(cfg.io, "throttle_bytes_per_sec", 0) or 0,
+            throttle_bytes_per_sec=cfg.io.throttle or 0,
         )
         for notice in self._native.take_notices():
             if any(m in notice for m in _WARN_MARKERS):

@@ -1,0 +1,56 @@
+"""The command line: ssdtier check / info (as python -m ssdtier)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .conftest import REPO
+
+
+def ssdtier(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ssdtier", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **env},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_check_prints_the_effective_config(store_dir):
+    f = store_dir / "good.toml"
+    f.write_text(
+        f'[host]\ncapacity = "64MiB"\n[[nvme]]\npath = "{store_dir}/a"\n[policy]\nprefetch_layers = 3\n'
+    )
+    r = ssdtier("check", str(f))
+    assert r.returncode == 0, r.stderr
+    assert "valid" in r.stdout
+    # Given values and filled-in defaults both appear.
+    for line in ('capacity = "64MiB"', "prefetch_layers = 3", "queue_depth = 64", 'eviction = "lifetime"'):
+        assert line in r.stdout, (line, r.stdout)
+
+
+def test_check_fails_with_the_message(store_dir):
+    f = store_dir / "bad.toml"
+    f.write_text("[io]\nqueue_dept = 8\n")
+    r = ssdtier("check", str(f))
+    assert r.returncode == 1
+    assert str(f) in r.stderr and "io.queue_dept" in r.stderr and "did you mean 'queue_depth'" in r.stderr
+    r = ssdtier("check", str(store_dir / "missing.toml"))
+    assert r.returncode == 1 and "missing.toml" in r.stderr
+    g = store_dir / "tmpfs.toml"
+    g.write_text('[[nvme]]\npath = "/dev/shm/x"\n')
+    r = ssdtier("check", str(g))
+    if os.path.isdir("/dev/shm"):
+        assert r.returncode == 1 and "tmpfs" in r.stderr
+
+
+def test_info_reports_the_backend(store_dir):
+    r = ssdtier("info", str(store_dir))
+    assert r.returncode == 0, r.stderr
+    assert "backend         io_uring" in r.stdout
+    assert "O_DIRECT        yes" in r.stdout
