@@ -105,9 +105,7 @@ def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
 
 
 def test_bf16_autocast(store_dir):
-    assert_same(
-        train(CONFIGS["gpt"], autocast=True), train(CONFIGS["gpt"], offload_config(store_dir), autocast=True)
-    )
+    assert_same(train(CONFIGS["gpt"], autocast=True), train(CONFIGS["gpt"], offload_config(store_dir), autocast=True))
 
 
 @pytest.mark.parametrize("family", ["gpt", "t5"])
@@ -278,9 +276,7 @@ def views(draw):
     n = 1
     for s in shape:
         n *= s
-    ops = draw(
-        st.lists(st.sampled_from(["t", "slice", "step", "select", "expand", "flat", "strided"]), max_size=3)
-    )
+    ops = draw(st.lists(st.sampled_from(["t", "slice", "step", "select", "expand", "flat", "strided"]), max_size=3))
     return shape, dtype, ops, draw(st.integers(0, 2**31))
 
 
@@ -346,3 +342,32 @@ def _offloader_for_views():
     _OFF.detach()
     _OFF = None
     shutil.rmtree(path)
+
+
+# ------------------------------------------------------------------ adaptive mode and device budget
+
+
+def test_adaptive_mode_plans_and_stays_exact(store_dir):
+    cfg = offload_config(store_dir, mode="adaptive")
+    cfg["io"]["throttle"] = "200MB"  # a slow disk, so the plan must keep some layers
+    ref = train(CONFIGS["gpt"], micro=4)
+    got = train(CONFIGS["gpt"], cfg, micro=4)
+    assert_same(ref, got)
+    s = got[2]
+    assert s.plan is not None
+    assert len(s.plan.layers) == 3
+    assert s.plan.keep_last == s.layers_kept
+    assert "keep the last" in s.plan.table()
+
+
+def test_device_budget_caps_what_is_kept(store_dir):
+    # mode "none" would keep everything; a zero budget forces all of it out.
+    got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none", device_budget=0))
+    assert_same(train(CONFIGS["gpt"]), got)
+    assert got[2].tensors_kept == 0 and got[2].tensors_offloaded > 0
+
+
+def test_every_mode_is_exact(store_dir):
+    ref = train(CONFIGS["bert"])
+    for mode in ("all", "none", "adaptive"):
+        assert_same(ref, train(CONFIGS["bert"], offload_config(store_dir, mode=mode)))

@@ -23,9 +23,7 @@ def ssdtier(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_check_prints_the_effective_config(store_dir):
     f = store_dir / "good.toml"
-    f.write_text(
-        f'[host]\ncapacity = "64MiB"\n[[nvme]]\npath = "{store_dir}/a"\n[policy]\nprefetch_layers = 3\n'
-    )
+    f.write_text(f'[host]\ncapacity = "64MiB"\n[[nvme]]\npath = "{store_dir}/a"\n[policy]\nprefetch_layers = 3\n')
     r = ssdtier("check", str(f))
     assert r.returncode == 0, r.stderr
     assert "valid" in r.stdout

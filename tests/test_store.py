@@ -54,9 +54,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (random bits include NaNs, for which torch.equal is False)."""
     if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
         return False
-    return (
-        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
-    )
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -304,9 +302,7 @@ k = s.put(torch.arange(5)); s.evict(k); assert torch.equal(s.get(k), torch.arang
     backend, msgs = r.stdout.strip().splitlines()
     assert backend == "posix"
     assert "io_uring is not available" in msgs
-    r = _run(
-        code.replace("'block_size'", "'backend': 'io_uring', 'block_size'"), SSDTIER_DISABLE_IO_URING="1"
-    )
+    r = _run(code.replace("'block_size'", "'backend': 'io_uring', 'block_size'"), SSDTIER_DISABLE_IO_URING="1")
     assert r.returncode != 0 and "io_uring cannot be set up" in r.stderr
 
 

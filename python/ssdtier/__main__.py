@@ -157,10 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{what:36s} keep {format_size(m_keep):>9s}   ssdtier {format_size(m_ssd):>9s}   "
         f"ratio {m_ssd / max(m_keep, 1):.2f}"
     )
-    print(
-        f"{'median step time':36s} keep {med_keep:8.3f}s   ssdtier {med_ssd:8.3f}s   "
-        f"ratio {med_ssd / med_keep:.2f}"
-    )
+    print(f"{'median step time':36s} keep {med_keep:8.3f}s   ssdtier {med_ssd:8.3f}s   ratio {med_ssd / med_keep:.2f}")
     assert st is not None
     print(
         f"offloaded {format_size(st.bytes_offloaded)} in {st.tensors_offloaded} tensors; "

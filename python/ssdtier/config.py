@@ -212,9 +212,7 @@ def _exact_size(n: int) -> str:
 
 # (source, key prefix) of the table being built; set by from_dict() so that the
 # dataclasses' own validation can name the file and e.g. "nvme[1]".
-_LOCATION: ContextVar[tuple[str | None, str | None]] = ContextVar(
-    "ssdtier_config_location", default=(None, None)
-)
+_LOCATION: ContextVar[tuple[str | None, str | None]] = ContextVar("ssdtier_config_location", default=(None, None))
 
 
 @contextmanager
@@ -525,9 +523,7 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
                 f"Allowed keys in [{table}]: {', '.join(allowed)}"
             )
     if table == "nvme" and "path" not in data:
-        raise ConfigError(
-            f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)"
-        )
+        raise ConfigError(f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)")
     with _located(source, prefix):
         return cls(**data)
 
@@ -618,9 +614,7 @@ class Config:
                 show_type=True,
             )
         host = _build_table(HostConfig, d.get("host", {}), source, "host")
-        nvme = tuple(
-            _build_table(NvmeConfig, entry, source, f"nvme[{i}]") for i, entry in enumerate(nvme_data)
-        )
+        nvme = tuple(_build_table(NvmeConfig, entry, source, f"nvme[{i}]") for i, entry in enumerate(nvme_data))
         io = _build_table(IoConfig, d.get("io", {}), source, "io")
         policy = _build_table(PolicyConfig, d.get("policy", {}), source, "policy")
         with _located(source, None):

@@ -270,9 +270,7 @@ def _check_len(name: str, t: int, limit: int) -> None:
 
 
 def _lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 # ---------------------------------------------------------------------------
@@ -286,9 +284,7 @@ class GPTBlock(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = MultiHeadAttention(
-            cfg.d_model, cfg.n_heads, cfg.dropout, causal=True, max_len=cfg.seq_len
-        )
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, causal=True, max_len=cfg.seq_len)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.dropout)
 
@@ -346,9 +342,7 @@ class BertLayer(nn.Module):
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.attn = MultiHeadAttention(
-            cfg.d_model, cfg.n_heads, cfg.dropout, causal=False, max_len=cfg.seq_len
-        )
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, causal=False, max_len=cfg.seq_len)
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.dropout)
         self.ln2 = nn.LayerNorm(cfg.d_model)

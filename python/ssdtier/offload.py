@@ -29,6 +29,7 @@ from torch import nn
 
 from .config import Config, resolve_config
 from .errors import ConfigError, OutOfSpaceError, SsdtierError
+from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
 
 __all__ = ["OffloadStats", "Offloader", "attach", "find_layers"]
@@ -73,12 +74,11 @@ class OffloadStats:
     bytes_kept: int
     packs: int
     unpacks: int
+    plan: Plan | None
     store: StoreStats
 
 
-def find_layers(
-    model: nn.Module, path: str | None = None
-) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
+def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
     """The model's repeated blocks: the largest ModuleList/Sequential whose children share one class.
 
     Args:
@@ -172,14 +172,8 @@ class Offloader:
 
     def __init__(self, model: nn.Module, config: Config) -> None:
         if getattr(model, _ATTR, None) is not None:
-            raise SsdtierError(
-                f"ssdtier is already attached to this {type(model).__name__}; detach() it first"
-            )
+            raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         pol = config.policy
-        if pol.mode == "adaptive":
-            raise ConfigError(f"{config.source}: policy.mode = 'adaptive' is not available in this release")
-        if pol.device_budget is not None:
-            raise ConfigError(f"{config.source}: policy.device_budget is not available in this release")
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model = model
@@ -239,6 +233,20 @@ class Offloader:
             for i, block in enumerate(found[1]):
                 self._handles.append(block.register_forward_pre_hook(self._block_enter(i + 1)))
                 self._handles.append(block.register_forward_hook(self._block_exit(i + 1), always_call=True))
+        # Adaptive mode: profile of the iteration in progress, and the plan.
+        self._adaptive = pol.mode == "adaptive" and n > 0
+        self._budget = pol.device_budget
+        self._plan: Plan | None = None
+        self._min_keep = 0
+        self._clean_iters = 0
+        self._prof_fwd: dict[int, float] = {}
+        self._prof_bytes: dict[int, int] = {}
+        self._prof_t0: dict[int, tuple[float, float]] = {}
+        self._iter_stall0 = 0.0
+        self._iter_wait0 = 0.0
+        self._bw: tuple[float, float] | None = None
+        if self._adaptive:
+            self._bw = self._calibrate()
         setattr(model, _ATTR, self)
         log.info(
             "ssdtier: attached to %s; layers %s (%d), keeping the last %d, prefetching %d ahead",
@@ -253,6 +261,8 @@ class Offloader:
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
+            if self._adaptive:
+                self._replan()
             self._forward += 1
             self._tag = 0
             self._param_ptrs = {
@@ -271,14 +281,24 @@ class Offloader:
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
             self._tag = tag
+            if self._adaptive and self._depth:
+                self._prof_t0[tag] = (time.perf_counter(), self._store_wait())
 
         return hook
 
     def _block_exit(self, tag: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self._tag = self._n_layers + 1 if tag == self._n_layers else tag
+            start = self._prof_t0.pop(tag, None) if self._adaptive else None
+            if start is not None:
+                # Compute time: the time blocked on the store (a full arena) is not the layer's.
+                spent = time.perf_counter() - start[0] - (self._store_wait() - start[1])
+                self._prof_fwd[tag] = self._prof_fwd.get(tag, 0.0) + max(spent, 0.0)
 
         return hook
+
+    def _store_wait(self) -> float:
+        return self.store._native.stats()["wait_seconds"]
 
     # ---------------------------------------------------------------- pack / unpack
 
@@ -295,7 +315,12 @@ class Offloader:
         if (dev, ptr) in self._param_ptrs:
             return t
         nbytes = st.nbytes()
-        if nbytes < self.config.policy.min_tensor_bytes or self._tag >= self._keep_from:
+        if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
+            self._prof_bytes[self._tag] = self._prof_bytes.get(self._tag, 0) + nbytes
+        keep = nbytes < self.config.policy.min_tensor_bytes or self._tag >= self._keep_from
+        if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
+            keep = False  # over the device budget: offload even what the policy would keep
+        if keep:
             c["tensors_kept"] += 1
             c["bytes_kept"] += nbytes
             kept = _Kept(self, t, nbytes)
@@ -442,9 +467,7 @@ class Offloader:
         ok = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
         self._registered = ok
         if not ok:
-            log.warning(
-                "ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc
-            )
+            log.warning("ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc)
 
     def _offload_cuda(self, whole: torch.Tensor, nbytes: int) -> _Entry:
         native = self.store._native
@@ -501,12 +524,77 @@ class Offloader:
             native.release(e.key)
         return out
 
+    # ---------------------------------------------------------------- adaptive plan
+
+    def _calibrate(self) -> tuple[float, float]:
+        """The store's write and read bandwidth, measured at attach on a few blocks."""
+        chunk = 8 << 20
+        n = 4
+        src = torch.zeros(chunk, dtype=torch.uint8)
+        store, native = self.store, self.store._native
+        t0 = time.perf_counter()
+        keys = [store.put(src) for _ in range(n)]
+        for k in keys:
+            store.evict(k)
+        write = n * chunk / max(time.perf_counter() - t0, 1e-9)
+        bufs = [_aligned_empty(chunk) for _ in keys]
+        t0 = time.perf_counter()
+        tickets = [native.read_into(k, b.data_ptr()) for k, b in zip(keys, bufs, strict=True)]
+        for t in tickets:
+            t.wait()
+        read = n * chunk / max(time.perf_counter() - t0, 1e-9)
+        for k in keys:
+            store.free(k)
+        log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
+        return write, read
+
+    def _replan(self) -> None:
+        """At the start of an iteration: plan from the last one's profile, with stall feedback."""
+        if not self._prof_fwd:
+            return
+        stall = self._stall - self._iter_stall0 + (self._store_wait() - self._iter_wait0)
+        fwd_total = sum(self._prof_fwd.values())
+        if self._plan is not None:
+            if stall > 0.05 * 3 * fwd_total:
+                # Backward (about 2x forward) or forward waited on I/O: keep one more layer.
+                self._min_keep = min(self._n_layers, self._plan.keep_last + 1)
+                self._clean_iters = 0
+            else:
+                self._clean_iters += 1
+                if self._clean_iters >= 3 and self._min_keep > 0:
+                    # The disk kept up for a while: try offloading one more layer.
+                    self._min_keep -= 1
+                    self._clean_iters = 0
+        layers = [
+            LayerProfile(
+                i,
+                self._prof_bytes.get(i + 1, 0),
+                self._prof_fwd.get(i + 1, 0.0),
+                2 * self._prof_fwd.get(i + 1, 0.0),
+            )
+            for i in range(self._n_layers)
+        ]
+        assert self._bw is not None
+        plan = make_plan(layers, self._bw[0], self._bw[1], self._budget, self._min_keep)
+        if self._plan is None or plan.keep_last != self._plan.keep_last:
+            log.info("%s", plan.table())
+        self._plan = plan
+        self._layers_kept = plan.keep_last
+        n = self._n_layers
+        self._keep_from = n - plan.keep_last + 1 if plan.keep_last else n + 2
+        self._prof_fwd.clear()
+        self._prof_bytes.clear()
+        self._iter_stall0 = self._stall
+        self._iter_wait0 = self._store_wait()
+
+    def plan(self) -> Plan | None:
+        """The adaptive plan in force (per layer: bytes, time, decision and why); None before one is made."""
+        return self._plan
+
     # ---------------------------------------------------------------- misc
 
     def _note_peak(self) -> None:
-        resident = (
-            self._resident_kept + self._resident_gpu + self._resident_restored + self.store._native.host_used
-        )
+        resident = self._resident_kept + self._resident_gpu + self._resident_restored + self.store._native.host_used
         if resident > self._peak:
             self._peak = resident
 
@@ -525,6 +613,7 @@ class Offloader:
             stall_seconds=self._stall,
             layers_offloaded=self._n_layers - self._layers_kept,
             layers_kept=self._layers_kept,
+            plan=self._plan,
             store=st,
             **self._counts,
         )
