@@ -598,18 +598,8 @@ impl Store {
     pub fn acquire(&self, key: u64) -> Result<Option<u64>> {
         let mut g = self.lock()?;
         loop {
-            Self::reap(&mut g);
-            let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
-            if e.filling {
-                return Err(Error::Invalid(format!("entry {key} is still being filled")));
-            }
-            if let Inflight::Read(t) | Inflight::Direct(t) = &e.inflight {
-                let t = t.clone();
-                let (g2, r) = self.wait_unlocked(g, &t);
-                g = g2;
-                r?;
-                continue;
-            }
+            g = self.settle_reads(g, key)?;
+            let e = &g.entries[&key];
             if let Some(off) = e.host {
                 g.seq += 1;
                 let seq = g.seq;
@@ -706,41 +696,29 @@ impl Store {
     /// `dst` must be 4096-aligned and valid for writes of the entry's length
     /// rounded up to 4096 until the ticket is done.
     pub unsafe fn read_into(&self, key: u64, dst: *mut u8) -> Result<Arc<Ticket>> {
-        let mut g = self.lock()?;
-        loop {
-            Self::reap(&mut g);
-            let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
-            if e.filling {
-                return Err(Error::Invalid(format!("entry {key} is still being filled")));
-            }
-            if let Inflight::Read(t) | Inflight::Direct(t) = &e.inflight {
-                let t = t.clone();
-                let (g2, r) = self.wait_unlocked(g, &t);
-                g = g2;
-                r?;
-                continue;
-            }
-            let len = e.len;
-            if len == 0 {
-                return Ok(Ticket::done());
-            }
-            if let Some(off) = e.host {
-                // Safety: the slot holds len bytes; dst has room per the contract.
-                std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(off as usize), dst, len as usize);
-                g.stats.host_hits += 1;
-                g.stats.host_bytes_out += len;
-                return Ok(Ticket::done());
-            }
-            if (dst as u64) % ALIGN != 0 {
-                return Err(Error::Invalid(format!("read_into needs a {ALIGN}-byte aligned buffer")));
-            }
-            let pl = e.nvme.clone().ok_or_else(|| Error::Invalid(format!("entry {key} has no bytes")))?;
-            let t = self.submit_placement(&mut g, &pl, Dir::Read, Target::User(dst));
-            g.entries.get_mut(&key).unwrap().inflight = Inflight::Direct(t.clone());
-            g.reading.push(key);
-            g.stats.nvme_hits += 1;
-            return Ok(t);
+        let g = self.lock()?;
+        let mut g = self.settle_reads(g, key)?;
+        let e = &g.entries[&key];
+        let len = e.len;
+        if len == 0 {
+            return Ok(Ticket::done());
         }
+        if let Some(off) = e.host {
+            // Safety: the slot holds len bytes; dst has room per the contract.
+            std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(off as usize), dst, len as usize);
+            g.stats.host_hits += 1;
+            g.stats.host_bytes_out += len;
+            return Ok(Ticket::done());
+        }
+        if (dst as u64) % ALIGN != 0 {
+            return Err(Error::Invalid(format!("read_into needs a {ALIGN}-byte aligned buffer")));
+        }
+        let pl = e.nvme.clone().ok_or_else(|| Error::Invalid(format!("entry {key} has no bytes")))?;
+        let t = self.submit_placement(&mut g, &pl, Dir::Read, Target::User(dst));
+        g.entries.get_mut(&key).unwrap().inflight = Inflight::Direct(t.clone());
+        g.reading.push(key);
+        g.stats.nvme_hits += 1;
+        Ok(t)
     }
 
     /// Start reading the entry back into the host tier without waiting.
@@ -772,6 +750,23 @@ impl Store {
         let t = self.start_read(&mut g, key, off);
         g.entries.get_mut(&key).unwrap().prefetched = true;
         Ok(t)
+    }
+
+    /// Reap, then wait (with the lock released) while the entry has a read in
+    /// flight. An entry still being filled is refused.
+    fn settle_reads<'a>(&'a self, mut g: MutexGuard<'a, Inner>, key: u64) -> Result<MutexGuard<'a, Inner>> {
+        loop {
+            Self::reap(&mut g);
+            let e = g.entries.get(&key).ok_or(Error::UnknownKey(key))?;
+            if e.filling {
+                return Err(Error::Invalid(format!("entry {key} is still being filled")));
+            }
+            let (Inflight::Read(t) | Inflight::Direct(t)) = &e.inflight else { return Ok(g) };
+            let t = t.clone();
+            let (g2, r) = self.wait_unlocked(g, &t);
+            g = g2;
+            r?;
+        }
     }
 
     fn start_read(&self, g: &mut Inner, key: u64, off: u64) -> Arc<Ticket> {
