@@ -203,6 +203,7 @@ class Offloader:
         self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
         self._by_layer: dict[tuple[int, int], list[_Entry]] = {}
         self._pending: list[_Entry] = []  # CUDA copies to the arena in flight, in order
+        self._h2d: list[tuple[Any, int]] = []  # (event, key): slots pinned until their copy to the GPU is done
         self._cuda: dict[torch.device, Any] = {}
         self._registered = False
         self._closed = False
@@ -392,6 +393,7 @@ class Offloader:
         elif ticket is not None:
             ticket.wait()  # raises the read's error, if any
         if data is None:  # CUDA: through a pinned slot
+            self._poll_pending()
             data = self._restore_cuda(e)
         st = data.untyped_storage()
         e.restored = weakref.ref(st)
@@ -430,6 +432,16 @@ class Offloader:
         if e.refs:
             return
         with self._lock:
+            if e.event is not None:
+                # A copy into its arena slot is in flight: the slot must not be reused under it.
+                e.event.synchronize()
+                self._pending.remove(e)
+                e.event = None
+                self._resident_gpu -= e.nbytes
+            for ev, key in [x for x in self._h2d if x[1] == e.key]:
+                ev.synchronize()
+                self._h2d.remove((ev, key))
+                self.store._native.release(key)
             e.gpu = None
             e.restored = None
             if e.reading is not None and e.reading[1] is not None:
@@ -471,6 +483,7 @@ class Offloader:
 
     def _offload_cuda(self, whole: torch.Tensor, nbytes: int) -> _Entry:
         native = self.store._native
+        self._poll_pending()  # committed slots can be evicted to make room
         key, off = native.reserve(nbytes)
         entry = _Entry(key, nbytes, whole.device, self._forward, self._tag)
         if off is None:
@@ -497,8 +510,11 @@ class Offloader:
         return entry
 
     def _poll_pending(self) -> None:
-        """Commit the arena slots whose device-to-host copy is complete; drop their GPU sources."""
+        """Commit the arena slots whose device-to-host copy is complete (dropping their GPU
+        sources), and unpin the slots whose host-to-device copy is complete."""
         native = self.store._native
+        while self._h2d and self._h2d[0][0].query():
+            native.release(self._h2d.pop(0)[1])
         while self._pending and self._pending[0].event.query():
             e = self._pending.pop(0)
             native.commit(e.key)
@@ -518,10 +534,13 @@ class Offloader:
             return out
         try:
             out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
-            # The slot is released once the copy has read it.
-            torch.cuda.current_stream(e.device).synchronize()
-        finally:
+        except BaseException:
             native.release(e.key)
+            raise
+        # The slot stays pinned until the copy has read it; _poll_pending unpins it.
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(e.device))
+        self._h2d.append((ev, e.key))
         return out
 
     # ---------------------------------------------------------------- adaptive plan
