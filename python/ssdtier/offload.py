@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import threading
 import time
 import weakref
@@ -41,9 +40,13 @@ _PAGE = 4096
 
 
 def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor on its own page-aligned anonymous mapping, unmapped with the tensor."""
-    size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)[:nbytes]
+    """A uint8 CPU tensor of ``nbytes`` whose data is page-aligned, with room up to the
+    next page (O_DIRECT writes whole pages). It is a view, at an offset below one page,
+    into an ordinary torch allocation, so the memory is reused like any other."""
+    size = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+    pad = (-raw.data_ptr()) % _PAGE
+    return raw[pad : pad + nbytes]
 
 
 def _storage_objects_preserved() -> bool:
@@ -133,14 +136,22 @@ class _Entry:
         "nbytes",
         "prefetched",
         "refs",
+        "hold",
+        "pad",
         "reading",
         "restored",
+        "waiting",
     )
 
     def __init__(self, key: int, nbytes: int, device: torch.device, forward: int, layer: int) -> None:
         self.key, self.nbytes, self.device = key, nbytes, device
         self.forward, self.layer = forward, layer
         self.refs = 0
+        # Handles not unpacked yet: while some are, the restored storage is held, so a
+        # storage shared by several saved tensors is read back once.
+        self.waiting = 0
+        self.hold: torch.UntypedStorage | None = None
+        self.pad = 0  # byte offset of the data in the restored storage
         self.gpu: torch.Tensor | None = None  # CUDA: the source, held until its copy is done
         self.event: Any = None
         # The restored storage, while some unpacked view still uses it.
@@ -153,14 +164,18 @@ class _Entry:
 class _Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
-    __slots__ = ("dtype", "entry", "off", "offset", "size", "stride")
+    __slots__ = ("dtype", "entry", "off", "offset", "size", "stride", "unpacked")
 
     def __init__(self, off: Offloader, entry: _Entry, t: torch.Tensor) -> None:
         self.off, self.entry = off, entry
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+        self.unpacked = False
         entry.refs += 1
+        entry.waiting += 1
 
     def __del__(self) -> None:
+        if not self.unpacked:
+            self.entry.waiting -= 1
         self.off._release(self.entry)
 
 
@@ -366,15 +381,21 @@ class Offloader:
             return h.tensor
         e: _Entry = h.entry
         with self._lock:
+            if not h.unpacked:
+                h.unpacked = True
+                e.waiting -= 1
             self._prefetch_ahead(e)
             storage = self._restore(e)
+            e.hold = storage if e.waiting > 0 else None
         self._note_peak()
         out = torch.empty(0, dtype=h.dtype, device=e.device)
-        return out.set_(storage, h.offset, h.size, h.stride)
+        # The restored storage may start a few bytes (a multiple of 64) before the data.
+        return out.set_(storage, h.offset + e.pad // h.dtype.itemsize, h.size, h.stride)
 
     def _restore(self, e: _Entry) -> torch.UntypedStorage:
         if e.gpu is not None:
             self._counts["forwarded"] += 1
+            e.pad = 0
             return e.gpu.untyped_storage()
         st = e.restored() if e.restored is not None else None
         if st is not None:
@@ -395,11 +416,16 @@ class Offloader:
         if data is None:  # CUDA: through a pinned slot
             self._poll_pending()
             data = self._restore_cuda(e)
+            self._track(data, e.nbytes)
         st = data.untyped_storage()
         e.restored = weakref.ref(st)
-        self._resident_restored += e.nbytes
-        weakref.finalize(st, self._forget_restored, e.nbytes)
+        e.pad = data.storage_offset()
         return st
+
+    def _track(self, data: torch.Tensor, nbytes: int) -> None:
+        """Count restored or read-ahead bytes as resident until their storage is freed."""
+        self._resident_restored += nbytes
+        weakref.finalize(data.untyped_storage(), self._forget_restored, nbytes)
 
     def _forget_restored(self, nbytes: int) -> None:
         self._resident_restored -= nbytes
@@ -412,6 +438,7 @@ class Offloader:
         from_host = native.location(e.key)[0]
         if e.device.type == "cpu":
             buf = _aligned_empty(e.nbytes)
+            self._track(buf, e.nbytes)
             e.reading = (buf, native.read_into(e.key, buf.data_ptr()), from_host)
         else:
             e.reading = (None, None if from_host else native.prefetch(e.key), from_host)
@@ -444,6 +471,7 @@ class Offloader:
                 self.store._native.release(key)
             e.gpu = None
             e.restored = None
+            e.hold = None
             if e.reading is not None and e.reading[1] is not None:
                 e.reading[1].wait()  # the buffer must outlive its read
             e.reading = None
