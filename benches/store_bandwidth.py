@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _machine import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "target" / "bench-store"
@@ -55,81 +55,6 @@ def fail(msg: str, code: int = 2) -> None:
 
 def mb_s(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e6 if seconds > 0 else float("inf")
-
-
-# ---------------------------------------------------------------- machine info
-
-
-def _unescape_mount(s: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as octal escapes.
-    for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        s = s.replace(esc, ch)
-    return s
-
-
-def mount_of(path: Path) -> dict[str, str]:
-    """Device, mount point, file system type and options of the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best: dict[str, str] = {"device": "?", "mountpoint": "?", "fstype": "?", "options": ""}
-    best_len = -1
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 4:
-                    continue
-                mnt = _unescape_mount(parts[1])
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                # The last matching line of the longest mount point wins (over-mounts).
-                if inside and len(mnt) >= best_len:
-                    best_len = len(mnt)
-                    best = {
-                        "device": _unescape_mount(parts[0]),
-                        "mountpoint": mnt,
-                        "fstype": parts[2],
-                        "options": parts[3],
-                    }
-    except OSError:
-        pass
-    return best
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "cpu model"):
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def mem_total() -> int:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def machine_info(directory: Path) -> dict[str, Any]:
-    try:
-        nproc = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        nproc = os.cpu_count() or 0
-    return {
-        "hostname": socket.gethostname(),
-        "nproc": nproc,
-        "kernel": platform.release(),
-        "cpu": cpu_model(),
-        "mem_total": mem_total(),
-        "mount": mount_of(directory),
-    }
 
 
 # ---------------------------------------------------------------- results
@@ -196,6 +121,7 @@ def run_store(
 ) -> dict[str, Any]:
     """One ssdtier write pass and one read pass on a fresh store; returns facts about the store."""
     import torch
+
     from ssdtier import TieredStore
 
     tensor = args.tensor
@@ -356,9 +282,7 @@ def run_fio(fio: str, args: argparse.Namespace, rw: str, total: int, fixedbufs: 
         raise RuntimeError(f"cannot parse fio's JSON output ({e}): {out[:500]!r}") from e
 
 
-def fio_pass(
-    fio: str, args: argparse.Namespace, total: int, fixedbufs: bool, write: Series, read: Series
-) -> None:
+def fio_pass(fio: str, args: argparse.Namespace, total: int, fixedbufs: bool, write: Series, read: Series) -> None:
     tag = "fio+fixedbufs" if fixedbufs else "fio"
     try:
         for rw, series in (("write", write), ("read", read)):
@@ -404,11 +328,9 @@ def render(
     mnt = m["mount"]
     lines = [
         "ssdtier store bandwidth vs fio",
-        f"machine:  {m['hostname']}, nproc {m['nproc']}, kernel {m['kernel']}, "
-        f"RAM {m['mem_total'] / 2**30:.1f} GiB",
+        f"machine:  {m['hostname']}, nproc {m['nproc']}, kernel {m['kernel']}, RAM {m['mem_total'] / 2**30:.1f} GiB",
         f"cpu:      {m['cpu']}",
-        f"dir:      {p['dir']} on {mnt['device']} ({mnt['fstype']}, mounted at {mnt['mountpoint']}, "
-        f"{mnt['options']})",
+        f"dir:      {p['dir']} on {mnt['device']} ({mnt['fstype']}, mounted at {mnt['mountpoint']}, {mnt['options']})",
         f"params:   size {p['size_text']} ({p['count']} x {p['tensor_text']} tensors), "
         f"arena {p['arena_text']}, block {p['block_size_text']}, queue depth {p['queue_depth']}, "
         f"prefetch ahead {p['prefetch_ahead']}, repeats {p['repeat']}",
@@ -421,9 +343,7 @@ def render(
     if report["fio"]["used"]:
         lines.append(f"fio:      {report['fio']['version']} {' '.join(report['fio']['flags'])}")
         if fio_fixed is not None:
-            lines.append(
-                f"fio+fb:   same plus {' '.join(report['fio']['fixedbufs_flags'])} (not in the ratio)"
-            )
+            lines.append(f"fio+fb:   same plus {' '.join(report['fio']['fixedbufs_flags'])} (not in the ratio)")
     else:
         lines.append(f"fio:      not run ({report['fio']['why']}); ssdtier numbers only")
     lines.append("MB/s = 10^6 bytes/s of tensor bytes; median of the repeats, then min..max")
@@ -540,8 +460,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--fio-fixedbufs",
         action="store_true",
-        help="also run fio with --fixedbufs --registerfiles (a reference row; the ratio "
-        "stays against plain fio)",
+        help="also run fio with --fixedbufs --registerfiles (a reference row; the ratio stays against plain fio)",
     )
     ap.add_argument("--fio", default="fio", help="fio executable")
     return ap.parse_args(argv)

@@ -30,13 +30,22 @@ steps before them are excluded) and the peak activation memory:
   resident in the baseline (io_uring fixed-buffer registration pins it at
   attach time, and the warmup fills it anyway), so its full size is *added* to
   ssdtier's peak.
+  glibc keeps freed heap blocks resident and hands them out again, so under the
+  default allocator RSS also counts memory that is free but never returned. A
+  second figure ("mmap64K") comes from another fresh process per mode started
+  with ``MALLOC_MMAP_THRESHOLD_=65536`` (1 warmup + ``--mem-steps`` untimed
+  steps, same method): every block >= 64 KiB is then its own mapping, unmapped
+  when freed, so the high-water mark follows the live bytes.
+  Each worker also reports its CPU time (user/system), page faults, context
+  switches and the CPU time the rest of the machine used meanwhile (from
+  ``/proc/stat``), so that contention from other jobs shows in the output.
 * CUDA (when available and ``--device`` allows it): the modes run in this
   process, one after the other; peak = ``torch.cuda.max_memory_allocated()``
   after the measured steps minus ``memory_allocated()`` when the peak was
   reset. The host arena is host memory and is reported, not added.
 
-Before timing, the losses of the first steps (same seeds, same batch) of
-``ssdtier`` are compared bitwise with those of ``keep``; the second loss comes
+The losses of the first two steps (same seeds, same batch; warmup steps) of
+every mode are compared bitwise with those of ``keep``; the second loss comes
 after one optimizer step, so it depends on ssdtier's backward too.
 
 Second part, "cost per saved tensor": a deep stack of tiny Linear+Tanh blocks
@@ -48,12 +57,24 @@ tensor goes through ssdtier's hooks, and a large arena so nothing waits for I/O.
 gives microseconds per saved tensor for pack + unpack; the same for
 ``save_on_cpu``.
 
-The goal line (CPU: ssdtier memory <= 0.4 of keep and step time <= 1.05 of keep)
-is reporting only: the exit status is 0 unless something failed.
+Optional part, "throttled disk" (``--throttled RATE``, e.g. ``150MB``): the same
+model three more ways, ssdtier with ``io.throttle = RATE`` (the store's reads and
+writes together paced to RATE bytes/s) and ``policy.mode`` ``all``, ``adaptive``
+and ``none``, each in a fresh process (plus its mmap64K memory run) like the
+modes above. ``adaptive`` gets ``--adaptive-warmup`` warmup steps (its plan is
+made at the start of the 2nd step and grows after steps that stall). For each:
+peak activation memory, median step time, their ratios to ``keep`` of the main
+table, and the backward stall per measured step (``OffloadStats.stall_seconds``
+delta / steps); then the adaptive plan's table. The line "throttled goal" says
+MET when adaptive's stall per step is below 0.1 of all's and all's is above
+0.05 s.
+
+The goal lines (CPU: ssdtier memory <= 0.4 of keep and step time <= 1.05 of keep;
+throttled) are reporting only: the exit status is 0 unless something failed.
 
 Example::
 
-    .venv/bin/python benches/train_step.py --json /tmp/train_step.json
+    .venv/bin/python benches/train_step.py --throttled 150MB --json /tmp/train_step.json
 """
 
 from __future__ import annotations
@@ -64,7 +85,7 @@ import gc
 import json
 import os
 import platform
-import socket
+import resource
 import statistics
 import subprocess
 import sys
@@ -73,10 +94,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _machine import cpu_busy_seconds, cpu_model, hostname, kernel, loadavg, mem_total, mount_of, nproc
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "target" / "bench-train"
 MODES = ("keep", "ssdtier", "checkpoint", "save_on_cpu")
+# --throttled: worker mode -> policy.mode; every one with io.throttle = --throttled.
+THROTTLED = {"throttled-all": "all", "throttled-adaptive": "adaptive", "throttled-none": "none"}
+THROTTLED_GOAL_RATIO = 0.1  # adaptive's stall per step below this fraction of all's ...
+THROTTLED_GOAL_STALL = 0.05  # ... while all's stall per step is above this many seconds
 RESULT_TAG = "@@train_step_result "
+MMAP_THRESHOLD = 64 * 1024
 GOAL_MEM = 0.4
 GOAL_TIME = 1.05
 MB = 1e6
@@ -94,73 +122,14 @@ def fail(msg: str, code: int = 2) -> None:
 # ---------------------------------------------------------------- machine info
 
 
-def _unescape_mount(s: str) -> str:
-    for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        s = s.replace(esc, ch)
-    return s
-
-
-def mount_of(path: Path) -> dict[str, str]:
-    """Device, mount point, file system type and options of the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best = {"device": "?", "mountpoint": "?", "fstype": "?", "options": ""}
-    best_len = -1
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 4:
-                    continue
-                mnt = _unescape_mount(parts[1])
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= best_len:
-                    best_len = len(mnt)
-                    best = {
-                        "device": _unescape_mount(parts[0]),
-                        "mountpoint": mnt,
-                        "fstype": parts[2],
-                        "options": parts[3],
-                    }
-    except OSError:
-        pass
-    return best
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "cpu model"):
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def mem_total() -> int:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def machine_info(directory: Path) -> dict[str, Any]:
     import torch
 
-    try:
-        nproc = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        nproc = os.cpu_count() or 0
     info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "nproc": nproc,
+        "hostname": hostname(),
+        "nproc": nproc(),
         "cpu": cpu_model(),
-        "kernel": platform.release(),
+        "kernel": kernel(),
         "mem_total": mem_total(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -274,8 +243,15 @@ def gpt_config(args: argparse.Namespace, checkpoint: bool) -> Any:
     )
 
 
-def ssdtier_config(args: argparse.Namespace, arena: str, min_bytes: Any, keep_last: Any) -> dict[str, Any]:
-    return {
+def ssdtier_config(
+    args: argparse.Namespace,
+    arena: str,
+    min_bytes: Any,
+    keep_last: Any,
+    policy_mode: str | None = None,
+    throttle: str | None = None,
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
         "host": {"capacity": arena},
         "nvme": [{"path": str(args.dir), "capacity": args.nvme_capacity}],
         "policy": {
@@ -284,6 +260,11 @@ def ssdtier_config(args: argparse.Namespace, arena: str, min_bytes: Any, keep_la
             "prefetch_layers": args.prefetch_layers,
         },
     }
+    if policy_mode is not None:
+        cfg["policy"]["mode"] = policy_mode
+    if throttle is not None:
+        cfg["io"] = {"throttle": throttle}
+    return cfg
 
 
 def _keep_last(value: str) -> int | str:
@@ -299,7 +280,7 @@ def stats_dict(stats: Any) -> dict[str, Any]:
 def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in after.items():
-        if k in ("peak_resident_bytes", "layers_offloaded", "layers_kept") or k.endswith(
+        if k in ("peak_resident_bytes", "layers_offloaded", "layers_kept", "plan") or k.endswith(
             ("_peak", "_capacity", "_used")
         ):
             out[k] = v
@@ -313,9 +294,12 @@ def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]
 def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]:
     """Build, warm up, then measure one mode; returns a JSON-able dict."""
     import torch
+
     from ssdtier.models import batch_loss, build_model, make_batch
 
     cuda = device.type == "cuda"
+    policy_mode = THROTTLED.get(mode)
+    uses_ssdtier = mode == "ssdtier" or policy_mode is not None
     torch.manual_seed(args.seed)
     cfg = gpt_config(args, checkpoint=mode == "checkpoint")
     model = build_model(cfg).to(device)
@@ -326,10 +310,12 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
     batch = make_batch(cfg, args.batch, torch.Generator().manual_seed(args.seed + 1), device=device)
     off = None
     extra: dict[str, Any] = {}
-    if mode == "ssdtier":
+    if uses_ssdtier:
         import ssdtier
 
-        scfg = ssdtier_config(args, args.arena, args.min_tensor_bytes, _keep_last(args.keep_last_layers))
+        throttle = args.throttled if policy_mode is not None else None
+        keep_last = _keep_last(args.keep_last_layers)
+        scfg = ssdtier_config(args, args.arena, args.min_tensor_bytes, keep_last, policy_mode, throttle)
         off = ssdtier.attach(model, scfg)
         store = off.store
         extra["store"] = {
@@ -339,6 +325,10 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
             "arena_bytes": store.arena.numel() if store.arena is not None else 0,
             "layers_path": off.layers_path,
         }
+        if policy_mode is not None:
+            extra["policy_mode"] = policy_mode
+            extra["throttle"] = throttle
+            extra["throttle_bytes_per_s"] = off.config.io.throttle
     # Dropout masks: the same stream in every mode.
     torch.manual_seed(args.seed + 2)
 
@@ -356,6 +346,23 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
             torch.cuda.synchronize(device)
         return loss.detach()
 
+    # Per step, read after it (untimed): layers ssdtier kept (the adaptive plan changes it) and
+    # its stall (OffloadStats.stall_seconds delta).
+    kept_warmup: list[int] = []
+    kept_steps: list[int] = []
+    stall_warmup: list[float] = []
+    stall_steps: list[float] = []
+    stall_seen = [0.0]
+
+    def kept(into: list[int], stalls: list[float]) -> str:
+        if off is None:
+            return ""
+        st = off.stats()
+        into.append(st.layers_kept)
+        stalls.append(st.stall_seconds - stall_seen[0])
+        stall_seen[0] = st.stall_seconds
+        return f", layers kept {into[-1]}, stall {stalls[-1]:.3f} s"
+
     losses: list[float] = []
     warm_times: list[float] = []
     for i in range(args.warmup):
@@ -363,20 +370,30 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         loss = step()
         warm_times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-        log(f"  [{mode}] warmup {i + 1}/{args.warmup}: {warm_times[-1]:.3f} s, loss {losses[-1]:.6f}")
+        note = kept(kept_warmup, stall_warmup)
+        log(f"  [{mode}] warmup {i + 1}/{args.warmup}: {warm_times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
 
     before = stats_dict(off.stats()) if off is not None else None
     probe: Any = CudaPeak(device) if cuda else CpuPeak()
+    load_start = loadavg()
     probe.start()
+    cpu0 = os.times()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    busy0 = cpu_busy_seconds()
     times: list[float] = []
     for i in range(args.steps):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-        log(f"  [{mode}] step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.6f}")
+        note = kept(kept_steps, stall_steps)
+        log(f"  [{mode}] step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
+    cpu1 = os.times()
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    busy1 = cpu_busy_seconds()
     peak_abs, baseline = probe.stop()
-    peak = peak_abs - baseline
+    after = stats_dict(off.stats()) if off is not None else None
+    cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     arena_added = 0
     if off is not None and not cuda:
         arena_added = extra["store"]["arena_bytes"]
@@ -387,20 +404,42 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         "memory_method": probe.method,
         "baseline_bytes": baseline,
         "peak_abs_bytes": peak_abs,
-        "peak_measured_bytes": peak,
+        "peak_measured_bytes": peak_abs - baseline,
         "arena_added_bytes": arena_added,
-        "peak_bytes": peak + arena_added,
+        "peak_bytes": peak_abs - baseline + arena_added,
         "step_seconds": times,
         "warmup_seconds": warm_times,
-        "median_step_s": statistics.median(times) if times else float("nan"),
-        "losses": [x.hex() for x in losses],
+        "median_step_s": statistics.median(times),
+        "cpu_seconds_per_step": cpu_s / len(times),
+        "cpu_user_per_step": (cpu1.user - cpu0.user) / len(times),
+        "cpu_system_per_step": (cpu1.system - cpu0.system) / len(times),
+        "minor_faults_per_step": (ru1.ru_minflt - ru0.ru_minflt) / len(times),
+        "ctx_switches_per_step": (ru1.ru_nvcsw - ru0.ru_nvcsw + ru1.ru_nivcsw - ru0.ru_nivcsw) / len(times),
+        "cpu_utilisation": cpu_s / sum(times) if sum(times) > 0 else 0.0,
+        # Busy cores of the machine not accounted to this process (other jobs, kernel I/O threads).
+        "other_cpu_cores": ((busy1 - busy0) - cpu_s) / sum(times) if sum(times) > 0 else 0.0,
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
         **extra,
     }
-    if off is not None:
-        after = stats_dict(off.stats())
+    result["losses"] = [x.hex() for x in losses]
+    if off is not None and after is not None:
         result["offload_stats_total"] = after
         result["offload_stats_measured"] = stats_delta(after, before) if before else after
-        if args.profile and not cuda:
+        result["layers_kept_warmup"] = kept_warmup
+        result["layers_kept_steps"] = kept_steps
+        result["stall_seconds_warmup"] = stall_warmup
+        result["stall_seconds_steps"] = stall_steps
+        plan = off.plan()
+        if plan is not None:
+            result["plan"] = {
+                "keep_last": plan.keep_last,
+                "n_layers": len(plan.layers),
+                "stall_free": plan.stall_free,
+                "reason": plan.reason,
+                "table": plan.table(),
+            }
+        if args.profile and mode == "ssdtier" and not cuda:
             result["profile"] = profile_steps(step, args.profile_steps, args.profile)
         off.detach()
     return result
@@ -431,23 +470,34 @@ def worker_main(args: argparse.Namespace) -> None:
     sys.stdout.flush()
 
 
-def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_worker(
+    mode: str, args: argparse.Namespace, mmap_threshold: int | None = None, warmup: int | None = None
+) -> dict[str, Any]:
+    """Run one mode in a fresh interpreter; ``mmap_threshold``: a memory-only run (``warmup`` or 1
+    warmup steps, ``--mem-steps`` steps) with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at that many
+    bytes; ``warmup``: warmup steps instead of ``--warmup``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker", mode]
+    env = dict(os.environ)
+    if mmap_threshold is not None:
+        cmd += ["--warmup", str(1 if warmup is None else warmup), "--steps", str(args.mem_steps), "--profile", "0"]
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    elif warmup is not None:
+        cmd += ["--warmup", str(warmup)]
     t0 = time.perf_counter()
+    shown = " ".join(cmd)
+    if mmap_threshold is not None:
+        shown = f"MALLOC_MMAP_THRESHOLD_={mmap_threshold} {shown}"
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.worker_timeout)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.worker_timeout, env=env)
     except subprocess.TimeoutExpired:
-        fail(
-            f"the {mode} worker did not finish within {args.worker_timeout} s (hang?); "
-            f"reproduce with: {' '.join(cmd)}",
-            3,
-        )
+        limit = args.worker_timeout
+        fail(f"the {mode} worker did not finish within {limit} s (hang?); reproduce with: {shown}", 3)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
             res = json.loads(line[len(RESULT_TAG) :])
             res["process_seconds"] = time.perf_counter() - t0
             return res
-    fail(f"the {mode} worker failed (exit status {proc.returncode}); reproduce with: {' '.join(cmd)}", 3)
+    fail(f"the {mode} worker failed (exit status {proc.returncode}); reproduce with: {shown}", 3)
     raise AssertionError  # unreachable
 
 
@@ -458,9 +508,10 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     """µs per saved tensor (pack + unpack) of ssdtier and save_on_cpu on a deep stack of tiny layers."""
     import copy
 
-    import ssdtier
     import torch
     from torch import nn
+
+    import ssdtier
 
     class Tiny(nn.Module):
         def __init__(self, width: int) -> None:
@@ -522,13 +573,16 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
             fn()
     before = off.stats()
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    w0, c0, b0 = time.perf_counter(), os.times(), cpu_busy_seconds()
     # Interleaved, so that drift (frequency, other load) hits every variant alike.
     for _ in range(args.pt_reps):
         for k, fn in variants.items():
             samples[k].append(fn())
+    w1, c1, b1 = time.perf_counter(), os.times(), cpu_busy_seconds()
     after = off.stats()
     off.detach()
     reps = args.pt_reps
+    own = (c1.user - c0.user) + (c1.system - c0.system)
     packs = (after.packs - before.packs) / reps
     unpacks = (after.unpacks - before.unpacks) / reps
     offloaded = (after.tensors_offloaded - before.tensors_offloaded) / reps
@@ -546,6 +600,8 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
         "ssdtier_kept_per_iter": (after.tensors_kept - before.tensors_kept) / reps,
         "ssdtier_nvme_bytes_written": after.bytes_written_nvme - before.bytes_written_nvme,
         "ssdtier_stall_seconds": after.stall_seconds - before.stall_seconds,
+        "cpu_utilisation": own / (w1 - w0),
+        "other_cpu_cores": ((b1 - b0) - own) / (w1 - w0),
     }
     med = {}
     for k, s in samples.items():
@@ -578,6 +634,21 @@ def losses_equal(a: list[str], b: list[str], n: int) -> bool:
     ta = torch.tensor([float.fromhex(x) for x in a[:n]], dtype=torch.float64)
     tb = torch.tensor([float.fromhex(x) for x in b[:n]], dtype=torch.float64)
     return torch.equal(ta, tb)
+
+
+def ratio(x: float, base: float) -> str:
+    return f"{x / base:.3f}" if base > 0 else "n/a"
+
+
+def md_table(hdr: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(hdr)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(hdr, widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, Any]) -> str:
@@ -623,36 +694,53 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             f"({fmt_mb(runs['ssdtier'].get('arena_added_bytes', 0))} MB) is resident in the baseline "
             "and is added to its peak."
         )
+    mmap = not cuda and "mmap_peak_bytes" in runs["keep"]
+    if mmap:
+        lines.append(
+            "        second figure (mmap64K): another fresh process per mode with "
+            f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}, 1 warmup + {args.mem_steps} untimed step(s), same "
+            "method: every block >= 64 KiB is its own mapping, unmapped when freed, so the peak follows "
+            "live bytes; under glibc's default, freed heap memory stays resident and is reused, so RSS "
+            "also counts memory that is free but was never returned."
+        )
     lines.append("")
     keep = runs["keep"]
-    hdr = ("mode", "peak act. memory (MB)", "ratio vs keep", "median step (s)", "ratio vs keep")
+    hdr = ["mode", "peak act. memory (MB)", "ratio vs keep", "median step (s)", "ratio vs keep"]
+    if mmap:
+        hdr += ["peak, mmap64K (MB)", "ratio vs keep"]
+    if not cuda:
+        hdr += ["CPU s/step"]
     rows = []
     for mode in MODES:
         r = runs[mode]
-        mem = r["peak_bytes"]
         label = mode + (" (+arena)" if r.get("arena_added_bytes") else "")
-        rows.append(
-            (
-                label,
-                fmt_mb(mem),
-                f"{mem / keep['peak_bytes']:.3f}" if keep["peak_bytes"] > 0 else "n/a",
-                f"{r['median_step_s']:.3f}",
-                f"{r['median_step_s'] / keep['median_step_s']:.3f}",
-            )
-        )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(hdr)]
-    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(hdr, widths, strict=True)) + " |")
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("| " + " | ".join(cells) + " |")
+        row = [
+            label,
+            fmt_mb(r["peak_bytes"]),
+            ratio(r["peak_bytes"], keep["peak_bytes"]),
+            f"{r['median_step_s']:.3f}",
+            ratio(r["median_step_s"], keep["median_step_s"]),
+        ]
+        if mmap:
+            row += [fmt_mb(r["mmap_peak_bytes"]), ratio(r["mmap_peak_bytes"], keep["mmap_peak_bytes"])]
+        if not cuda:
+            row += [f"{r['cpu_seconds_per_step']:.2f}"]
+        rows.append(row)
+    lines += md_table(hdr, rows)
     lines.append("")
     for mode in MODES:
         r = runs[mode]
         ts = r["step_seconds"]
+        la = r.get("loadavg_start") or ["?"]
+        lb = r.get("loadavg_end") or ["?"]
         lines.append(
-            f"{mode}: step times {', '.join(f'{t:.2f}' for t in ts)} s; baseline RSS/alloc "
-            f"{fmt_mb(r['baseline_bytes'])} MB, measured peak {fmt_mb(r['peak_measured_bytes'])} MB"
+            f"{mode}: steps {', '.join(f'{t:.2f}' for t in ts)} s; CPU use {r['cpu_utilisation']:.2f} "
+            f"cores (user {r['cpu_user_per_step']:.2f} + sys {r['cpu_system_per_step']:.2f} s/step, "
+            f"{r['minor_faults_per_step'] / 1e3:.0f}k page faults/step), "
+            f"rest of machine {r['other_cpu_cores']:.2f} cores; loadavg {la[0]} -> {lb[0]}; "
+            f"baseline {fmt_mb(r['baseline_bytes'])} MB, "
+            f"peak above it {fmt_mb(r['peak_measured_bytes'])} MB"
+            + (f" (mmap64K {fmt_mb(r['mmap_peak_measured_bytes'])} MB)" if mmap else "")
             + (f" + arena {fmt_mb(r['arena_added_bytes'])} MB" if r.get("arena_added_bytes") else "")
         )
     lines.append("")
@@ -698,7 +786,8 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
         lines.append(
             f"cost per saved tensor: {pt['layers']} x (Linear({pt['width']},{pt['width']}) + Tanh), "
             f"batch {pt['batch']}, {pt['reps']} interleaved reps, in one process; ssdtier with "
-            f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']}"
+            f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']}; CPU use "
+            f"{pt['cpu_utilisation']:.2f} cores, rest of machine {pt['other_cpu_cores']:.2f} cores"
         )
         lines.append(
             f"  saved tensors per fwd+bwd: {pt['saved_tensors_per_iter']} (ssdtier packs "
@@ -715,6 +804,12 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
                 for k, v in med.items()
             )
         )
+        extra_s = med["ssdtier"]["total_s"] - med["plain"]["total_s"]
+        per_store = extra_s / max(pt["ssdtier_offloaded_per_iter"], 1)
+        lines.append(
+            f"  ssdtier per offloaded storage (the same time / {pt['ssdtier_offloaded_per_iter']:.0f}): "
+            f"{per_store * 1e6:.1f} us"
+        )
         for k in ("ssdtier", "save_on_cpu"):
             lines.append(
                 f"  {k}: {pt[f'{k}_us_per_tensor']:.1f} us per saved tensor (pack+unpack) "
@@ -726,12 +821,181 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
     time_ratio = sr["median_step_s"] / keep["median_step_s"]
     met = mem_ratio <= GOAL_MEM and time_ratio <= GOAL_TIME
     what = "CUDA" if cuda else "CPU"
+    results["goal"] = {"met": met, "memory_ratio": mem_ratio, "time_ratio": time_ratio}
     lines.append(
         f"goal ({what}): ssdtier memory <= {GOAL_MEM} of keep and step time <= {GOAL_TIME} of keep: "
         f"{'MET' if met else 'NOT MET'} (memory {mem_ratio:.3f}, time {time_ratio:.3f})"
     )
-    results["goal"] = {"met": met, "memory_ratio": mem_ratio, "time_ratio": time_ratio}
+    if mmap:
+        r2 = sr["mmap_peak_bytes"] / keep["mmap_peak_bytes"] if keep["mmap_peak_bytes"] > 0 else float("inf")
+        met2 = r2 <= GOAL_MEM and time_ratio <= GOAL_TIME
+        lines.append(
+            f"  same goal with the mmap64K memory figure: {'MET' if met2 else 'NOT MET'} "
+            f"(memory {r2:.3f}, time {time_ratio:.3f})"
+        )
+        results["goal"]["mmap64k"] = {"met": met2, "memory_ratio": r2}
     return "\n".join(lines)
+
+
+def render_throttled(args: argparse.Namespace, results: dict[str, Any]) -> str:
+    th = results["throttled"]
+    runs: dict[str, dict[str, Any]] = th["modes"]
+    keep = results["modes"]["keep"]
+    cuda = results["device"] == "cuda"
+    mmap = not cuda and "mmap_peak_bytes" in keep and all("mmap_peak_bytes" in r for r in runs.values())
+    rate = th["rate_bytes_per_s"]
+    n = args.steps
+    warm = th["warmup"]
+    lines = [f"== throttled disk: io.throttle = {th['rate']} ({rate / MB:,.0f} MB/s, reads and writes together) =="]
+    lines.append(
+        "ssdtier with policy.mode all, adaptive and none; model and ssdtier settings as above. "
+        + ("Modes run in this process. " if cuda else "Each mode in a fresh process, memory measured as above. ")
+        + f"Warmup steps: all {warm['throttled-all']}, adaptive {warm['throttled-adaptive']}, none "
+        f"{warm['throttled-none']}; then {n} measured steps. keep: the (unthrottled) keep run of the table above."
+    )
+    lines.append(
+        "stall: OffloadStats.stall_seconds (backward waiting for reads) over the measured steps / steps; "
+        "store wait: StoreStats.wait_seconds likewise (waiting on the store, e.g. for arena space in the forward)."
+    )
+    lines.append("")
+    hdr = ["mode", "peak act. memory (MB)", "ratio vs keep", "median step (s)", "ratio vs keep"]
+    if mmap:
+        hdr += ["peak, mmap64K (MB)", "ratio vs keep"]
+    hdr += ["stall s/step", "store wait s/step", "layers kept"]
+    if not cuda:
+        hdr += ["CPU s/step"]
+    row = ["keep (unthrottled)", fmt_mb(keep["peak_bytes"]), "1.000", f"{keep['median_step_s']:.3f}", "1.000"]
+    if mmap:
+        row += [fmt_mb(keep["mmap_peak_bytes"]), "1.000"]
+    row += ["-", "-", f"{args.layers}/{args.layers}"]
+    if not cuda:
+        row += [f"{keep['cpu_seconds_per_step']:.2f}"]
+    rows = [row]
+    for mode, r in runs.items():
+        s = r["offload_stats_measured"]
+        label = THROTTLED[mode] + (" (+arena)" if r.get("arena_added_bytes") else "")
+        row = [
+            label,
+            fmt_mb(r["peak_bytes"]),
+            ratio(r["peak_bytes"], keep["peak_bytes"]),
+            f"{r['median_step_s']:.3f}",
+            ratio(r["median_step_s"], keep["median_step_s"]),
+        ]
+        if mmap:
+            row += [fmt_mb(r["mmap_peak_bytes"]), ratio(r["mmap_peak_bytes"], keep["mmap_peak_bytes"])]
+        row += [
+            f"{stall_per_step(r):.3f}",
+            f"{s['store']['wait_seconds'] / n:.3f}",
+            f"{s['layers_kept']}/{s['layers_kept'] + s['layers_offloaded']}",
+        ]
+        if not cuda:
+            row += [f"{r['cpu_seconds_per_step']:.2f}"]
+        rows.append(row)
+    lines += md_table(hdr, rows)
+    lines.append("")
+    for mode, r in runs.items():
+        s = r["offload_stats_measured"]
+        ts = r["step_seconds"]
+        kw = " ".join(str(k) for k in r.get("layers_kept_warmup", [])) or "-"
+        km = " ".join(str(k) for k in r.get("layers_kept_steps", [])) or "-"
+        sw = " ".join(f"{x:.2f}" for x in r.get("stall_seconds_warmup", [])) or "-"
+        sm = " ".join(f"{x:.2f}" for x in r.get("stall_seconds_steps", [])) or "-"
+        lines.append(
+            f"{THROTTLED[mode]}: steps {', '.join(f'{t:.2f}' for t in ts)} s; per step (warmup | measured): "
+            f"layers kept {kw} | {km}, stall {sw} | {sm} s; per step: offloaded "
+            f"{fmt_mb(s['bytes_offloaded'] / n)} MB, NVMe written "
+            f"{fmt_mb(s['bytes_written_nvme'] / n)} MB, read {fmt_mb(s['bytes_read_nvme'] / n)} MB; "
+            f"rest of machine {r['other_cpu_cores']:.2f} cores"
+        )
+    eq = th["losses_identical"]
+    lines.append(
+        f"losses identical to keep (first {eq['n']}, bitwise): "
+        + ", ".join(f"{THROTTLED[m]} {'yes' if eq[m] else 'no'}" for m in THROTTLED)
+    )
+    lines.append("")
+    plan = runs["throttled-adaptive"].get("plan")
+    if plan:
+        lines.append(
+            f"adaptive plan after the measured steps: keep_last {plan['keep_last']} of {plan['n_layers']}, "
+            f"stall-free {'yes' if plan['stall_free'] else 'no'}"
+        )
+        lines.append(plan["table"])
+    else:
+        lines.append("adaptive plan: none was made (the model has no layers, or too few steps)")
+    lines.append("")
+    g = th["goal"]
+    lines.append(
+        f"throttled goal: adaptive has no backward stall where all stalls: {'MET' if g['met'] else 'NOT MET'} "
+        f"(stall per step: adaptive {g['stall_per_step_adaptive']:.3f} s, all {g['stall_per_step_all']:.3f} s; "
+        f"needs adaptive < {THROTTLED_GOAL_RATIO} x all and all > {THROTTLED_GOAL_STALL} s)"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- runs
+
+
+def warmup_of(mode: str, args: argparse.Namespace) -> int:
+    return args.adaptive_warmup if THROTTLED.get(mode) == "adaptive" else args.warmup
+
+
+def measure_modes(modes: tuple[str, ...], args: argparse.Namespace, use_cuda: bool) -> dict[str, Any]:
+    """Each mode timed (CUDA: in this process; CPU: a fresh process each), then on CPU its
+    memory-only run with large blocks mmapped (unless ``--mem-steps 0``)."""
+    import torch
+
+    runs: dict[str, Any] = {}
+    for mode in modes:
+        warmup = warmup_of(mode, args)
+        log(f"train_step: mode {mode} ({'in process' if use_cuda else 'fresh subprocess'}, {warmup} warmup steps)")
+        if use_cuda:
+            runs[mode] = run_mode(mode, argparse.Namespace(**{**vars(args), "warmup": warmup}), torch.device("cuda"))
+            gc.collect()
+            torch.cuda.empty_cache()
+        else:
+            runs[mode] = run_worker(mode, args, warmup=None if warmup == args.warmup else warmup)
+        r = runs[mode]
+        log(f"train_step: {mode}: peak {fmt_mb(r['peak_bytes'])} MB, median step {r['median_step_s']:.3f} s")
+    if not use_cuda and args.mem_steps > 0:
+        for mode in modes:
+            log(f"train_step: mode {mode}, memory only, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}")
+            # 1 warmup step, except where a plan has to settle first.
+            warmup = warmup_of(mode, args) if THROTTLED.get(mode) == "adaptive" else None
+            res = run_worker(mode, args, MMAP_THRESHOLD, warmup=warmup)
+            r = runs[mode]
+            r["mmap_run"] = {k: v for k, v in res.items() if k != "profile"}
+            r["mmap_peak_bytes"] = res["peak_bytes"]
+            r["mmap_peak_measured_bytes"] = res["peak_measured_bytes"]
+            log(f"train_step: {mode}: peak {fmt_mb(res['peak_bytes'])} MB with large blocks mmapped")
+    return runs
+
+
+def stall_per_step(r: dict[str, Any]) -> float:
+    """OffloadStats.stall_seconds over the measured steps / steps."""
+    return r["offload_stats_measured"]["stall_seconds"] / len(r["step_seconds"])
+
+
+def run_throttled(args: argparse.Namespace, use_cuda: bool, main_runs: dict[str, Any]) -> dict[str, Any]:
+    """all, adaptive and none with io.throttle = --throttled; ratios against keep, and the goal."""
+    runs = measure_modes(tuple(THROTTLED), args, use_cuda)
+    n = min(2, args.warmup + args.steps)
+    keep_losses = main_runs["keep"]["losses"]
+    stall_all = stall_per_step(runs["throttled-all"])
+    stall_adaptive = stall_per_step(runs["throttled-adaptive"])
+    met = stall_all > THROTTLED_GOAL_STALL and stall_adaptive < THROTTLED_GOAL_RATIO * stall_all
+    return {
+        "rate": args.throttled,
+        "rate_bytes_per_s": runs["throttled-all"].get("throttle_bytes_per_s"),
+        "warmup": {mode: warmup_of(mode, args) for mode in THROTTLED},
+        "modes": runs,
+        "losses_identical": {"n": n, **{m: losses_equal(runs[m]["losses"], keep_losses, n) for m in THROTTLED}},
+        "goal": {
+            "met": met,
+            "stall_per_step_all": stall_all,
+            "stall_per_step_adaptive": stall_adaptive,
+            "rule": f"adaptive < {THROTTLED_GOAL_RATIO} x all and all > {THROTTLED_GOAL_STALL} s (stall per step)",
+        },
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -758,10 +1022,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--optim", choices=("adamw", "sgd"), default="adamw", help="optimizer")
     g.add_argument("--steps", type=int, default=8, help="measured steps per mode")
     g.add_argument("--warmup", type=int, default=2, help="warmup steps per mode (not timed)")
-    g.add_argument("--seed", type=int, default=0, help="seed of weights, batch and dropout")
     g.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads in every process"
+        "--mem-steps",
+        type=int,
+        default=1,
+        help="CPU: steps of a second, memory-only process per mode with MALLOC_MMAP_THRESHOLD_=65536 "
+        "(glibc returns every freed block >= 64 KiB), for a peak that follows live bytes (0: skip)",
     )
+    g.add_argument("--seed", type=int, default=0, help="seed of weights, batch and dropout")
+    ncpu = os.cpu_count() or 1
+    g.add_argument("--threads", type=int, default=ncpu, help="torch.set_num_threads in every process")
     g.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -783,6 +1053,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also cProfile --profile-steps extra ssdtier steps (CPU) and print the top N functions",
     )
     g.add_argument("--profile-steps", type=int, default=2, help="steps profiled with --profile")
+    g = p.add_argument_group("throttled disk (after the main table)")
+    g.add_argument(
+        "--throttled",
+        metavar="RATE",
+        help="also run ssdtier with io.throttle = RATE (bytes per second of the store, reads and writes "
+        "together; suggested: 150MB, at which 'all' stalls with the default model: it moves about 0.5 GB "
+        "each way per step) three ways, each in a fresh process: policy.mode all, adaptive and none; "
+        "reported side by side with keep from the main table; not given: skipped",
+    )
+    g.add_argument(
+        "--adaptive-warmup",
+        type=int,
+        default=6,
+        help="warmup steps of the throttled adaptive mode (>= 4: its plan is made at the start of the 2nd "
+        "step and grows by a layer after each step that stalls); all and none use --warmup",
+    )
     g = p.add_argument_group("cost per saved tensor")
     g.add_argument("--skip-per-tensor", action="store_true", help="skip this part")
     g.add_argument("--pt-layers", type=int, default=200, help="tiny Linear+Tanh blocks")
@@ -794,7 +1080,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--json", type=Path, help="write every result to this JSON file")
     g.add_argument("--worker-timeout", type=float, default=900, help="seconds before a mode counts as hung")
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*MODES, *THROTTLED), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
@@ -805,6 +1091,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             int(args.keep_last_layers)
         except ValueError:
             p.error("--keep-last-layers must be an integer or 'auto'")
+    if args.throttled is not None and args.adaptive_warmup < 4:
+        p.error("--adaptive-warmup must be >= 4: the adaptive plan needs a few steps to settle")
     args.dir = args.dir.expanduser().resolve()
     return args
 
@@ -814,10 +1102,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker_main(args)
         return 0
-    from ssdtier.config import is_tmpfs
+    from ssdtier.config import is_tmpfs, parse_size
+    from ssdtier.errors import ConfigError
 
     if is_tmpfs(args.dir):
         fail(f"{args.dir} is on tmpfs: spill files there would be RAM, not disk; pick another --dir")
+    if args.throttled is not None:
+        try:
+            rate = parse_size(args.throttled, key="--throttled", source="command line")
+        except ConfigError as e:
+            fail(str(e))
+        if rate <= 0:
+            fail("--throttled must be a positive rate (0 would mean no throttle)")
     args.dir.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -830,18 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"train_step: {info['hostname']}, {info['nproc']} CPUs, torch {info['torch']}, dir {args.dir}")
     results: dict[str, Any] = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}}
     results["device"] = "cuda" if use_cuda else "cpu"
-    runs: dict[str, Any] = {}
     t_all = time.perf_counter()
-    for mode in MODES:
-        log(f"train_step: mode {mode} ({'in process' if use_cuda else 'fresh subprocess'})")
-        if use_cuda:
-            runs[mode] = run_mode(mode, args, torch.device("cuda"))
-            gc.collect()
-            torch.cuda.empty_cache()
-        else:
-            runs[mode] = run_worker(mode, args)
-        r = runs[mode]
-        log(f"train_step: {mode}: peak {fmt_mb(r['peak_bytes'])} MB, median step {r['median_step_s']:.3f} s")
+    runs = measure_modes(MODES, args, use_cuda)
     results["modes"] = runs
     n = min(2, args.warmup + args.steps)
     keep_losses = runs["keep"]["losses"]
@@ -850,12 +1136,16 @@ def main(argv: list[str] | None = None) -> int:
         **{m: losses_equal(runs[m]["losses"], keep_losses, n) for m in MODES if m != "keep"},
         "ssdtier_all": runs["ssdtier"]["losses"] == keep_losses,
     }
+    if args.throttled is not None:
+        results["throttled"] = run_throttled(args, use_cuda, runs)
     if not args.skip_per_tensor:
         log("train_step: cost per saved tensor")
         results["per_tensor"] = per_tensor_cost(args)
     results["wall_seconds"] = time.perf_counter() - t_all
     text = render(info, args, results)
     print(text)
+    if "throttled" in results:
+        print("\n" + render_throttled(args, results))
     prof = runs["ssdtier"].get("profile")
     if prof:
         print(f"\ncProfile of {args.profile_steps} extra ssdtier steps (by own time):\n{prof}")

@@ -255,6 +255,8 @@ class Offloader:
         self._plan: Plan | None = None
         self._min_keep = 0
         self._clean_iters = 0
+        self._patience = 3  # clean iterations before trying to offload one more layer
+        self._retrying = False
         self._prof_fwd: dict[int, float] = {}
         self._prof_bytes: dict[int, int] = {}
         self._prof_t0: dict[int, tuple[float, float]] = {}
@@ -604,14 +606,20 @@ class Offloader:
         if self._plan is not None:
             if stall > 0.05 * 3 * fwd_total:
                 # Backward (about 2x forward) or forward waited on I/O: keep one more layer.
+                if self._retrying:
+                    # Offloading one more layer failed again: wait twice as long before the next try.
+                    self._patience = min(self._patience * 2, 64)
                 self._min_keep = min(self._n_layers, self._plan.keep_last + 1)
                 self._clean_iters = 0
+                self._retrying = False
             else:
                 self._clean_iters += 1
-                if self._clean_iters >= 3 and self._min_keep > 0:
+                self._retrying = False
+                if self._clean_iters >= self._patience and self._min_keep > 0:
                     # The disk kept up for a while: try offloading one more layer.
                     self._min_keep -= 1
                     self._clean_iters = 0
+                    self._retrying = True
         layers = [
             LayerProfile(
                 i,

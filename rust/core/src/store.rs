@@ -285,8 +285,9 @@ impl Store {
         let mut devices = Vec::new();
         let mut backend_name = "posix";
         let mut backend = cfg.backend;
-        let throttle = Throttle::new(cfg.throttle_bytes_per_sec);
         for d in &cfg.devices {
+            // One cap per directory: each imitates its own slow disk.
+            let throttle = Throttle::new(cfg.throttle_bytes_per_sec);
             let file = DeviceFile::open(&d.path, cfg.direct, &mut notices)?;
             let fd = file.raw_fd();
             let queue: Box<dyn IoQueue> = loop {
