@@ -456,7 +456,7 @@ impl Store {
     /// writes it with [`Store::write_direct`].
     pub fn reserve(&self, len: u64) -> Result<(u64, Option<u64>)> {
         let g = self.lock()?;
-        let (mut g, slot) = self.make_room(g, len, true)?;
+        let (mut g, slot) = self.make_room(g, len, true, true)?;
         let key = g.next_key;
         g.next_key += 1;
         g.seq += 1;
@@ -620,7 +620,8 @@ impl Store {
             }
             // On NVMe only: read it into a slot.
             let len = e.len;
-            let (g2, slot) = self.make_room(g, len, true)?;
+            // A read never displaces read-ahead entries: without a slot it streams past the arena.
+            let (g2, slot) = self.make_room(g, len, true, false)?;
             g = g2;
             let Some(off) = slot else { return Ok(None) };
             if !g.entries.contains_key(&key) {
@@ -738,7 +739,7 @@ impl Store {
             return Ok(Ticket::done());
         }
         let len = e.len;
-        let (mut g, slot) = self.make_room(g, len, false)?;
+        let (mut g, slot) = self.make_room(g, len, false, false)?;
         let Some(off) = slot else {
             g.stats.prefetch_skipped += 1;
             return Ok(Ticket::done());
@@ -968,14 +969,16 @@ impl Store {
     }
 
     /// Find a host slot of `len` bytes, evicting by policy. With `wait`, waits
-    /// for eviction writes; without, takes only what is free or clean.
-    /// Returns None when the entry cannot get a slot (bigger than the arena,
-    /// or everything else pinned).
+    /// for eviction writes; without, takes only what is free or clean. Entries
+    /// read ahead and not used yet go only with `last_resort`, when nothing
+    /// else is leaving. Returns None when the entry cannot get a slot (bigger
+    /// than the arena, or everything else pinned or read ahead).
     fn make_room<'a>(
         &'a self,
         mut g: MutexGuard<'a, Inner>,
         len: u64,
         wait: bool,
+        last_resort: bool,
     ) -> Result<(MutexGuard<'a, Inner>, Option<u64>)> {
         if len == 0 {
             return Ok((g, None));
@@ -1005,7 +1008,7 @@ impl Store {
                 return Ok((g, None));
             }
             let writes_pending = g.writing.iter().any(|k| g.entries.get(k).is_some_and(|e| e.evicting));
-            if !writes_pending {
+            if !writes_pending && last_resort {
                 // Nothing else is leaving: as a last resort, read-ahead entries go too.
                 self.start_evictions(&mut g, need, 0, true);
                 if let Some(off) = g.host.alloc(need) {

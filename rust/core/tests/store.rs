@@ -366,3 +366,30 @@ fn read_ahead_does_not_evict_what_it_read_ahead() {
     }
     assert_eq!(s.stats().nvme_bytes_read - before, n as u64 * (256 << 10), "no entry is read twice");
 }
+
+#[test]
+fn a_skipped_read_ahead_does_not_cascade() {
+    // The window (4) plus the entry being read need five slots; the arena has four, so one
+    // read-ahead is skipped. Reading that entry later must not evict another read-ahead
+    // entry (which would then be read twice, and so on): every entry is read exactly once.
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let n = 16;
+    let keys: Vec<u64> = (0..n).map(|i| put(&s, &pattern(256 << 10, i as u64))).collect();
+    s.flush().unwrap();
+    for &k in &keys {
+        s.evict(k).unwrap();
+    }
+    let before = s.stats().nvme_bytes_read;
+    for &k in keys.iter().take(4) {
+        s.prefetch(k).unwrap();
+    }
+    for i in 0..n {
+        if i + 4 < n {
+            s.prefetch(keys[i + 4]).unwrap();
+        }
+        assert!(get(&s, keys[i]) == pattern(256 << 10, i as u64));
+    }
+    assert!(s.stats().prefetch_skipped >= 1);
+    assert_eq!(s.stats().nvme_bytes_read - before, n as u64 * (256 << 10));
+}
