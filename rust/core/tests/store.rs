@@ -342,17 +342,23 @@ fn read_into_caller_memory_skips_the_arena() {
     s.free(k).unwrap();
 }
 
-#[test]
-fn read_ahead_does_not_evict_what_it_read_ahead() {
-    // Arena of four entries, a read-ahead window of four: every entry is read exactly once.
-    let d = real_dir();
-    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
-    let n = 16;
+/// A store with a 1 MiB arena (four entries) and `n` entries of 256 KiB, all on NVMe.
+fn spilled(dir: &std::path::Path, n: usize) -> (Store, Vec<u64>) {
+    let s = Store::new(cfg(&[dir], 1 << 20, Backend::Auto)).unwrap();
     let keys: Vec<u64> = (0..n).map(|i| put(&s, &pattern(256 << 10, i as u64))).collect();
     s.flush().unwrap();
     for &k in &keys {
         s.evict(k).unwrap();
     }
+    (s, keys)
+}
+
+#[test]
+fn read_ahead_does_not_evict_what_it_read_ahead() {
+    // Arena of four entries, a read-ahead window of four: every entry is read exactly once.
+    let d = real_dir();
+    let (s, keys) = spilled(d.path(), 16);
+    let n = keys.len();
     let before = s.stats().nvme_bytes_read;
     for &k in keys.iter().take(3) {
         s.prefetch(k).unwrap();
@@ -373,13 +379,8 @@ fn a_skipped_read_ahead_does_not_cascade() {
     // read-ahead is skipped. Reading that entry later must not evict another read-ahead
     // entry (which would then be read twice, and so on): every entry is read exactly once.
     let d = real_dir();
-    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
-    let n = 16;
-    let keys: Vec<u64> = (0..n).map(|i| put(&s, &pattern(256 << 10, i as u64))).collect();
-    s.flush().unwrap();
-    for &k in &keys {
-        s.evict(k).unwrap();
-    }
+    let (s, keys) = spilled(d.path(), 16);
+    let n = keys.len();
     let before = s.stats().nvme_bytes_read;
     for &k in keys.iter().take(4) {
         s.prefetch(k).unwrap();
