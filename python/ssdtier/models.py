@@ -67,8 +67,8 @@ def _check_common(vocab_size: int, seq_len: int, d_model: int, n_heads: int, dro
 
 
 @dataclass
-class GPTConfig:
-    """Configuration of :class:`GPT`. ``d_ff=None`` means ``4 * d_model``."""
+class _StackConfig:
+    """Fields shared by the single-stack models (GPT, BERT). ``d_ff=None`` means ``4 * d_model``."""
 
     vocab_size: int = 512
     seq_len: int = 64
@@ -89,28 +89,20 @@ class GPTConfig:
 
 
 @dataclass
-class BertConfig:
+class GPTConfig(_StackConfig):
+    """Configuration of :class:`GPT`. ``d_ff=None`` means ``4 * d_model``."""
+
+
+@dataclass
+class BertConfig(_StackConfig):
     """Configuration of :class:`BertEncoder`. Token id ``vocab_size - 1`` is [MASK]."""
 
-    vocab_size: int = 512
-    seq_len: int = 64
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int | None = None
-    dropout: float = 0.1
     n_segments: int = 2
-    tie_embeddings: bool = True
-    checkpoint: bool = False
 
     def __post_init__(self) -> None:
-        _check_common(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.dropout)
-        if self.n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, got {self.n_layers}")
+        super().__post_init__()
         if self.n_segments < 1:
             raise ValueError(f"n_segments must be >= 1, got {self.n_segments}")
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
 
     @property
     def mask_token_id(self) -> int:
