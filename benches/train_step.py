@@ -640,6 +640,20 @@ def ratio(x: float, base: float) -> str:
     return f"{x / base:.3f}" if base > 0 else "n/a"
 
 
+def memory_time_cells(label: str, r: dict[str, Any], keep: dict[str, Any], mmap: bool) -> list[str]:
+    """A table row's first cells: peak memory and median step, each with its ratio to keep."""
+    row = [
+        label,
+        fmt_mb(r["peak_bytes"]),
+        ratio(r["peak_bytes"], keep["peak_bytes"]),
+        f"{r['median_step_s']:.3f}",
+        ratio(r["median_step_s"], keep["median_step_s"]),
+    ]
+    if mmap:
+        row += [fmt_mb(r["mmap_peak_bytes"]), ratio(r["mmap_peak_bytes"], keep["mmap_peak_bytes"])]
+    return row
+
+
 def md_table(hdr: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(hdr)]
@@ -714,15 +728,7 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
     for mode in MODES:
         r = runs[mode]
         label = mode + (" (+arena)" if r.get("arena_added_bytes") else "")
-        row = [
-            label,
-            fmt_mb(r["peak_bytes"]),
-            ratio(r["peak_bytes"], keep["peak_bytes"]),
-            f"{r['median_step_s']:.3f}",
-            ratio(r["median_step_s"], keep["median_step_s"]),
-        ]
-        if mmap:
-            row += [fmt_mb(r["mmap_peak_bytes"]), ratio(r["mmap_peak_bytes"], keep["mmap_peak_bytes"])]
+        row = memory_time_cells(label, r, keep, mmap)
         if not cuda:
             row += [f"{r['cpu_seconds_per_step']:.2f}"]
         rows.append(row)
@@ -874,15 +880,7 @@ def render_throttled(args: argparse.Namespace, results: dict[str, Any]) -> str:
     for mode, r in runs.items():
         s = r["offload_stats_measured"]
         label = THROTTLED[mode] + (" (+arena)" if r.get("arena_added_bytes") else "")
-        row = [
-            label,
-            fmt_mb(r["peak_bytes"]),
-            ratio(r["peak_bytes"], keep["peak_bytes"]),
-            f"{r['median_step_s']:.3f}",
-            ratio(r["median_step_s"], keep["median_step_s"]),
-        ]
-        if mmap:
-            row += [fmt_mb(r["mmap_peak_bytes"]), ratio(r["mmap_peak_bytes"], keep["mmap_peak_bytes"])]
+        row = memory_time_cells(label, r, keep, mmap)
         row += [
             f"{stall_per_step(r):.3f}",
             f"{s['store']['wait_seconds'] / n:.3f}",
