@@ -316,7 +316,7 @@ class Offloader:
         return hook
 
     def _store_wait(self) -> float:
-        return self.store._native.stats()["wait_seconds"]
+        return self.store._native.wait_seconds
 
     # ---------------------------------------------------------------- pack / unpack
 

@@ -381,6 +381,10 @@ impl Store {
     pub fn host_used(&self) -> u64 {
         self.inner.lock().unwrap().host.used()
     }
+    /// Seconds spent waiting on transfers so far (cheap: no full stats).
+    pub fn wait_seconds(&self) -> f64 {
+        self.inner.lock().unwrap().stats.wait_seconds
+    }
     pub fn backend(&self) -> &'static str {
         self.backend_name
     }

@@ -208,6 +208,12 @@ impl Store {
         self.inner.host_used()
     }
 
+    /// Seconds spent waiting on transfers so far (cheap: no full stats).
+    #[getter]
+    fn wait_seconds(&self) -> f64 {
+        self.inner.wait_seconds()
+    }
+
     #[getter]
     fn backend(&self) -> &'static str {
         self.inner.backend()
