@@ -293,8 +293,10 @@ def apply(t, op, seed):
         return t.unsqueeze(0).expand(2, *t.shape)
     if op == "flat" and t.is_contiguous():
         return t.view(-1)
-    if op == "strided" and t.numel() >= 2:
-        return t.as_strided((t.numel() // 2,), (1,), t.storage_offset() + 1)
+    # Within the storage: an expanded tensor has more elements than its storage holds.
+    room = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    if op == "strided" and room >= 2:
+        return t.as_strided((room // 2,), (1,), t.storage_offset() + 1)
     return t
 
 
