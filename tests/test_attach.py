@@ -26,9 +26,10 @@ CONFIGS = {
 }
 
 
-def offload_config(path, host="64KiB", **policy):
-    """Everything goes through NVMe: a tiny arena, no size floor, no kept layer."""
-    cfg = store_config(path, host=host)
+def offload_config(path, host="64KiB", zero_copy=True, **policy):
+    """Everything goes through NVMe: a tiny arena, no size floor, no kept layer.
+    With `zero_copy` off, CPU tensors are copied into the arena as CUDA ones are."""
+    cfg = store_config(path, host=host, zero_copy=zero_copy)
     cfg["policy"] = {"min_tensor_bytes": 0, "keep_last_layers": 0, **policy}
     return cfg
 
@@ -69,10 +70,11 @@ def assert_same(a, b):
             assert torch.equal(ga[name], gb[name]), name
 
 
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_exact_gradients_through_nvme(store_dir, family):
+def test_exact_gradients_through_nvme(store_dir, family, zero_copy):
     ref = train(CONFIGS[family])
-    got = train(CONFIGS[family], offload_config(store_dir))
+    got = train(CONFIGS[family], offload_config(store_dir, zero_copy=zero_copy))
     assert_same(ref, got)
     s = got[2]
     assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
@@ -80,18 +82,43 @@ def test_exact_gradients_through_nvme(store_dir, family):
     assert s.store.entries == 0, "every entry is freed once its graph is gone"
 
 
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
 @pytest.mark.parametrize("backend", ["io_uring", "posix"])
-def test_both_backends(store_dir, backend):
-    cfg = offload_config(store_dir)
+def test_both_backends(store_dir, backend, zero_copy):
+    cfg = offload_config(store_dir, zero_copy=zero_copy)
     cfg["io"]["backend"] = backend
     assert_same(train(CONFIGS["gpt"]), train(CONFIGS["gpt"], cfg))
 
 
 def test_large_arena_forwards_everything_without_reads(store_dir):
-    got = train(CONFIGS["gpt"], offload_config(store_dir, host="64MiB"))
+    got = train(CONFIGS["gpt"], offload_config(store_dir, host="64MiB", zero_copy=False))
     assert_same(train(CONFIGS["gpt"]), got)
     s = got[2]
     assert s.bytes_read_nvme == 0 and s.forwarded > 0 and s.stall_seconds == 0.0
+
+
+def test_zero_copy_skips_the_arena_and_forwards_while_writing(store_dir):
+    cfg = offload_config(store_dir, host="64MiB")
+    # A slow disk: most writes outlast the forward (about 0.3 s of them), so most unpacks are
+    # served from the sources still held; the first few writes finish and are read back.
+    cfg["io"]["throttle"] = "2MB"
+    got = train(CONFIGS["gpt"], cfg, micro=1)
+    assert_same(train(CONFIGS["gpt"], micro=1), got)
+    s = got[2]
+    assert s.store.host_peak == 0, "the arena was not used"
+    assert s.store.zero_copy_puts == s.tensors_offloaded > 0
+    assert s.forwarded >= s.tensors_offloaded // 2, (s.forwarded, s.tensors_offloaded)
+    assert s.store.nvme_hits + s.forwarded >= s.tensors_offloaded
+    # Written from their own pages: the first page's bytes before the data go too.
+    assert s.bytes_written_nvme >= s.bytes_offloaded
+
+
+def test_a_cpu_model_under_zero_copy_does_not_pin_the_arena(store_dir):
+    model = build_model(CONFIGS["gpt"])
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        assert off.config.io.fixed_buffers is False and off.store.fixed_buffers is False
+    with ssdtier.attach(model, offload_config(store_dir, zero_copy=False)) as off:
+        assert off.config.io.fixed_buffers is True  # as configured (the kernel may still refuse)
 
 
 def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
@@ -315,6 +342,10 @@ def test_unpack_of_pack_is_the_same_view(spec):
         v = apply(v, op, seed)
     off = _OFF
     hb, hv = off._pack(base), off._pack(v)
+    # Written from its own pages: wait, so that the unpack reads it back (not served from the source).
+    hb.entry.ticket.wait()
+    off._poll_writes()
+    assert hb.entry.src is None
     # The contract (as for save_on_cpu): equal values, dtype, shape, stride and device.
     # The storage offset may differ: restored storages start at a page-aligned address.
     ub, uv = off._unpack(hb), off._unpack(hv)
@@ -388,12 +419,15 @@ class TwoUses(nn.Module):
         return (h.sin() + h.cos()).sum()  # sin and cos both save h: one storage, two backward nodes
 
 
-def test_shared_storage_is_read_back_once(store_dir):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
+def test_shared_storage_is_read_back_once(store_dir, zero_copy):
     x = torch.randn(64, 256, requires_grad=True)
     m = TwoUses()
     ref_grad = torch.autograd.grad(m(x), x)[0]
-    with ssdtier.attach(m, offload_config(store_dir, host="0")) as off:
-        got = torch.autograd.grad(m(x), x)[0]
+    with ssdtier.attach(m, offload_config(store_dir, host="0", zero_copy=zero_copy)) as off:
+        out = m(x)
+        off.store.flush()  # every write done: unpacks read from NVMe
+        got = torch.autograd.grad(out, x)[0]
         s = off.stats()
     assert torch.equal(ref_grad, got)
     assert s.dedup_hits >= 1

@@ -180,6 +180,7 @@ def test_defaults():
         block_size=MiB,
         direct=True,
         fixed_buffers=True,
+        zero_copy=True,
         threads=4,
     )
     assert cfg.policy == PolicyConfig(
@@ -252,6 +253,7 @@ FULL = {
         "block_size": "2MiB",
         "direct": False,
         "fixed_buffers": False,
+        "zero_copy": False,
         "threads": 8,
     },
     "policy": {
@@ -285,6 +287,7 @@ block_size = "2MiB"
 direct = false
 fixed_buffers = false
 threads = 8
+zero_copy = false
 
 [policy]
 min_tensor_bytes = "64KiB"
@@ -303,7 +306,7 @@ FULL_CONFIG = Config(
         NvmeConfig("/mnt/nvme0/ssdtier", 256 * GiB),
         NvmeConfig("/mnt/nvme1/ssdtier", 100 * 10**9),
     ),
-    io=IoConfig("io_uring", 128, 2 * MiB, False, False, 8),
+    io=IoConfig("io_uring", 128, 2 * MiB, False, False, 8, None, False),
     policy=PolicyConfig(64 * KiB, 1, 3, "lru", False, "model.layers", "adaptive", 20 * GiB),
 )
 
@@ -375,7 +378,7 @@ BAD_FILES = [
         "[io.extra]\nx = 1\n",
         (
             r"io\.extra: unknown key\. Allowed keys in \[io\]: backend, queue_depth, "
-            r"block_size, direct, fixed_buffers, threads, throttle$"
+            r"block_size, direct, fixed_buffers, threads, throttle, zero_copy$"
         ),
     ),
     (
@@ -625,6 +628,7 @@ def test_to_dict():
             "block_size": "2MiB",
             "direct": False,
             "fixed_buffers": False,
+            "zero_copy": False,
             "threads": 8,
             "throttle": None,
         },

@@ -342,6 +342,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
         "fixed_buffers": _bool,
         "threads": _int_range(1, 64),
         "throttle": _size_range(0, optional=True),
+        "zero_copy": _bool,
     },
     "policy": {
         "min_tensor_bytes": _size_range(0),
@@ -440,6 +441,10 @@ class IoConfig:
         block_size: I/O block size, a power of two from 4 KiB to 64 MiB.
         direct: Use ``O_DIRECT``.
         fixed_buffers: Register host buffers with io_uring.
+        zero_copy: Write activations that live in CPU memory to NVMe straight
+            from their pages, without a copy into the host arena; they are
+            held until written, and ``host.capacity`` bounds the bytes held so.
+            Off: they are copied into the arena, as CUDA tensors are.
         threads: Worker threads of the posix backend, 1..64.
         throttle: Cap each directory's bandwidth at this many bytes per
             second (a size; for benchmarks that imitate a slow disk), or None.
@@ -454,6 +459,7 @@ class IoConfig:
     fixed_buffers: bool = True
     threads: int = 4
     throttle: int | None = None
+    zero_copy: bool = True
 
     def __post_init__(self) -> None:
         _validate(self)

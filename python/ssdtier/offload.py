@@ -49,6 +49,10 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
     return raw[pad : pad + nbytes]
 
 
+def _on_cpu(model: nn.Module) -> bool:
+    return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
+
+
 def _storage_objects_preserved() -> bool:
     t = torch.empty(1)
     return t.untyped_storage() is t.untyped_storage()
@@ -60,7 +64,8 @@ class OffloadStats:
 
     ``peak_resident_bytes`` is the most bytes of saved activations that ssdtier
     held in device or process memory at once: kept tensors, the host arena in
-    use, GPU tensors whose copy is in flight, and restored storages.
+    use, GPU tensors whose copy is in flight, CPU tensors whose write is in
+    flight, and restored storages.
     """
 
     tensors_offloaded: int
@@ -113,10 +118,13 @@ def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
 class _Kept:
     """A saved tensor held as it is (small, or in a kept layer)."""
 
-    __slots__ = ("__weakref__", "nbytes", "off", "tensor")
+    __slots__ = ("__weakref__", "forward", "layer", "nbytes", "off", "tensor", "triggered")
 
     def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int) -> None:
         self.off, self.tensor, self.nbytes = off, tensor, nbytes
+        # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
+        # the kept last layers come first in backward, and the first offloaded ones must be on the way.
+        self.forward, self.layer, self.triggered = off._forward, off._tag, False
         off._resident_kept += nbytes
 
     def __del__(self) -> None:
@@ -133,18 +141,23 @@ class _Entry:
         "gpu",
         "key",
         "layer",
+        "lead",
         "nbytes",
-        "prefetched",
         "refs",
         "hold",
         "pad",
         "reading",
         "restored",
+        "src",
+        "ticket",
+        "triggered",
         "waiting",
+        "wanted",
     )
 
     def __init__(self, key: int, nbytes: int, device: torch.device, forward: int, layer: int) -> None:
-        self.key, self.nbytes, self.device = key, nbytes, device
+        self.key: int | None = key  # None once the store has no copy (a failed write)
+        self.nbytes, self.device = nbytes, device
         self.forward, self.layer = forward, layer
         self.refs = 0
         # Handles not unpacked yet: while some are, the restored storage is held, so a
@@ -153,12 +166,21 @@ class _Entry:
         self.hold: torch.UntypedStorage | None = None
         self.pad = 0  # byte offset of the data in the restored storage
         self.gpu: torch.Tensor | None = None  # CUDA: the source, held until its copy is done
+        # CPU, zero copy: the source, held until its write from its own pages is done
+        # (for good if the write failed), the write's ticket, and the bytes of the first
+        # page before the data (the write covers whole pages).
+        self.src: torch.Tensor | None = None
+        self.ticket: Any = None
+        self.lead = 0
         self.event: Any = None
         # The restored storage, while some unpacked view still uses it.
         self.restored: weakref.ref | None = None
         # A read under way: (buffer or None, ticket or None, served from the host arena).
         self.reading: tuple[torch.Tensor | None, Any, bool] | None = None
-        self.prefetched = False
+        # Its unpack started the read-ahead of the layers below (once per entry).
+        self.triggered = False
+        # The read-ahead reached it: its bytes should be in memory (a source still held stays).
+        self.wanted = False
 
 
 class _Saved:
@@ -192,6 +214,11 @@ class Offloader:
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model = model
+        if config.io.zero_copy and config.io.fixed_buffers and _on_cpu(model):
+            # A CPU model's activations go to NVMe from their own pages: the arena only takes
+            # the rare storage that cannot (not 64-byte aligned). Registering it with io_uring
+            # would pin all of it; unregistered, it costs memory only where it is used.
+            config = config.replace(io__fixed_buffers=False)
         self.config = config
         self.store = TieredStore(config)
         self._lock = threading.RLock()
@@ -218,6 +245,7 @@ class Offloader:
         self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
         self._by_layer: dict[tuple[int, int], list[_Entry]] = {}
         self._pending: list[_Entry] = []  # CUDA copies to the arena in flight, in order
+        self._writing: list[_Entry] = []  # CPU writes from the tensors' own pages in flight, in order
         self._h2d: list[tuple[Any, int]] = []  # (event, key): slots pinned until their copy to the GPU is done
         self._cuda: dict[torch.device, Any] = {}
         self._registered = False
@@ -225,6 +253,7 @@ class Offloader:
         self._live = 0
         self._resident_kept = 0
         self._resident_gpu = 0
+        self._resident_writing = 0
         self._resident_restored = 0
         self._peak = 0
         self._counts = dict.fromkeys(
@@ -295,6 +324,7 @@ class Offloader:
         if self._depth == 0:
             self._hooks.__exit__(None, None, None)
             self._poll_pending()
+            self._poll_writes()
 
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
@@ -323,6 +353,8 @@ class Offloader:
     def _pack(self, t: torch.Tensor) -> Any:
         c = self._counts
         c["packs"] += 1
+        if self._writing and self._writing[0].ticket.done():
+            self._poll_writes()
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
             return t
         dev = t.device
@@ -372,21 +404,77 @@ class Offloader:
         store = self.store
         if t.device.type == "cuda":
             return self._offload_cuda(whole, nbytes)
+        lead = st.data_ptr() % _PAGE
+        # The restored view starts `lead` bytes into its page as the original did; a
+        # multiple of 64 keeps every dtype's views aligned (torch allocates at 64).
+        if self.config.io.zero_copy and lead % 64 == 0:
+            return self._offload_cpu(whole, nbytes, lead)
         key = store.put(whole)
         return _Entry(key, nbytes, t.device, self._forward, self._tag)
+
+    def _offload_cpu(self, whole: torch.Tensor, nbytes: int, lead: int) -> _Entry:
+        """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
+        key, ticket = self.store._native.write_from(whole.data_ptr() - lead, lead + nbytes)
+        e = _Entry(key, nbytes, whole.device, self._forward, self._tag)
+        e.lead, e.src, e.ticket = lead, whole, ticket
+        self._resident_writing += nbytes
+        self._writing.append(e)
+        return e
+
+    def _poll_writes(self) -> None:
+        """Drop the sources of CPU writes that are done."""
+        while self._writing and self._writing[0].ticket.done():
+            self._end_write(self._writing.pop(0))
+
+    def _end_write(self, e: _Entry) -> None:
+        ticket, e.ticket = e.ticket, None
+        try:
+            ticket.wait()
+        except SsdtierError as err:
+            if e.refs == 0:  # released while writing: nobody needs it
+                self._drop_src(e)
+                self._free_key(e.key)
+                return
+            # The store has no copy; the source stays in memory and serves the unpack.
+            if not getattr(self, "_warned_write", False):
+                self._warned_write = True
+                log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+            key, e.key = e.key, None
+            self._free_key(key)
+            return
+        if e.refs == 0:  # released while writing: its key goes now
+            self._drop_src(e)
+            self._free_key(e.key)
+        elif not e.wanted:
+            self._drop_src(e)
+        # Else the backward is about to use it: it stays and serves the unpack, with no read.
+
+    def _drop_src(self, e: _Entry) -> None:
+        if e.src is not None:
+            e.src = None
+            self._resident_writing -= e.nbytes
 
     def _unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, torch.Tensor):
             return h
         self._counts["unpacks"] += 1
+        if self._writing and self._writing[0].ticket.done():
+            self._poll_writes()
         if isinstance(h, _Kept):
+            if not h.triggered:
+                h.triggered = True
+                with self._lock:
+                    self._read_ahead(h.forward, h.layer)
             return h.tensor
         e: _Entry = h.entry
         with self._lock:
             if not h.unpacked:
                 h.unpacked = True
                 e.waiting -= 1
-            self._prefetch_ahead(e)
+            if not e.triggered:
+                for entry in self._by_layer.get((e.forward, e.layer), ()):
+                    entry.triggered = True
+                self._read_ahead(e.forward, e.layer)
             storage = self._restore(e)
             e.hold = storage if e.waiting > 0 else None
         self._note_peak()
@@ -395,10 +483,12 @@ class Offloader:
         return out.set_(storage, h.offset + e.pad // h.dtype.itemsize, h.size, h.stride)
 
     def _restore(self, e: _Entry) -> torch.UntypedStorage:
-        if e.gpu is not None:
+        src = e.gpu if e.gpu is not None else e.src
+        if src is not None:
+            # Its copy or write is still in flight (or failed): served from the source.
             self._counts["forwarded"] += 1
             e.pad = 0
-            return e.gpu.untyped_storage()
+            return src.untyped_storage()
         st = e.restored() if e.restored is not None else None
         if st is not None:
             self._counts["forwarded"] += 1
@@ -439,21 +529,19 @@ class Offloader:
         native = self.store._native
         from_host = native.location(e.key)[0]
         if e.device.type == "cpu":
-            buf = _aligned_empty(e.nbytes)
+            # The entry starts `lead` bytes before the data (a zero-copy write covers whole pages).
+            buf = _aligned_empty(e.lead + e.nbytes)
             self._track(buf, e.nbytes)
-            e.reading = (buf, native.read_into(e.key, buf.data_ptr()), from_host)
+            e.reading = (buf[e.lead :], native.read_into(e.key, buf.data_ptr()), from_host)
         else:
             e.reading = (None, None if from_host else native.prefetch(e.key), from_host)
 
-    def _prefetch_ahead(self, e: _Entry) -> None:
+    def _read_ahead(self, forward: int, layer: int) -> None:
         """Entering a layer's backward: start reading the next layers' entries."""
-        if e.prefetched:
-            return
-        for entry in self._by_layer.get((e.forward, e.layer), ()):
-            entry.prefetched = True
         for d in range(1, self.config.policy.prefetch_layers + 1):
-            for entry in self._by_layer.get((e.forward, e.layer - d), ()):
-                if entry.reading is None and entry.gpu is None and entry.restored is None:
+            for entry in self._by_layer.get((forward, layer - d), ()):
+                entry.wanted = True
+                if entry.reading is None and entry.gpu is None and entry.src is None and entry.restored is None:
                     self._start_read(entry)
 
     def _release(self, e: _Entry) -> None:
@@ -471,6 +559,8 @@ class Offloader:
                 ev.synchronize()
                 self._h2d.remove((ev, key))
                 self.store._native.release(key)
+            if e.ticket is None:
+                self._drop_src(e)
             e.gpu = None
             e.restored = None
             e.hold = None
@@ -483,11 +573,9 @@ class Offloader:
                 if not group:
                     del self._by_layer[(e.forward, e.layer)]
             self._live -= 1
-            if not self.store._closed:
-                try:
-                    self.store._native.free(e.key)
-                except SsdtierError:
-                    pass
+            if e.ticket is None:
+                self._free_key(e.key)
+            # Else its write is in flight: the source is held and the key freed when it is done.
             if self._closed and self._live == 0:
                 self._close_store()
 
@@ -648,8 +736,24 @@ class Offloader:
 
     # ---------------------------------------------------------------- misc
 
+    def _free_key(self, key: int | None) -> None:
+        store = self.store
+        if key is None or store._closed:
+            return
+        store._meta.pop(key, None)
+        try:
+            store._native.free(key)
+        except SsdtierError:
+            pass
+
     def _note_peak(self) -> None:
-        resident = self._resident_kept + self._resident_gpu + self._resident_restored + self.store._native.host_used
+        resident = (
+            self._resident_kept
+            + self._resident_gpu
+            + self._resident_writing
+            + self._resident_restored
+            + self.store._native.host_used
+        )
         if resident > self._peak:
             self._peak = resident
 
@@ -691,7 +795,11 @@ class Offloader:
         if self._registered and self.store.arena is not None:
             torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
             self._registered = False
-        self.store.close()
+        self.store.close()  # waits for every write, so the sources still held can go
+        for e in self._writing:
+            e.ticket = None
+            self._drop_src(e)
+        self._writing.clear()
 
     def __enter__(self) -> Offloader:
         return self

@@ -41,6 +41,7 @@ class StoreStats:
     nvme_read_ops: int
     direct_puts: int
     direct_gets: int
+    zero_copy_puts: int
     evictions: int
     prefetches: int
     prefetch_skipped: int

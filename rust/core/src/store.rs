@@ -186,6 +186,9 @@ struct Entry {
     evicting: bool,
     /// Read ahead and not yet used: evicted only when nothing else is left.
     prefetched: bool,
+    /// Its write (from caller memory, [`Store::write_from`]) is in flight and counts
+    /// against the bytes that may wait for NVMe.
+    from_user: bool,
     put_seq: u64,
     host_seq: u64,
     access_seq: u64,
@@ -204,6 +207,7 @@ pub struct Stats {
     pub nvme_read_ops: u64,
     pub direct_puts: u64,
     pub direct_gets: u64,
+    pub zero_copy_puts: u64,
     pub evictions: u64,
     pub prefetches: u64,
     pub prefetch_skipped: u64,
@@ -240,6 +244,8 @@ struct Inner {
     writing: Vec<u64>,
     /// Keys with a read in flight (to a slot or to caller memory).
     reading: Vec<u64>,
+    /// Bytes (rounded to pages) of writes from caller memory in flight.
+    user_inflight: u64,
     stats: Stats,
     /// An error of a background write that nobody waited on yet.
     deferred: Option<Error>,
@@ -357,6 +363,7 @@ impl Store {
                 dev_full: vec![false; n],
                 writing: Vec::new(),
                 reading: Vec::new(),
+                user_inflight: 0,
                 stats,
                 deferred: None,
                 closed: false,
@@ -477,6 +484,7 @@ impl Store {
                 filling: slot.is_some(),
                 evicting: false,
                 prefetched: false,
+                from_user: false,
                 put_seq: seq,
                 host_seq: seq,
                 access_seq: seq,
@@ -536,6 +544,78 @@ impl Store {
                 Err(err)
             }
         }
+    }
+
+    /// Create an entry of `len` bytes and write it to NVMe straight from caller
+    /// memory, without a copy into the arena. Returns its key and the write's
+    /// ticket at once; the caller keeps `src` valid and unchanged until the
+    /// ticket is done. The bytes waiting in caller memory are bounded by the
+    /// host capacity: while earlier writes from caller memory fill it, this
+    /// waits for the oldest (one write may always be in flight).
+    ///
+    /// A failed write is reported through the ticket only (not deferred to
+    /// `flush`): the entry then has no bytes and the caller, who still has
+    /// them, frees it.
+    ///
+    /// # Safety
+    /// `src` must be 4096-aligned and valid for reads of `len` rounded up to
+    /// 4096 bytes until the ticket is done. The bytes past `len` are written
+    /// to the file too (whatever they hold) and never read back as data.
+    pub unsafe fn write_from(&self, src: *const u8, len: u64) -> Result<(u64, Arc<Ticket>)> {
+        if (src as u64) % ALIGN != 0 {
+            return Err(Error::Invalid(format!("write_from needs a {ALIGN}-byte aligned buffer")));
+        }
+        let mut g = self.lock()?;
+        let rounded = len.div_ceil(ALIGN) * ALIGN;
+        loop {
+            Self::reap(&mut g);
+            if g.user_inflight == 0 || g.user_inflight + rounded <= g.host.capacity() {
+                break;
+            }
+            let t = g.writing.iter().find_map(|k| match g.entries.get(k) {
+                Some(Entry { inflight: Inflight::Write(t), from_user: true, .. }) => Some(t.clone()),
+                _ => None,
+            });
+            let Some(t) = t else { break };
+            let (g2, _) = self.wait_unlocked(g, &t);
+            g = g2;
+        }
+        let (pl, ticket) = if len == 0 {
+            (None, Ticket::done())
+        } else {
+            let pl = self.alloc_placement(&mut g, len)?;
+            let t = self.submit_placement(&mut g, &pl, Dir::Write, Target::User(src as *mut u8));
+            (Some(pl), t)
+        };
+        let key = g.next_key;
+        g.next_key += 1;
+        g.seq += 1;
+        let seq = g.seq;
+        let inflight = if len == 0 { Inflight::None } else { Inflight::Write(ticket.clone()) };
+        g.entries.insert(
+            key,
+            Entry {
+                len,
+                host: None,
+                nvme: pl,
+                nvme_valid: len == 0,
+                inflight,
+                pins: 0,
+                filling: false,
+                evicting: false,
+                prefetched: false,
+                from_user: len > 0,
+                put_seq: seq,
+                host_seq: seq,
+                access_seq: seq,
+            },
+        );
+        if len > 0 {
+            g.writing.push(key);
+            g.user_inflight += rounded;
+        }
+        g.stats.zero_copy_puts += 1;
+        Ok((key, ticket))
     }
 
     /// Move `pl`'s bytes between NVMe and `buf` through the staging buffer,
@@ -759,7 +839,8 @@ impl Store {
     }
 
     /// Reap, then wait (with the lock released) while the entry has a read in
-    /// flight. An entry still being filled is refused.
+    /// flight, or a write from caller memory (its only copy is not readable
+    /// yet). An entry still being filled is refused.
     fn settle_reads<'a>(&'a self, mut g: MutexGuard<'a, Inner>, key: u64) -> Result<MutexGuard<'a, Inner>> {
         loop {
             Self::reap(&mut g);
@@ -767,8 +848,12 @@ impl Store {
             if e.filling {
                 return Err(Error::Invalid(format!("entry {key} is still being filled")));
             }
-            let (Inflight::Read(t) | Inflight::Direct(t)) = &e.inflight else { return Ok(g) };
-            let t = t.clone();
+            let t = match &e.inflight {
+                Inflight::Read(t) | Inflight::Direct(t) => t.clone(),
+                // Written from caller memory and not done yet: the file is not readable before.
+                Inflight::Write(t) if e.host.is_none() => t.clone(),
+                _ => return Ok(g),
+            };
             let (g2, r) = self.wait_unlocked(g, &t);
             g = g2;
             r?;
@@ -914,23 +999,33 @@ impl Store {
             g.writing.swap_remove(i);
             let e = g.entries.get_mut(&key).unwrap();
             e.inflight = Inflight::None;
+            let from_user = std::mem::take(&mut e.from_user);
+            if from_user {
+                g.user_inflight -= e.len.div_ceil(ALIGN) * ALIGN;
+            }
+            let e = g.entries.get_mut(&key).unwrap();
             match res {
                 Ok(()) => {
                     e.nvme_valid = true;
                     if e.evicting && e.pins == 0 {
-                        let (off, len) = (e.host.take().unwrap(), e.len);
                         e.evicting = false;
-                        g.host.free(off, len);
-                        g.stats.evictions += 1;
+                        if let Some(off) = e.host.take() {
+                            let len = e.len;
+                            g.host.free(off, len);
+                            g.stats.evictions += 1;
+                        }
                     }
                 }
                 Err(err) => {
-                    // The bytes stay in the host slot: nothing is lost.
+                    // From the arena, the bytes stay in the host slot; from caller memory,
+                    // the caller still has them and learns of the error from its ticket.
                     e.evicting = false;
                     let pl = e.nvme.take().unwrap();
                     Self::release_placement(g, &pl);
                     Self::note_write_error(g, &err, &pl);
-                    g.deferred.get_or_insert(err);
+                    if !from_user {
+                        g.deferred.get_or_insert(err);
+                    }
                 }
             }
         }

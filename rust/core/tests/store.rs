@@ -394,3 +394,77 @@ fn a_skipped_read_ahead_does_not_cascade() {
     assert!(s.stats().prefetch_skipped >= 1);
     assert_eq!(s.stats().nvme_bytes_read - before, n as u64 * (256 << 10));
 }
+
+#[test]
+fn write_from_caller_memory_skips_the_arena_both_backends() {
+    for backend in [Backend::IoUring, Backend::Posix] {
+        let (d1, d2) = (real_dir(), real_dir());
+        let s = Store::new(cfg(&[d1.path(), d2.path()], 1 << 20, backend)).unwrap();
+        let mut keys = Vec::new();
+        for (i, &n) in SIZES.iter().enumerate() {
+            let mut src = Aligned::new(n.div_ceil(4096) * 4096);
+            src.slice_mut()[..n].copy_from_slice(&pattern(n, i as u64));
+            // Safety: src is aligned, holds n rounded up to 4096, and outlives the wait below.
+            let (k, t) = unsafe { s.write_from(src.as_mut_ptr(), n as u64) }.unwrap();
+            t.wait().unwrap();
+            drop(src);
+            assert_eq!(s.location(k).unwrap(), (false, true), "{backend:?} size {n}");
+            keys.push((k, n, i as u64));
+        }
+        let st = s.stats();
+        assert_eq!(st.host_peak, 0, "the arena was not used");
+        assert_eq!(st.zero_copy_puts, SIZES.len() as u64);
+        for &(k, n, seed) in &keys {
+            // Through a slot (acquire) and straight into caller memory (read_into).
+            assert!(get(&s, k) == pattern(n, seed), "{backend:?} size {n}");
+            s.evict(k).unwrap();
+            let dst = Aligned::new(n.div_ceil(4096) * 4096);
+            // Safety: dst is aligned and large enough, and outlives the wait.
+            unsafe { s.read_into(k, dst.as_mut_ptr()) }.unwrap().wait().unwrap();
+            assert!(&dst.slice()[..n] == pattern(n, seed).as_slice(), "{backend:?} size {n}");
+            s.free(k).unwrap();
+        }
+        s.flush().unwrap();
+        let st = s.stats();
+        assert_eq!((st.nvme_used, st.entries), (0, 0));
+        // Misaligned caller memory is refused, not silently corrupted.
+        let src = Aligned::new(8192);
+        // Safety: the call fails before reading.
+        let err = unsafe { s.write_from(src.as_mut_ptr().add(64), 100) }.err().unwrap();
+        assert!(err.to_string().contains("aligned"), "{err}");
+    }
+}
+
+#[test]
+fn writes_from_caller_memory_wait_within_the_host_capacity() {
+    let d = real_dir();
+    let mut c = cfg(&[d.path()], 1 << 20, Backend::Auto);
+    // Slow enough that no write finishes on its own while the next is submitted.
+    c.throttle_bytes_per_sec = 8 << 20;
+    let s = Store::new(c).unwrap();
+    let bufs: Vec<Aligned> = (0..5).map(|_| Aligned::new(512 << 10)).collect();
+    let mut tickets = Vec::new();
+    for (i, b) in bufs.iter().enumerate() {
+        // Safety: each buffer is aligned, 512 KiB, and outlives its ticket (waited below).
+        let (_, t) = unsafe { s.write_from(b.as_mut_ptr(), 512 << 10) }.unwrap();
+        tickets.push(t);
+        // 1 MiB of capacity holds two writes in flight: the third waits for the first, and so on.
+        if i >= 2 {
+            assert!(tickets[i - 2].is_done(), "write {} still in flight when write {i} started", i - 2);
+        }
+    }
+    assert!(s.stats().wait_seconds > 0.0);
+    for t in tickets {
+        t.wait().unwrap();
+    }
+    // A read of an entry whose write is in flight waits for the write.
+    let mut src = Aligned::new(256 << 10);
+    src.slice_mut().copy_from_slice(&pattern(256 << 10, 9));
+    // Safety: src outlives the ticket (the read below waits for the write).
+    let (k, t) = unsafe { s.write_from(src.as_mut_ptr(), 256 << 10) }.unwrap();
+    let dst = Aligned::new(256 << 10);
+    // Safety: dst is aligned and large enough, and outlives the wait.
+    unsafe { s.read_into(k, dst.as_mut_ptr()) }.unwrap().wait().unwrap();
+    assert!(t.is_done());
+    assert!(dst.slice() == pattern(256 << 10, 9).as_slice());
+}

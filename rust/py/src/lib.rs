@@ -123,6 +123,18 @@ impl Store {
         py.detach(move || unsafe { s.write_direct(key, address as *const u8) }).py_err(py)
     }
 
+    /// New entry written to NVMe straight from caller memory: (key, ticket of the write).
+    ///
+    /// The caller keeps `address` (4096-aligned) valid and unchanged for `nbytes`
+    /// rounded up to 4096 until the ticket is done.
+    fn write_from(&self, py: Python<'_>, address: usize, nbytes: u64) -> PyResult<(u64, Ticket)> {
+        let s = self.inner.clone();
+        // Safety: the Python layer passes the page-aligned start of a live CPU storage's
+        // pages and holds that storage until the ticket is done.
+        let (key, t) = py.detach(move || unsafe { s.write_from(address as *const u8, nbytes) }).py_err(py)?;
+        Ok((key, Ticket { inner: t }))
+    }
+
     /// Make the entry resident and pin it: its arena offset, or None (use read_direct).
     fn acquire(&self, py: Python<'_>, key: u64) -> PyResult<Option<u64>> {
         let s = self.inner.clone();
@@ -243,6 +255,7 @@ impl Store {
         d.set_item("nvme_read_ops", s.nvme_read_ops)?;
         d.set_item("direct_puts", s.direct_puts)?;
         d.set_item("direct_gets", s.direct_gets)?;
+        d.set_item("zero_copy_puts", s.zero_copy_puts)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("prefetches", s.prefetches)?;
         d.set_item("prefetch_skipped", s.prefetch_skipped)?;
