@@ -549,6 +549,7 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     plain = Stack(args.pt_layers, args.pt_width)
     ssd_model = copy.deepcopy(plain)
+    arena_model = copy.deepcopy(plain)
     x = torch.randn(args.pt_batch, args.pt_width, generator=torch.Generator().manual_seed(args.seed))
 
     n_saved = 0
@@ -563,6 +564,8 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = ssdtier_config(args, args.pt_arena, 0, 0)
     off = ssdtier.attach(ssd_model, cfg)
+    # The same through the arena: no NVMe I/O at all, so this is the Python layer's own cost.
+    off_arena = ssdtier.attach(arena_model, {**cfg, "io": {"zero_copy": False}})
 
     def run(model: nn.Module, ctx: Any) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
@@ -580,6 +583,7 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     variants = {
         "plain": lambda: run(plain, None),
         "ssdtier": lambda: run(ssd_model, None),
+        "ssdtier-arena": lambda: run(arena_model, None),
         "save_on_cpu": lambda: run(plain, torch.autograd.graph.save_on_cpu(pin_memory=False)),
     }
     for _ in range(args.pt_warmup):
@@ -595,6 +599,8 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     w1, c1, b1 = time.perf_counter(), os.times(), cpu_busy_seconds()
     after = off.stats()
     off.detach()
+    arena_written = off_arena.stats().bytes_written_nvme
+    off_arena.detach()
     reps = args.pt_reps
     own = (c1.user - c0.user) + (c1.system - c0.system)
     packs = (after.packs - before.packs) / reps
@@ -613,6 +619,7 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
         "ssdtier_dedup_hits_per_iter": (after.dedup_hits - before.dedup_hits) / reps,
         "ssdtier_kept_per_iter": (after.tensors_kept - before.tensors_kept) / reps,
         "ssdtier_nvme_bytes_written": after.bytes_written_nvme - before.bytes_written_nvme,
+        "ssdtier_arena_nvme_bytes_written": arena_written,
         "ssdtier_stall_seconds": after.stall_seconds - before.stall_seconds,
         "cpu_utilisation": own / (w1 - w0),
         "other_cpu_cores": ((b1 - b0) - own) / (w1 - w0),
@@ -625,7 +632,7 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
         med[k] = {"fwd_s": fwd, "bwd_s": bwd, "total_s": tot}
     out["median"] = med
     base = med["plain"]
-    for k, n in (("ssdtier", packs), ("save_on_cpu", float(n_saved))):
+    for k, n in (("ssdtier", packs), ("ssdtier-arena", packs), ("save_on_cpu", float(n_saved))):
         m = med[k]
         out[f"{k}_us_per_tensor"] = (m["total_s"] - base["total_s"]) / n * 1e6
         out[f"{k}_us_per_pack_fwd"] = (m["fwd_s"] - base["fwd_s"]) / n * 1e6
@@ -806,7 +813,9 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
         lines.append(
             f"cost per saved tensor: {pt['layers']} x (Linear({pt['width']},{pt['width']}) + Tanh), "
             f"batch {pt['batch']}, {pt['reps']} interleaved reps, in one process; ssdtier with "
-            f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']}; CPU use "
+            f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']} (ssdtier: zero copy, every storage "
+            "written to NVMe and read back; ssdtier-arena: io.zero_copy false, everything stays in the arena, "
+            f"no NVMe I/O: the Python layer's own cost); CPU use "
             f"{pt['cpu_utilisation']:.2f} cores, rest of machine {pt['other_cpu_cores']:.2f} cores"
         )
         lines.append(
@@ -814,7 +823,8 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             f"{pt['ssdtier_packs_per_iter']:.0f}: offloaded {pt['ssdtier_offloaded_per_iter']:.0f}, "
             f"dedup hits {pt['ssdtier_dedup_hits_per_iter']:.0f}, kept {pt['ssdtier_kept_per_iter']:.0f}, "
             "the rest parameters; unpacks "
-            f"{pt['ssdtier_unpacks_per_iter']:.0f}); NVMe bytes written {pt['ssdtier_nvme_bytes_written']}"
+            f"{pt['ssdtier_unpacks_per_iter']:.0f}); NVMe bytes written {pt['ssdtier_nvme_bytes_written']} "
+            f"(ssdtier-arena: {pt.get('ssdtier_arena_nvme_bytes_written', 0)})"
         )
         med = pt["median"]
         lines.append(
@@ -830,7 +840,9 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             f"  ssdtier per offloaded storage (the same time / {pt['ssdtier_offloaded_per_iter']:.0f}): "
             f"{per_store * 1e6:.1f} us"
         )
-        for k in ("ssdtier", "save_on_cpu"):
+        for k in ("ssdtier", "ssdtier-arena", "save_on_cpu"):
+            if f"{k}_us_per_tensor" not in pt:
+                continue
             lines.append(
                 f"  {k}: {pt[f'{k}_us_per_tensor']:.1f} us per saved tensor (pack+unpack) "
                 f"[fwd {pt[f'{k}_us_per_pack_fwd']:.1f} + bwd {pt[f'{k}_us_per_unpack_bwd']:.1f}]"

@@ -441,13 +441,13 @@ class IoConfig:
         block_size: I/O block size, a power of two from 4 KiB to 64 MiB.
         direct: Use ``O_DIRECT``.
         fixed_buffers: Register host buffers with io_uring.
+        threads: Worker threads of the posix backend, 1..64.
+        throttle: Cap each directory's bandwidth at this many bytes per
+            second (a size; for benchmarks that imitate a slow disk), or None.
         zero_copy: Write activations that live in CPU memory to NVMe straight
             from their pages, without a copy into the host arena; they are
             held until written, and ``host.capacity`` bounds the bytes held so.
             Off: they are copied into the arena, as CUDA tensors are.
-        threads: Worker threads of the posix backend, 1..64.
-        throttle: Cap each directory's bandwidth at this many bytes per
-            second (a size; for benchmarks that imitate a slow disk), or None.
     """
 
     _TABLE: ClassVar[str] = "io"

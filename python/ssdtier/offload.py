@@ -242,6 +242,7 @@ class Offloader:
         self._forward = 0
         self._depth = 0
         self._param_ptrs: set[tuple[torch.device, int]] = set()
+        self._param_list: list[torch.Tensor] = []
         self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
         self._by_layer: dict[tuple[int, int], list[_Entry]] = {}
         self._pending: list[_Entry] = []  # CUDA copies to the arena in flight, in order
@@ -312,10 +313,12 @@ class Offloader:
                 self._replan()
             self._forward += 1
             self._tag = 0
-            self._param_ptrs = {
-                (p.device, p.untyped_storage().data_ptr())
-                for p in itertools.chain(module.parameters(), module.buffers())
-            }
+            if self._forward % 64 == 1:
+                # Walking the module tree costs about 1 ms per 20 modules: the list of parameters
+                # and buffers is refreshed every 64 forwards, their storages looked up every forward
+                # (`.to()`, `load_state_dict` and the like may have swapped them).
+                self._param_list = list(itertools.chain(module.parameters(), module.buffers()))
+            self._param_ptrs = {(p.device, p.untyped_storage().data_ptr()) for p in self._param_list}
             self._hooks.__enter__()
         self._depth += 1
 
