@@ -356,8 +356,7 @@ class Offloader:
     def _pack(self, t: torch.Tensor) -> Any:
         c = self._counts
         c["packs"] += 1
-        if self._writing and self._writing[0].ticket.done():
-            self._poll_writes()
+        self._poll_writes()
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
             return t
         dev = t.device
@@ -431,23 +430,21 @@ class Offloader:
 
     def _end_write(self, e: _Entry) -> None:
         ticket, e.ticket = e.ticket, None
+        failed: SsdtierError | None = None
         try:
             ticket.wait()
         except SsdtierError as err:
-            if e.refs == 0:  # released while writing: nobody needs it
-                self._drop_src(e)
-                self._free_key(e.key)
-                return
+            failed = err
+        if e.refs == 0:  # released while writing: nobody needs it, its key goes now
+            self._drop_src(e)
+            self._free_key(e.key)
+        elif failed is not None:
             # The store has no copy; the source stays in memory and serves the unpack.
             if not getattr(self, "_warned_write", False):
                 self._warned_write = True
-                log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+                log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", failed)
             key, e.key = e.key, None
             self._free_key(key)
-            return
-        if e.refs == 0:  # released while writing: its key goes now
-            self._drop_src(e)
-            self._free_key(e.key)
         elif not e.wanted:
             self._drop_src(e)
         # Else the backward is about to use it: it stays and serves the unpack, with no read.
@@ -461,8 +458,7 @@ class Offloader:
         if isinstance(h, torch.Tensor):
             return h
         self._counts["unpacks"] += 1
-        if self._writing and self._writing[0].ticket.done():
-            self._poll_writes()
+        self._poll_writes()
         if isinstance(h, _Kept):
             if not h.triggered:
                 h.triggered = True
@@ -562,8 +558,6 @@ class Offloader:
                 ev.synchronize()
                 self._h2d.remove((ev, key))
                 self.store._native.release(key)
-            if e.ticket is None:
-                self._drop_src(e)
             e.gpu = None
             e.restored = None
             e.hold = None
@@ -577,6 +571,7 @@ class Offloader:
                     del self._by_layer[(e.forward, e.layer)]
             self._live -= 1
             if e.ticket is None:
+                self._drop_src(e)
                 self._free_key(e.key)
             # Else its write is in flight: the source is held and the key freed when it is done.
             if self._closed and self._live == 0:
