@@ -378,14 +378,19 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         return f", layers kept {into[-1]}, stall {stalls[-1]:.3f} s"
 
     losses: list[float] = []
-    warm_times: list[float] = []
-    for i in range(args.warmup):
-        t0 = time.perf_counter()
-        loss = step()
-        warm_times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-        note = kept(kept_warmup, stall_warmup)
-        log(f"  [{mode}] warmup {i + 1}/{args.warmup}: {warm_times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
+
+    def run_steps(n: int, label: str, kept_into: list[int], stalls_into: list[float]) -> list[float]:
+        times: list[float] = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            loss = step()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+            note = kept(kept_into, stalls_into)
+            log(f"  [{mode}] {label} {i + 1}/{n}: {times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
+        return times
+
+    warm_times = run_steps(args.warmup, "warmup", kept_warmup, stall_warmup)
 
     before = stats_dict(off.stats()) if off is not None else None
     probe: Any = CudaPeak(device) if cuda else CpuPeak()
@@ -396,14 +401,7 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
     cpu0 = os.times()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     busy0 = cpu_busy_seconds()
-    times: list[float] = []
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-        note = kept(kept_steps, stall_steps)
-        log(f"  [{mode}] step {i + 1}/{args.steps}: {times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
+    times = run_steps(args.steps, "step", kept_steps, stall_steps)
     cpu1 = os.times()
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     busy1 = cpu_busy_seconds()
