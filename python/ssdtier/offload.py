@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,17 +167,18 @@ class _Entry:
         self.hold: torch.UntypedStorage | None = None
         self.pad = 0  # byte offset of the data in the restored storage
         self.gpu: torch.Tensor | None = None  # CUDA: the source, held until its copy is done
-        # CPU, zero copy: the source, held until its write from its own pages is done
-        # (for good if the write failed), the write's ticket, and the bytes of the first
+        # CPU, zero copy: the source storage, held until its write from its own pages is
+        # done (for good if the write failed), the write's ticket, and the bytes of the first
         # page before the data (the write covers whole pages).
-        self.src: torch.Tensor | None = None
+        self.src: torch.UntypedStorage | None = None
         self.ticket: Any = None
         self.lead = 0
         self.event: Any = None
         # The restored storage, while some unpacked view still uses it.
         self.restored: weakref.ref | None = None
-        # A read under way: (buffer or None, ticket or None, served from the host arena).
-        self.reading: tuple[torch.Tensor | None, Any, bool] | None = None
+        # A read under way: (buffer storage or None, offset of the data in it, ticket or None,
+        # served from the host arena).
+        self.reading: tuple[torch.UntypedStorage | None, int, Any, bool] | None = None
         # Its unpack started the read-ahead of the layers below (once per entry).
         self.triggered = False
         # The read-ahead reached it: its bytes should be in memory (a source still held stays).
@@ -244,10 +246,11 @@ class Offloader:
         self._param_ptrs: set[tuple[torch.device, int]] = set()
         self._param_list: list[torch.Tensor] = []
         self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
-        self._by_layer: dict[tuple[int, int], list[_Entry]] = {}
-        self._pending: list[_Entry] = []  # CUDA copies to the arena in flight, in order
-        self._writing: list[_Entry] = []  # CPU writes from the tensors' own pages in flight, in order
-        self._h2d: list[tuple[Any, int]] = []  # (event, key): slots pinned until their copy to the GPU is done
+        # Entries by (forward, layer), in pack order (dicts used as ordered sets).
+        self._by_layer: dict[tuple[int, int], dict[_Entry, None]] = {}
+        self._pending: deque[_Entry] = deque()  # CUDA copies to the arena in flight, in order
+        self._writing: deque[_Entry] = deque()  # CPU writes from the tensors' own pages in flight, in order
+        self._h2d: deque[tuple[Any, int]] = deque()  # (event, key): slots pinned until their copy to the GPU is done
         self._cuda: dict[torch.device, Any] = {}
         self._registered = False
         self._closed = False
@@ -256,6 +259,7 @@ class Offloader:
         self._resident_gpu = 0
         self._resident_writing = 0
         self._resident_restored = 0
+        self._tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(ref) -> (ref, bytes), see _track
         self._peak = 0
         self._counts = dict.fromkeys(
             (
@@ -360,7 +364,7 @@ class Offloader:
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
             return t
         dev = t.device
-        if dev.type not in ("cpu", "cuda"):
+        if not (t.is_cpu or t.is_cuda):
             return t
         st = t.untyped_storage()
         ptr = st.data_ptr()
@@ -395,30 +399,29 @@ class Offloader:
             c["bytes_offloaded"] += nbytes
             if self._dedup_ok:
                 self._dedup[(dev, ptr)] = (weakref.ref(st), t._version, entry)
-            self._by_layer.setdefault((entry.forward, entry.layer), []).append(entry)
+            self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
             saved = _Saved(self, entry, t)
             self._live += 1
         self._note_peak()
         return saved
 
     def _offload(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int) -> _Entry:
-        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-        store = self.store
-        if t.device.type == "cuda":
-            return self._offload_cuda(whole, nbytes)
-        lead = st.data_ptr() % _PAGE
+        if t.is_cuda:
+            return self._offload_cuda(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st), nbytes)
+        ptr = st.data_ptr()
+        lead = ptr % _PAGE
         # The restored view starts `lead` bytes into its page as the original did; a
         # multiple of 64 keeps every dtype's views aligned (torch allocates at 64).
         if self.config.io.zero_copy and lead % 64 == 0:
-            return self._offload_cpu(whole, nbytes, lead)
-        key = store.put(whole)
+            return self._offload_cpu(st, ptr, nbytes, lead)
+        key = self.store._native.put_from(ptr, nbytes)  # a copy into the arena (or to NVMe)
         return _Entry(key, nbytes, t.device, self._forward, self._tag)
 
-    def _offload_cpu(self, whole: torch.Tensor, nbytes: int, lead: int) -> _Entry:
+    def _offload_cpu(self, st: torch.UntypedStorage, ptr: int, nbytes: int, lead: int) -> _Entry:
         """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
-        key, ticket = self.store._native.write_from(whole.data_ptr() - lead, lead + nbytes)
-        e = _Entry(key, nbytes, whole.device, self._forward, self._tag)
-        e.lead, e.src, e.ticket = lead, whole, ticket
+        key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes)
+        e = _Entry(key, nbytes, st.device, self._forward, self._tag)
+        e.lead, e.src, e.ticket = lead, st, ticket
         self._resident_writing += nbytes
         self._writing.append(e)
         return e
@@ -426,7 +429,7 @@ class Offloader:
     def _poll_writes(self) -> None:
         """Drop the sources of CPU writes that are done."""
         while self._writing and self._writing[0].ticket.done():
-            self._end_write(self._writing.pop(0))
+            self._end_write(self._writing.popleft())
 
     def _end_write(self, e: _Entry) -> None:
         ticket, e.ticket = e.ticket, None
@@ -482,19 +485,19 @@ class Offloader:
         return out.set_(storage, h.offset + e.pad // h.dtype.itemsize, h.size, h.stride)
 
     def _restore(self, e: _Entry) -> torch.UntypedStorage:
-        src = e.gpu if e.gpu is not None else e.src
+        src = e.gpu.untyped_storage() if e.gpu is not None else e.src
         if src is not None:
             # Its copy or write is still in flight (or failed): served from the source.
             self._counts["forwarded"] += 1
             e.pad = 0
-            return src.untyped_storage()
+            return src
         st = e.restored() if e.restored is not None else None
         if st is not None:
             self._counts["forwarded"] += 1
             return st
         if e.reading is None:
             self._start_read(e)
-        data, ticket, from_host = e.reading
+        st, pad, ticket, from_host = e.reading
         e.reading = None
         if from_host:
             self._counts["forwarded"] += 1
@@ -504,22 +507,24 @@ class Offloader:
             self._stall += time.perf_counter() - t0
         elif ticket is not None:
             ticket.wait()  # raises the read's error, if any
-        if data is None:  # CUDA: through a pinned slot
+        if st is None:  # CUDA: through a pinned slot
             self._poll_pending()
-            data = self._restore_cuda(e)
-            self._track(data, e.nbytes)
-        st = data.untyped_storage()
+            st = self._restore_cuda(e).untyped_storage()
+            self._track(st, e.nbytes)
         e.restored = weakref.ref(st)
-        e.pad = data.storage_offset()
+        e.pad = pad
         return st
 
-    def _track(self, data: torch.Tensor, nbytes: int) -> None:
+    def _track(self, st: torch.UntypedStorage, nbytes: int) -> None:
         """Count restored or read-ahead bytes as resident until their storage is freed."""
         self._resident_restored += nbytes
-        weakref.finalize(data.untyped_storage(), self._forget_restored, nbytes)
+        # A weak reference with a callback (much cheaper than weakref.finalize); the
+        # callback only runs while the reference lives, so it is held here until then.
+        ref = weakref.ref(st, self._forget_restored)
+        self._tracked[id(ref)] = (ref, nbytes)
 
-    def _forget_restored(self, nbytes: int) -> None:
-        self._resident_restored -= nbytes
+    def _forget_restored(self, ref: weakref.ref) -> None:
+        self._resident_restored -= self._tracked.pop(id(ref))[1]
 
     def _start_read(self, e: _Entry) -> None:
         """Begin bringing an entry back. On CPU the bytes go from NVMe straight into
@@ -528,12 +533,15 @@ class Offloader:
         native = self.store._native
         from_host = native.location(e.key)[0]
         if e.device.type == "cpu":
+            # A page-aligned buffer: a storage with room to start at the next page boundary.
             # The entry starts `lead` bytes before the data (a zero-copy write covers whole pages).
-            buf = _aligned_empty(e.lead + e.nbytes)
-            self._track(buf, e.nbytes)
-            e.reading = (buf[e.lead :], native.read_into(e.key, buf.data_ptr()), from_host)
+            st = torch.UntypedStorage(-(-(e.lead + e.nbytes) // _PAGE) * _PAGE + _PAGE)
+            base = st.data_ptr()
+            pad = -base % _PAGE
+            self._track(st, e.nbytes)
+            e.reading = (st, pad + e.lead, native.read_into(e.key, base + pad), from_host)
         else:
-            e.reading = (None, None if from_host else native.prefetch(e.key), from_host)
+            e.reading = (None, 0, None if from_host else native.prefetch(e.key), from_host)
 
     def _read_ahead(self, forward: int, layer: int) -> None:
         """Entering a layer's backward: start reading the next layers' entries."""
@@ -561,12 +569,12 @@ class Offloader:
             e.gpu = None
             e.restored = None
             e.hold = None
-            if e.reading is not None and e.reading[1] is not None:
-                e.reading[1].wait()  # the buffer must outlive its read
+            if e.reading is not None and e.reading[2] is not None:
+                e.reading[2].wait()  # the buffer must outlive its read
             e.reading = None
             group = self._by_layer.get((e.forward, e.layer))
             if group is not None:
-                group.remove(e)
+                group.pop(e, None)
                 if not group:
                     del self._by_layer[(e.forward, e.layer)]
             self._live -= 1
@@ -630,9 +638,9 @@ class Offloader:
         sources), and unpin the slots whose host-to-device copy is complete."""
         native = self.store._native
         while self._h2d and self._h2d[0][0].query():
-            native.release(self._h2d.pop(0)[1])
+            native.release(self._h2d.popleft()[1])
         while self._pending and self._pending[0].event.query():
-            e = self._pending.pop(0)
+            e = self._pending.popleft()
             native.commit(e.key)
             e.event = None
             if e.gpu is not None:

@@ -508,6 +508,34 @@ impl Store {
         Ok(())
     }
 
+    /// Create an entry holding a copy of `len` bytes at `src`: copied into an
+    /// arena slot and committed, or, when it does not fit in the host tier,
+    /// written to NVMe with [`Store::write_direct`]. Returns its key once the
+    /// bytes are copied; on an error no entry is left behind.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes for the whole call.
+    pub unsafe fn put_from(&self, src: *const u8, len: u64) -> Result<u64> {
+        let (key, slot) = self.reserve(len)?;
+        let res = match slot {
+            Some(off) => {
+                if len > 0 {
+                    // The slot is pinned while it is filled: nothing else touches it.
+                    unsafe { std::ptr::copy_nonoverlapping(src, self.arena.as_ptr().add(off as usize), len as usize) };
+                }
+                self.commit(key)
+            }
+            None => unsafe { self.write_direct(key, src) },
+        };
+        match res {
+            Ok(()) => Ok(key),
+            Err(e) => {
+                let _ = self.free(key);
+                Err(e)
+            }
+        }
+    }
+
     /// Write an entry that has no host slot from `src` (`len` bytes, any
     /// alignment) to NVMe through the staging buffer. Blocks until written.
     ///

@@ -17,17 +17,8 @@ fn cfg(dirs: &[&std::path::Path], host: u64, backend: Backend) -> StoreConfig {
 }
 
 fn put(s: &Store, data: &[u8]) -> u64 {
-    let (key, slot) = s.reserve(data.len() as u64).unwrap();
-    match slot {
-        Some(off) => {
-            // Safety: the slot holds data.len() bytes and is ours until commit.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.arena_ptr().add(off as usize), data.len()) };
-            s.commit(key).unwrap();
-        }
-        // Safety: data is valid for its length.
-        None => unsafe { s.write_direct(key, data.as_ptr()).unwrap() },
-    }
-    key
+    // Safety: data is valid for its length for the call.
+    unsafe { s.put_from(data.as_ptr(), data.len() as u64) }.unwrap()
 }
 
 fn get(s: &Store, key: u64) -> Vec<u8> {
@@ -190,6 +181,12 @@ fn arena_full_and_nvme_full_is_out_of_space_and_nothing_is_lost() {
     assert!(err.to_string().contains("host arena is full"), "{err}");
     // 1 MiB of arena plus 1 MiB of NVMe hold exactly eight.
     assert_eq!(keys.len(), 8);
+    // put_from fails the same way and leaves no entry behind.
+    let data = pattern(256 << 10, 99);
+    // Safety: data is valid for its length.
+    let err = unsafe { s.put_from(data.as_ptr(), data.len() as u64) }.unwrap_err();
+    assert!(matches!(err, Error::OutOfSpace { .. }), "{err}");
+    assert_eq!(s.stats().entries, 8);
     for (k, i) in keys {
         assert!(get(&s, k) == pattern(256 << 10, i));
     }

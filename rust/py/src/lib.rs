@@ -123,6 +123,17 @@ impl Store {
         py.detach(move || unsafe { s.write_direct(key, address as *const u8) }).py_err(py)
     }
 
+    /// New entry holding a copy of `nbytes` of host memory at `address`: its key.
+    ///
+    /// Copied into an arena slot, or written to NVMe when it does not fit in the host tier;
+    /// the caller keeps `address` valid for the call only.
+    fn put_from(&self, py: Python<'_>, address: usize, nbytes: u64) -> PyResult<u64> {
+        let s = self.inner.clone();
+        // Safety: the Python layer passes the data pointer of a live CPU storage of at least
+        // `nbytes` and holds it across this call.
+        py.detach(move || unsafe { s.put_from(address as *const u8, nbytes) }).py_err(py)
+    }
+
     /// New entry written to NVMe straight from caller memory: (key, ticket of the write).
     ///
     /// The caller keeps `address` (4096-aligned) valid and unchanged for `nbytes`
