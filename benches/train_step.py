@@ -36,6 +36,14 @@ steps before them are excluded) and the peak activation memory:
   with ``MALLOC_MMAP_THRESHOLD_=65536`` (1 warmup + ``--mem-steps`` untimed
   steps, same method): every block >= 64 KiB is then its own mapping, unmapped
   when freed, so the high-water mark follows the live bytes.
+  A third figure ("from 1st fwd") is the issue's own definition: the RSS
+  high-water mark over warmup and measured steps minus VmRSS just before the
+  first forward (model, optimizer and batch built, ssdtier attached); it also
+  counts gradients and optimizer state, made in the first step, alike in every
+  mode. ``--malloc tcmalloc|jemalloc|PATH`` runs every worker with that
+  allocator preloaded (``LD_PRELOAD``); tcmalloc never returns freed memory, so
+  there the post-warmup figure is about zero and this one is what to read (the
+  mmap64K run is glibc's and is skipped).
   Each worker also reports its CPU time (user/system), page faults, context
   switches and the CPU time the rest of the machine used meanwhile (from
   ``/proc/stat``), so that contention from other jobs shows in the output.
@@ -390,7 +398,10 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
             log(f"  [{mode}] {label} {i + 1}/{n}: {times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
         return times
 
+    rss_start = 0 if cuda else _proc_status_kib("VmRSS")["VmRSS"]
     warm_times = run_steps(args.warmup, "warmup", kept_warmup, stall_warmup)
+    # The high-water mark since the process started (the warmup's), before the probe resets it.
+    hwm_warmup = 0 if cuda else _proc_status_kib("VmHWM")["VmHWM"]
 
     before = stats_dict(off.stats()) if off is not None else None
     probe: Any = CudaPeak(device) if cuda else CpuPeak()
@@ -419,6 +430,8 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         "peak_measured_bytes": peak_abs - baseline,
         "arena_added_bytes": arena_added,
         "peak_bytes": peak_abs - baseline + arena_added,
+        "rss_start_bytes": rss_start,
+        "peak_from_start_bytes": max(hwm_warmup, peak_abs) - rss_start,
         "step_seconds": times,
         "warmup_seconds": warm_times,
         "median_step_s": statistics.median(times),
@@ -473,6 +486,28 @@ def profile_steps(step: Any, n: int, top: int) -> str:
     return buf.getvalue()
 
 
+MALLOC_LIBS = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
+
+
+def malloc_library(name: str) -> str:
+    """The library to preload for ``--malloc`` ("" for glibc's own); exits when it is not there.
+    (Not loaded here to check: a malloc library dlopen'ed after start frees pointers it never made.)"""
+    if name == "glibc":
+        return ""
+    if name in MALLOC_LIBS:
+        dirs = [f"/usr/lib/{platform.machine()}-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"]
+        for d in dirs:
+            if (Path(d) / MALLOC_LIBS[name]).exists():
+                return str(Path(d) / MALLOC_LIBS[name])
+        fail(
+            f"--malloc {name}: {MALLOC_LIBS[name]} not found in {', '.join(dirs)} "
+            "(Debian: apt install libtcmalloc-minimal4 / libjemalloc2)"
+        )
+    if not Path(name).is_file():
+        fail(f"--malloc {name}: no such file (glibc, tcmalloc, jemalloc, or the path of a malloc library)")
+    return str(Path(name).resolve())
+
+
 def worker_main(args: argparse.Namespace) -> None:
     import torch
 
@@ -490,6 +525,8 @@ def run_worker(
     bytes; ``warmup``: warmup steps instead of ``--warmup``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker", mode]
     env = dict(os.environ)
+    if args.malloc_lib:
+        env["LD_PRELOAD"] = args.malloc_lib
     if mmap_threshold is not None:
         cmd += ["--warmup", str(1 if warmup is None else warmup), "--steps", str(args.mem_steps), "--profile", "0"]
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
@@ -684,6 +721,48 @@ def md_table(hdr: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def render_per_tensor(pt: dict[str, Any]) -> list[str]:
+    """The "cost per saved tensor" lines."""
+    lines: list[str] = []
+    lines.append(
+        f"cost per saved tensor: {pt['layers']} x (Linear({pt['width']},{pt['width']}) + Tanh), "
+        f"batch {pt['batch']}, {pt['reps']} interleaved reps, in one process; ssdtier with "
+        f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']} (ssdtier: zero copy, every storage "
+        "written to NVMe and read back; ssdtier-arena: io.zero_copy false, everything stays in the arena, "
+        f"no NVMe I/O: the Python layer's own cost); CPU use "
+        f"{pt['cpu_utilisation']:.2f} cores, rest of machine {pt['other_cpu_cores']:.2f} cores"
+    )
+    lines.append(
+        f"  saved tensors per fwd+bwd: {pt['saved_tensors_per_iter']} (ssdtier packs "
+        f"{pt['ssdtier_packs_per_iter']:.0f}: offloaded {pt['ssdtier_offloaded_per_iter']:.0f}, "
+        f"dedup hits {pt['ssdtier_dedup_hits_per_iter']:.0f}, kept {pt['ssdtier_kept_per_iter']:.0f}, "
+        "the rest parameters; unpacks "
+        f"{pt['ssdtier_unpacks_per_iter']:.0f}); NVMe bytes written {pt['ssdtier_nvme_bytes_written']} "
+        f"(ssdtier-arena: {pt.get('ssdtier_arena_nvme_bytes_written', 0)})"
+    )
+    med = pt["median"]
+    lines.append(
+        "  median fwd / bwd / total (ms): "
+        + "; ".join(
+            f"{k} {v['fwd_s'] * 1e3:.2f} / {v['bwd_s'] * 1e3:.2f} / {v['total_s'] * 1e3:.2f}" for k, v in med.items()
+        )
+    )
+    extra_s = med["ssdtier"]["total_s"] - med["plain"]["total_s"]
+    per_store = extra_s / max(pt["ssdtier_offloaded_per_iter"], 1)
+    lines.append(
+        f"  ssdtier per offloaded storage (the same time / {pt['ssdtier_offloaded_per_iter']:.0f}): "
+        f"{per_store * 1e6:.1f} us"
+    )
+    for k in ("ssdtier", "ssdtier-arena", "save_on_cpu"):
+        if f"{k}_us_per_tensor" not in pt:
+            continue
+        lines.append(
+            f"  {k}: {pt[f'{k}_us_per_tensor']:.1f} us per saved tensor (pack+unpack) "
+            f"[fwd {pt[f'{k}_us_per_pack_fwd']:.1f} + bwd {pt[f'{k}_us_per_unpack_bwd']:.1f}]"
+        )
+    return lines
+
+
 def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, Any]) -> str:
     runs: dict[str, dict[str, Any]] = results["modes"]
     lines: list[str] = []
@@ -697,6 +776,7 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
         f"software: Python {info['python']}, torch {info['torch']}, "
         f"{runs['keep']['threads']} torch threads per process"
         + (f", CUDA {info['cuda']}" if info["cuda"] else ", no CUDA")
+        + ("" if results["device"] == "cuda" else f"; allocator {args.malloc}")
     )
     lines.append(f"--dir: {info['dir']} on {m['device']} ({m['fstype']}, {m['options']})")
     st = runs["ssdtier"].get("store", {})
@@ -736,20 +816,32 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             "live bytes; under glibc's default, freed heap memory stays resident and is reused, so RSS "
             "also counts memory that is free but was never returned."
         )
+    if not cuda:
+        lines.append(
+            "        third figure (from 1st fwd): VmHWM over warmup and measured steps - VmRSS just before "
+            "the first forward; gradients and optimizer state (made in the first step) are in it, alike "
+            "in every mode."
+        )
     lines.append("")
     keep = runs["keep"]
     hdr = ["mode", "peak act. memory (MB)", "ratio vs keep", "median step (s)", "ratio vs keep"]
     if mmap:
         hdr += ["peak, mmap64K (MB)", "ratio vs keep"]
     if not cuda:
-        hdr += ["CPU s/step"]
+        hdr += ["from 1st fwd (MB)", "ratio vs keep", "CPU s/step"]
     rows = []
     for mode in MODES:
         r = runs[mode]
         label = mode + (" (+arena)" if r.get("arena_added_bytes") else "")
         row = memory_time_cells(label, r, keep, mmap)
+        if not cuda and args.malloc != "glibc":
+            row[2] = "n/a"  # the warmup reached the peak already (see the goal line)
         if not cuda:
-            row += [f"{r['cpu_seconds_per_step']:.2f}"]
+            row += [
+                fmt_mb(r["peak_from_start_bytes"]),
+                ratio(r["peak_from_start_bytes"], keep["peak_from_start_bytes"]),
+                f"{r['cpu_seconds_per_step']:.2f}",
+            ]
         rows.append(row)
     lines += md_table(hdr, rows)
     lines.append("")
@@ -808,53 +900,22 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
     pt = results.get("per_tensor")
     if pt:
         lines.append("")
-        lines.append(
-            f"cost per saved tensor: {pt['layers']} x (Linear({pt['width']},{pt['width']}) + Tanh), "
-            f"batch {pt['batch']}, {pt['reps']} interleaved reps, in one process; ssdtier with "
-            f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']} (ssdtier: zero copy, every storage "
-            "written to NVMe and read back; ssdtier-arena: io.zero_copy false, everything stays in the arena, "
-            f"no NVMe I/O: the Python layer's own cost); CPU use "
-            f"{pt['cpu_utilisation']:.2f} cores, rest of machine {pt['other_cpu_cores']:.2f} cores"
-        )
-        lines.append(
-            f"  saved tensors per fwd+bwd: {pt['saved_tensors_per_iter']} (ssdtier packs "
-            f"{pt['ssdtier_packs_per_iter']:.0f}: offloaded {pt['ssdtier_offloaded_per_iter']:.0f}, "
-            f"dedup hits {pt['ssdtier_dedup_hits_per_iter']:.0f}, kept {pt['ssdtier_kept_per_iter']:.0f}, "
-            "the rest parameters; unpacks "
-            f"{pt['ssdtier_unpacks_per_iter']:.0f}); NVMe bytes written {pt['ssdtier_nvme_bytes_written']} "
-            f"(ssdtier-arena: {pt.get('ssdtier_arena_nvme_bytes_written', 0)})"
-        )
-        med = pt["median"]
-        lines.append(
-            "  median fwd / bwd / total (ms): "
-            + "; ".join(
-                f"{k} {v['fwd_s'] * 1e3:.2f} / {v['bwd_s'] * 1e3:.2f} / {v['total_s'] * 1e3:.2f}"
-                for k, v in med.items()
-            )
-        )
-        extra_s = med["ssdtier"]["total_s"] - med["plain"]["total_s"]
-        per_store = extra_s / max(pt["ssdtier_offloaded_per_iter"], 1)
-        lines.append(
-            f"  ssdtier per offloaded storage (the same time / {pt['ssdtier_offloaded_per_iter']:.0f}): "
-            f"{per_store * 1e6:.1f} us"
-        )
-        for k in ("ssdtier", "ssdtier-arena", "save_on_cpu"):
-            if f"{k}_us_per_tensor" not in pt:
-                continue
-            lines.append(
-                f"  {k}: {pt[f'{k}_us_per_tensor']:.1f} us per saved tensor (pack+unpack) "
-                f"[fwd {pt[f'{k}_us_per_pack_fwd']:.1f} + bwd {pt[f'{k}_us_per_unpack_bwd']:.1f}]"
-            )
+        lines += render_per_tensor(pt)
     lines.append("")
     sr = runs["ssdtier"]
-    mem_ratio = sr["peak_bytes"] / keep["peak_bytes"] if keep["peak_bytes"] > 0 else float("inf")
+    # Under an allocator that keeps what it freed, the warmup already reached the peak: the
+    # post-warmup figure is about zero in every mode, and the from-1st-fwd one is the measure.
+    key = "peak_bytes" if cuda or args.malloc == "glibc" else "peak_from_start_bytes"
+    mem_ratio = sr[key] / keep[key] if keep[key] > 0 else float("inf")
     time_ratio = sr["median_step_s"] / keep["median_step_s"]
     met = mem_ratio <= GOAL_MEM and time_ratio <= GOAL_TIME
     what = "CUDA" if cuda else "CPU"
-    results["goal"] = {"met": met, "memory_ratio": mem_ratio, "time_ratio": time_ratio}
+    results["goal"] = {"met": met, "memory_ratio": mem_ratio, "time_ratio": time_ratio, "memory_figure": key}
     lines.append(
         f"goal ({what}): ssdtier memory <= {GOAL_MEM} of keep and step time <= {GOAL_TIME} of keep: "
-        f"{'MET' if met else 'NOT MET'} (memory {mem_ratio:.3f}, time {time_ratio:.3f})"
+        f"{'MET' if met else 'NOT MET'} (memory {mem_ratio:.3f}"
+        + ("" if key == "peak_bytes" else " from 1st fwd")
+        + f", time {time_ratio:.3f})"
     )
     if mmap:
         r2 = sr["mmap_peak_bytes"] / keep["mmap_peak_bytes"] if keep["mmap_peak_bytes"] > 0 else float("inf")
@@ -864,6 +925,14 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             f"(memory {r2:.3f}, time {time_ratio:.3f})"
         )
         results["goal"]["mmap64k"] = {"met": met2, "memory_ratio": r2}
+    if not cuda and key == "peak_bytes":
+        r3 = sr["peak_from_start_bytes"] / max(keep["peak_from_start_bytes"], 1)
+        met3 = r3 <= GOAL_MEM and time_ratio <= GOAL_TIME
+        lines.append(
+            f"  same goal with the from-1st-fwd memory figure: {'MET' if met3 else 'NOT MET'} "
+            f"(memory {r3:.3f}, time {time_ratio:.3f})"
+        )
+        results["goal"]["from_start"] = {"met": met3, "memory_ratio": r3}
     fl = results.get("io_floor")
     if fl:
         floor = fl["median_step_s"] / keep["median_step_s"]
@@ -989,7 +1058,7 @@ def measure_modes(modes: tuple[str, ...], args: argparse.Namespace, use_cuda: bo
             runs[mode] = run_worker(mode, args, warmup=None if warmup == args.warmup else warmup)
         r = runs[mode]
         log(f"train_step: {mode}: peak {fmt_mb(r['peak_bytes'])} MB, median step {r['median_step_s']:.3f} s")
-    if not use_cuda and args.mem_steps > 0:
+    if not use_cuda and args.mem_steps > 0 and not args.malloc_lib:
         for mode in modes:
             log(f"train_step: mode {mode}, memory only, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}")
             # 1 warmup step, except where a plan has to settle first.
@@ -1098,6 +1167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
     g.add_argument("--optim", choices=("adamw", "sgd"), default="adamw", help="optimizer")
     g.add_argument("--steps", type=int, default=8, help="measured steps per mode")
+    g.add_argument(
+        "--malloc",
+        default="glibc",
+        help="CPU: allocator of every worker process: glibc (the default one), tcmalloc, jemalloc, or the "
+        "path of a malloc library to LD_PRELOAD",
+    )
     g.add_argument("--warmup", type=int, default=2, help="warmup steps per mode (not timed)")
     g.add_argument(
         "--mem-steps",
@@ -1149,6 +1224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("cost per saved tensor")
     g.add_argument("--skip-per-tensor", action="store_true", help="skip this part")
     g.add_argument(
+        "--per-tensor-only",
+        action="store_true",
+        help="run this part only (in this process: e.g. to compare two checkouts with PYTHONPATH)",
+    )
+    g.add_argument(
         "--skip-io-floor",
         action="store_true",
         help="CPU: skip the run of keep under fio moving ssdtier's bytes per second (the cost of the I/O alone)",
@@ -1184,6 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker_main(args)
         return 0
+    args.malloc_lib = malloc_library(args.malloc)
     from ssdtier.config import is_tmpfs, parse_size
     from ssdtier.errors import ConfigError
 
@@ -1201,6 +1282,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.per_tensor_only:
+        import ssdtier
+
+        log(f"train_step: cost per saved tensor, ssdtier from {Path(ssdtier.__file__).parent}")
+        print("\n".join(render_per_tensor(per_tensor_cost(args))))
+        return 0
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but torch sees no CUDA device")
