@@ -301,7 +301,7 @@ def stats_dict(stats: Any) -> dict[str, Any]:
 def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in after.items():
-        if k in ("peak_resident_bytes", "layers_offloaded", "layers_kept", "plan") or k.endswith(
+        if k in ("peak_resident_bytes", "layers_offloaded", "layers_kept", "prefetch_layers", "plan") or k.endswith(
             ("_peak", "_capacity", "_used")
         ):
             out[k] = v
@@ -383,7 +383,7 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         into.append(st.layers_kept)
         stalls.append(st.stall_seconds - stall_seen[0])
         stall_seen[0] = st.stall_seconds
-        return f", layers kept {into[-1]}, stall {stalls[-1]:.3f} s"
+        return f", layers kept {into[-1]}, reading {st.prefetch_layers} ahead, stall {stalls[-1]:.3f} s"
 
     losses: list[float] = []
 
@@ -889,6 +889,7 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             f"{s['store']['wait_seconds']:.3f} s; "
             f"peak_resident_bytes {fmt_mb(s['peak_resident_bytes'])} MB; layers offloaded "
             f"{s['layers_offloaded']}, kept {s['layers_kept']}"
+            + (f"; reading {s['prefetch_layers']} layer(s) ahead at the end" if "prefetch_layers" in s else "")
         )
         tot = runs["ssdtier"]["offload_stats_total"]["store"]
         lines.append(
@@ -1196,7 +1197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--arena", default="64MiB", help="host arena (host.capacity)")
     g.add_argument("--min-tensor-bytes", default="64KiB", help="policy.min_tensor_bytes")
     g.add_argument("--keep-last-layers", default="1", help="policy.keep_last_layers (an int or 'auto')")
-    g.add_argument("--prefetch-layers", type=int, default=2, help="policy.prefetch_layers")
+    g.add_argument("--prefetch-layers", type=_keep_last, default=2, help="policy.prefetch_layers (an int or 'auto')")
     g.add_argument(
         "--profile",
         type=int,

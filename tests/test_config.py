@@ -486,7 +486,7 @@ BAD_FILES = [
     (
         "prefetch-negative",
         "[policy]\nprefetch_layers = -1\n",
-        r"policy\.prefetch_layers: expected an integer in 0\.\.64, got -1$",
+        r"policy\.prefetch_layers: expected 'auto' or an integer in 0\.\.64, got -1$",
     ),
     (
         "keep-last-layers-bad",
@@ -769,7 +769,7 @@ def test_replace_positional_mapping_and_objects():
         ),
         (
             {"policy__prefetch_layers": 100},
-            r"policy\.prefetch_layers: expected an integer in 0\.\.64, got 100$",
+            r"policy\.prefetch_layers: expected 'auto' or an integer in 0\.\.64, got 100$",
         ),
         (
             {"io__backend": "uring"},

@@ -317,6 +317,14 @@ def _keep_last_layers(value: Any, key: str, source: str | None) -> int | str:
     return value
 
 
+def _prefetch_layers(value: Any, key: str, source: str | None) -> int | str:
+    if value == "auto" and isinstance(value, str):
+        return value
+    if not _is_int(value) or not 0 <= value <= 64:
+        _fail(source, key, value, "'auto' or an integer in 0..64", show_type=not _is_int(value))
+    return value
+
+
 _MODULE_PATH_RE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII)
 
 
@@ -347,7 +355,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
     "policy": {
         "min_tensor_bytes": _size_range(0),
         "keep_last_layers": _keep_last_layers,
-        "prefetch_layers": _int_range(0, 64),
+        "prefetch_layers": _prefetch_layers,
         "eviction": _choice("lifetime", "lru", "fifo"),
         "dedup": _bool,
         "layers": _module_path,
@@ -472,7 +480,8 @@ class PolicyConfig:
     Attributes:
         min_tensor_bytes: Smaller tensors stay on the device.
         keep_last_layers: ``"auto"`` or how many final layers stay on device.
-        prefetch_layers: Layers to prefetch ahead during backward, 0..64.
+        prefetch_layers: Layers read ahead during backward, 0..64, or ``"auto"``: from 2, as few
+            (1..4) as keep every read finished before its layer's backward needs it.
         eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
         dedup: Store tensors that share storage only once.
         layers: Dotted path of the module list holding the layers
@@ -485,7 +494,7 @@ class PolicyConfig:
 
     min_tensor_bytes: int = 1 * MiB
     keep_last_layers: int | str = "auto"
-    prefetch_layers: int = 2
+    prefetch_layers: int | str = 2
     eviction: str = "lifetime"
     dedup: bool = True
     layers: str | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -37,6 +38,7 @@ __all__ = ["OffloadStats", "Offloader", "attach", "find_layers"]
 log = logging.getLogger("ssdtier")
 
 _ATTR = "_ssdtier_offloader"
+_AHEAD_MAX = 4  # prefetch_layers = "auto" reads 1.._AHEAD_MAX layers ahead
 _PAGE = 4096
 
 
@@ -66,7 +68,9 @@ class OffloadStats:
     ``peak_resident_bytes`` is the most bytes of saved activations that ssdtier
     held in device or process memory at once: kept tensors, the host arena in
     use, GPU tensors whose copy is in flight, CPU tensors whose write is in
-    flight, and restored storages.
+    flight, and restored storages. ``prefetch_layers`` is how many layers the
+    backward reads ahead now (with ``policy.prefetch_layers = "auto"``, what the
+    tuning has reached).
     """
 
     tensors_offloaded: int
@@ -79,6 +83,7 @@ class OffloadStats:
     stall_seconds: float
     layers_offloaded: int
     layers_kept: int
+    prefetch_layers: int
     tensors_kept: int
     bytes_kept: int
     packs: int
@@ -275,6 +280,17 @@ class Offloader:
             0,
         )
         self._stall = 0.0
+        self._stall_ahead = 0.0  # the part of it spent on reads started by the read-ahead
+        # Layers read ahead in backward: as configured, or ("auto") tuned after each backward
+        # from what the last one saw (_tune_ahead).
+        self._ahead_auto = pol.prefetch_layers == "auto"
+        self._ahead = 2 if self._ahead_auto else int(pol.prefetch_layers)
+        self._ahead_clean = 0  # backwards in a row where one layer less would have done
+        self._ahead_patience = 2  # ... needed before taking one away
+        self._ahead_lowered = False
+        self._ahead_stall0 = 0.0
+        self._trig: dict[tuple[int, int], float] = {}  # (forward, layer): when its backward began
+        self._reads: dict[tuple[int, int], list[tuple[float, Any]]] = {}  # read-aheads: (start, ticket)
         self._handles = [
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
@@ -301,7 +317,7 @@ class Offloader:
             self._bw = self._calibrate()
         setattr(model, _ATTR, self)
         log.info(
-            "ssdtier: attached to %s; layers %s (%d), keeping the last %d, prefetching %d ahead",
+            "ssdtier: attached to %s; layers %s (%d), keeping the last %d, prefetching %s ahead",
             type(model).__name__,
             self.layers_path,
             n,
@@ -315,6 +331,8 @@ class Offloader:
         if self._depth == 0:
             if self._adaptive:
                 self._replan()
+            if self._ahead_auto and self._trig:
+                self._tune_ahead()
             self._forward += 1
             self._tag = 0
             if self._forward % 64 == 1:
@@ -495,7 +513,8 @@ class Offloader:
         if st is not None:
             self._counts["forwarded"] += 1
             return st
-        if e.reading is None:
+        ahead = e.reading is not None  # read ahead (else read now, on demand)
+        if not ahead:
             self._start_read(e)
         st, pad, ticket, from_host = e.reading
         e.reading = None
@@ -504,7 +523,10 @@ class Offloader:
         if ticket is not None and not ticket.done():
             t0 = time.perf_counter()
             ticket.wait()
-            self._stall += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self._stall += waited
+            if ahead:
+                self._stall_ahead += waited
         elif ticket is not None:
             ticket.wait()  # raises the read's error, if any
         if st is None:  # CUDA: through a pinned slot
@@ -545,11 +567,65 @@ class Offloader:
 
     def _read_ahead(self, forward: int, layer: int) -> None:
         """Entering a layer's backward: start reading the next layers' entries."""
-        for d in range(1, self.config.policy.prefetch_layers + 1):
+        auto = self._ahead_auto
+        now = time.perf_counter() if auto else 0.0
+        if auto:
+            self._trig.setdefault((forward, layer), now)
+        for d in range(1, self._ahead + 1):
             for entry in self._by_layer.get((forward, layer - d), ()):
                 entry.wanted = True
                 if entry.reading is None and entry.gpu is None and entry.src is None and entry.restored is None:
                     self._start_read(entry)
+                    ticket = entry.reading[2] if entry.reading is not None else None
+                    if auto and ticket is not None:
+                        self._reads.setdefault((forward, layer - d), []).append((now, ticket))
+
+    def _tune_ahead(self) -> None:
+        """After a backward (``prefetch_layers = "auto"``): one layer more of read-ahead if it
+        waited for a read the read-ahead started; one less once, for ``_ahead_patience``
+        backwards in a row, every read would have finished a quarter of a layer's backward
+        before it was needed even had it started one layer later. A step back up right after
+        a step down doubles that patience."""
+        trig, reads = self._trig, self._reads
+        self._trig, self._reads = {}, {}
+        # Only a read-ahead that came late says more read-ahead would help (the first offloaded
+        # layer of a backward with no kept layer above it is read on demand whatever the depth).
+        stalled = self._stall_ahead > self._ahead_stall0
+        self._ahead_stall0 = self._stall_ahead
+        d = self._ahead
+        if stalled:
+            self._ahead_clean = 0
+            if self._ahead_lowered:
+                self._ahead_patience = min(self._ahead_patience * 2, 64)
+            self._ahead_lowered = False
+            if d < _AHEAD_MAX:
+                self._set_ahead(d + 1, "the backward waited for a read")
+            return
+        self._ahead_lowered = False
+        if d <= 1:
+            return
+        judged = False
+        for (f, j), started in reads.items():
+            use, sooner, later = trig.get((f, j)), trig.get((f, j + d)), trig.get((f, j + d - 1))
+            if use is None or sooner is None or later is None:
+                continue
+            ends = [t.seconds for _, t in started]
+            done = max(s + (e if e is not None else math.inf) for (s, _), e in zip(started, ends, strict=True))
+            spare = 0.25 * (use - later) / (d - 1)
+            if done + (later - sooner) > use - spare:
+                self._ahead_clean = 0
+                return
+            judged = True
+        if judged:
+            self._ahead_clean += 1
+            if self._ahead_clean >= self._ahead_patience:
+                self._ahead_clean = 0
+                self._ahead_lowered = True
+                self._set_ahead(d - 1, "every read would still have been in time")
+
+    def _set_ahead(self, n: int, why: str) -> None:
+        log.info("ssdtier: reading %d layer(s) ahead in backward, was %d: %s", n, self._ahead, why)
+        self._ahead = n
 
     def _release(self, e: _Entry) -> None:
         e.refs -= 1
@@ -778,6 +854,7 @@ class Offloader:
             stall_seconds=self._stall,
             layers_offloaded=self._n_layers - self._layers_kept,
             layers_kept=self._layers_kept,
+            prefetch_layers=self._ahead,
             plan=self._plan,
             store=st,
             **self._counts,

@@ -8,7 +8,7 @@ use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dir {
@@ -34,11 +34,18 @@ pub struct Ticket {
 struct TicketState {
     pending: usize,
     error: Option<Error>,
+    created: Instant,
+    finished: Option<Instant>,
 }
 
 impl Ticket {
     pub fn new(pending: usize) -> Arc<Self> {
-        Arc::new(Ticket { state: Mutex::new(TicketState { pending, error: None }), cv: Condvar::new() })
+        let created = Instant::now();
+        let finished = (pending == 0).then_some(created);
+        Arc::new(Ticket {
+            state: Mutex::new(TicketState { pending, error: None, created, finished }),
+            cv: Condvar::new(),
+        })
     }
 
     /// A ticket with nothing to wait for.
@@ -54,8 +61,16 @@ impl Ticket {
         }
         s.pending -= 1;
         if s.pending == 0 {
+            s.finished = Some(Instant::now());
             self.cv.notify_all();
         }
+    }
+
+    /// How long the transfer took, from the ticket's creation to its last chunk; None while
+    /// chunks are in flight.
+    pub fn elapsed(&self) -> Option<Duration> {
+        let s = self.state.lock().unwrap();
+        s.finished.map(|f| f - s.created)
     }
 
     pub fn is_done(&self) -> bool {

@@ -141,14 +141,20 @@ fn throttle_caps_bandwidth() {
     // 8 MiB at 64 MiB/s takes at least ~110 ms (the first block goes at once).
     let q = PosixQueue::new(f.raw_fd(), d.path().into(), 2, Throttle::new(64 << 20)).unwrap();
     let b = Aligned::new(8 << 20);
-    let t = Ticket::new(8);
     let t0 = std::time::Instant::now();
+    let t = Ticket::new(8);
+    assert!(t.elapsed().is_none(), "in flight: no duration yet");
     // Safety: inside b.
     let reqs = (0..8)
         .map(|i| one(Dir::Write, unsafe { b.as_mut_ptr().add(i << 20) }, 1 << 20, (i as u64) << 20, None, &t))
         .collect();
     q.submit(reqs);
     t.wait().unwrap();
+    let wall = t0.elapsed();
     // A lower bound only: the cap may never be exceeded; being slower is allowed.
-    assert!(t0.elapsed() >= std::time::Duration::from_millis(100), "{:?}", t0.elapsed());
+    assert!(wall >= std::time::Duration::from_millis(100), "{wall:?}");
+    // The ticket's own duration covers the same transfer, and no more than the wait for it.
+    let took = t.elapsed().expect("done");
+    assert!(took >= std::time::Duration::from_millis(100) && took <= wall, "{took:?} vs {wall:?}");
+    assert_eq!(Ticket::done().elapsed(), Some(std::time::Duration::ZERO));
 }

@@ -57,6 +57,12 @@ impl Ticket {
         let t = self.inner.clone();
         py.detach(move || t.wait()).py_err(py)
     }
+
+    /// Seconds from the start of the transfer to its end; None while it is in flight.
+    #[getter]
+    fn seconds(&self) -> Option<f64> {
+        self.inner.elapsed().map(|d| d.as_secs_f64())
+    }
 }
 
 /// The tiered byte store. Keys are integers; the Python layer maps them to tensors.
