@@ -726,12 +726,19 @@ class Offloader:
     def _restore_cuda(self, e: _Entry) -> torch.Tensor:
         native = self.store._native
         out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+        # Not in the arena (no read-ahead brought it, or it was skipped for want of room):
+        # acquire() or read_direct() reads it now, and the backward waits; count it as stall.
+        resident = native.location(e.key)[0]
+        t0 = time.perf_counter()
         off = native.acquire(e.key)
         if off is None:
             host = torch.empty(e.nbytes, dtype=torch.uint8)
             native.read_direct(e.key, host.data_ptr())
+            self._stall += time.perf_counter() - t0
             out.copy_(host)
             return out
+        if not resident:
+            self._stall += time.perf_counter() - t0
         try:
             out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
         except BaseException:
