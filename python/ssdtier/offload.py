@@ -586,8 +586,9 @@ class Offloader:
         backwards in a row, every read would have finished a quarter of a layer's backward
         before it was needed even had it started one layer later. A step back up right after
         a step down doubles that patience."""
-        trig, reads = self._trig, self._reads
-        self._trig, self._reads = {}, {}
+        with self._lock:  # a backward on another thread may still be adding to them
+            trig, reads = self._trig, self._reads
+            self._trig, self._reads = {}, {}
         # Only a read-ahead that came late says more read-ahead would help (the first offloaded
         # layer of a backward with no kept layer above it is read on demand whatever the depth).
         stalled = self._stall_ahead > self._ahead_stall0
