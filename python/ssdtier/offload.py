@@ -607,13 +607,16 @@ class Offloader:
             return
         judged = False
         for (f, j), started in reads.items():
-            use, sooner, later = trig.get((f, j)), trig.get((f, j + d)), trig.get((f, j + d - 1))
-            if use is None or sooner is None or later is None:
+            # Its backward began at `use`; with one layer less its reads would have begun when
+            # layer j + d - 1's did (`later`), not when they did.
+            use, later = trig.get((f, j)), trig.get((f, j + d - 1))
+            if use is None or later is None:
                 continue
             ends = [t.seconds for _, t in started]
             done = max(s + (e if e is not None else math.inf) for (s, _), e in zip(started, ends, strict=True))
+            shift = max(0.0, later - min(s for s, _ in started))
             spare = 0.25 * (use - later) / (d - 1)
-            if done + (later - sooner) > use - spare:
+            if done + shift > use - spare:
                 self._ahead_clean = 0
                 return
             judged = True
