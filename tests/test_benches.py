@@ -73,3 +73,26 @@ def test_heap_trace_prints_every_block_boundary(store_dir):
         assert f"\n{row} " in p.stdout, p.stdout
     p = run("heap_trace.py", "--mode", "nope")
     assert p.returncode == 2 and "--mode must be keep or ssdtier" in p.stderr
+
+
+def test_store_bandwidth_both_engines(store_dir):
+    p = run(
+        "store_bandwidth.py",
+        "--dir",
+        str(store_dir),
+        "--size",
+        "8MiB",
+        "--tensor",
+        "1MiB",
+        "--arena",
+        "2MiB",
+        "--repeat",
+        "1",
+        "--no-fio",
+        "--backend",
+        "all",
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    for row in ("io_uring  write", "io_uring  read", "posix     write", "posix     read"):
+        assert row in p.stdout, p.stdout
+    assert "read amplification 1.00x" in p.stdout
