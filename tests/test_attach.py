@@ -546,3 +546,57 @@ def test_auto_read_ahead_goes_up_when_reads_are_slow(store_dir):
     assert_same(train(CONFIGS["gpt"], micro=3), got)
     s = got[2]
     assert s.stall_seconds > 0 and s.prefetch_layers > 2, s.prefetch_layers
+
+
+class _ConjBlock(nn.Module):
+    """Saves lazily conjugated and negated views: ``a.conj()`` (mul saves it) and
+    ``a.conj().imag`` (a negative-bit view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 32, dtype=torch.complex64))
+
+    def forward(self, a):
+        c = a.conj()
+        return (c * (a @ self.w)) + c.imag * a.real
+
+
+class _ConjNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_ConjBlock() for _ in range(3))
+
+    def forward(self, a):
+        for b in self.blocks:
+            a = b(a) / 8
+        return a.abs().square().sum()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
+def test_conjugate_and_negative_views_keep_their_values(store_dir, zero_copy):
+    torch.manual_seed(0)
+    ref = _ConjNet()
+    model = _ConjNet()
+    model.load_state_dict(ref.state_dict())
+    a = torch.randn(64, 32, dtype=torch.complex64)
+    ref(a.clone().requires_grad_()).backward()
+    with ssdtier.attach(model, offload_config(store_dir, zero_copy=zero_copy)) as off:
+        model(a.clone().requires_grad_()).backward()
+        assert off.stats().tensors_offloaded > 0
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_unpack_of_a_conjugate_view_is_a_conjugate_view(store_dir):
+    model = nn.Linear(2, 2)
+    x = torch.randn(16, 16, dtype=torch.complex64)
+    with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
+        off._forward, off._tag = 1, 1
+        for t in (x.conj(), x.conj()[2:, ::3], x.conj().t()):
+            h = off._pack(t)
+            assert not isinstance(h, torch.Tensor), "offloaded"
+            out = off._unpack(h)
+            assert out.is_conj() and torch.equal(out, t) and out.stride() == t.stride()
+            del h, out
+        n = x.conj().imag
+        assert off._pack(n) is n, "a negative-bit view is kept as it is"

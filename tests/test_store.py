@@ -101,6 +101,10 @@ def test_non_contiguous_inputs(store_dir, backend):
         torch.tensor(3.5).expand(5, 7),  # stride 0
         base.permute(2, 0, 1).flip(0),
         torch.empty(0, 3)[:, 1:],
+        # Lazy views: contiguous, but their bytes are not their values (the conjugate and
+        # negative bits are applied on read); what is stored is the values.
+        torch.complex(base, -base).conj(),
+        torch.complex(base, base).conj().imag,  # a negative-bit view
     ]
     with TieredStore(store_config(store_dir, host="1MiB", backend=backend)) as store:
         keys = [store.put(v) for v in views]
@@ -109,7 +113,7 @@ def test_non_contiguous_inputs(store_dir, backend):
         for k, v in zip(keys, views, strict=True):
             out = store.get(k)
             assert torch.equal(out, v) and out.shape == v.shape and out.dtype == v.dtype
-            assert out.is_contiguous()
+            assert out.is_contiguous() and not out.is_conj() and not out.is_neg()
 
 
 def test_ten_thousand_small_tensors(store_dir):

@@ -4,13 +4,13 @@ The saved-tensor hooks are active during the model's forward only. Each saved
 tensor is classified once, at pack time:
 
 - parameters and buffers (recognised by storage, so ``weight.t()`` is too),
-  tensors that are not plain strided tensors, tensors on devices other than
-  CPU/CUDA: returned as they are;
+  tensors that are not plain strided tensors, lazily negated views, tensors on
+  devices other than CPU/CUDA: returned as they are;
 - tensors smaller than ``policy.min_tensor_bytes`` and tensors of kept layers:
   held as they are (counted as resident);
 - everything else: its *storage* goes to the store once (two saved tensors on
   one storage are one entry), and unpack rebuilds the view with its offset,
-  size and stride.
+  size, stride and conjugate bit.
 """
 
 from __future__ import annotations
@@ -193,11 +193,14 @@ class _Entry:
 class _Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
-    __slots__ = ("dtype", "entry", "off", "offset", "size", "stride", "unpacked")
+    __slots__ = ("conj", "dtype", "entry", "off", "offset", "size", "stride", "unpacked")
 
     def __init__(self, off: Offloader, entry: _Entry, t: torch.Tensor) -> None:
         self.off, self.entry = off, entry
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+        # A lazily conjugated view (``x.conj()`` of a complex tensor) holds the unconjugated
+        # bytes: they are what is stored, and the view gets its conjugate bit back on unpack.
+        self.conj = t.is_conj()
         self.unpacked = False
         entry.refs += 1
         entry.waiting += 1
@@ -379,7 +382,9 @@ class Offloader:
         c = self._counts
         c["packs"] += 1
         self._poll_writes()
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_neg():
+            # Kept as they are. A negative bit (``x.conj().imag``) is a lazy view too; unlike the
+            # conjugate bit there is no public call to set it again on the restored view.
             return t
         dev = t.device
         if not (t.is_cpu or t.is_cuda):
@@ -500,7 +505,8 @@ class Offloader:
         self._note_peak()
         out = torch.empty(0, dtype=h.dtype, device=e.device)
         # The restored storage may start a few bytes (a multiple of 64) before the data.
-        return out.set_(storage, h.offset + e.pad // h.dtype.itemsize, h.size, h.stride)
+        out.set_(storage, h.offset + e.pad // h.dtype.itemsize, h.size, h.stride)
+        return out.conj() if h.conj else out
 
     def _restore(self, e: _Entry) -> torch.UntypedStorage:
         src = e.gpu.untyped_storage() if e.gpu is not None else e.src

@@ -176,7 +176,9 @@ class TieredStore:
         self._check_open()
         t = _plain(tensor)
         nbytes = t.numel() * t.element_size()
-        if t.device.type == "cpu" and t.is_contiguous():
+        # The raw bytes of a lazily conjugated or negated view are not its values: copy_ below
+        # resolves them.
+        if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             key = self._native.put_from(t.data_ptr(), nbytes)  # one copy, in Rust
             self._meta[key] = (t.shape, t.dtype, t.device)
             return key
