@@ -600,3 +600,15 @@ def test_unpack_of_a_conjugate_view_is_a_conjugate_view(store_dir):
             del h, out
         n = x.conj().imag
         assert off._pack(n) is n, "a negative-bit view is kept as it is"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensor creation is deprecated
+def test_quantized_and_zero_tensors_are_kept_as_they_are(store_dir):
+    model = nn.Linear(2, 2)
+    q = torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 3, torch.qint8)
+    z = torch._efficientzerotensor(64, 64)
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        off._forward, off._tag = 1, 1
+        for t in (q, z):
+            assert off._pack(t) is t and off._unpack(t) is t
+        assert off.stats().tensors_offloaded == 0

@@ -4,8 +4,9 @@ The saved-tensor hooks are active during the model's forward only. Each saved
 tensor is classified once, at pack time:
 
 - parameters and buffers (recognised by storage, so ``weight.t()`` is too),
-  tensors that are not plain strided tensors, lazily negated views, tensors on
-  devices other than CPU/CUDA: returned as they are;
+  tensors that are not plain strided tensors (quantized and zero tensors
+  included), lazily negated views, tensors on devices other than CPU/CUDA:
+  returned as they are;
 - tensors smaller than ``policy.min_tensor_bytes`` and tensors of kept layers:
   held as they are (counted as resident);
 - everything else: its *storage* goes to the store once (two saved tensors on
@@ -382,8 +383,15 @@ class Offloader:
         c = self._counts
         c["packs"] += 1
         self._poll_writes()
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_neg():
-            # Kept as they are. A negative bit (``x.conj().imag``) is a lazy view too; unlike the
+        if (
+            type(t) is not torch.Tensor
+            or t.layout != torch.strided
+            or t.is_nested
+            or t.is_quantized  # its scale and zero point live outside the bytes
+            or t.is_neg()
+            or t._is_zerotensor()  # no storage to read
+        ):
+            # Kept as they are. A negative bit (``x.conj().imag``) is a lazy view; unlike the
             # conjugate bit there is no public call to set it again on the restored view.
             return t
         dev = t.device
