@@ -303,4 +303,8 @@ def _plain(tensor: Any) -> torch.Tensor:
         raise TypeError(f"tensor subclasses cannot be stored, got {type(tensor).__name__}")
     if tensor.device.type == "meta":
         raise TypeError("meta tensors have no data to store")
+    if tensor.is_quantized:
+        raise TypeError("quantized tensors cannot be stored (their scale and zero point are not in their bytes)")
+    if tensor._is_zerotensor():
+        raise TypeError("zero tensors (torch._efficientzerotensor) have no storage to store")
     return tensor.detach()

@@ -268,6 +268,14 @@ fn now_secs(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// A null caller buffer with bytes to move is refused (a zero tensor, say, has no storage).
+fn null_check(p: *const u8, len: u64) -> Result<()> {
+    if p.is_null() && len > 0 {
+        return Err(Error::Invalid(format!("a null buffer for {len} bytes")));
+    }
+    Ok(())
+}
+
 impl Store {
     pub fn new(cfg: StoreConfig) -> Result<Self> {
         cfg.validate()?;
@@ -516,6 +524,7 @@ impl Store {
     /// # Safety
     /// `src` must be valid for reads of `len` bytes for the whole call.
     pub unsafe fn put_from(&self, src: *const u8, len: u64) -> Result<u64> {
+        null_check(src, len)?;
         let (key, slot) = self.reserve(len)?;
         let res = match slot {
             Some(off) => {
@@ -551,6 +560,7 @@ impl Store {
         if len == 0 {
             return Ok(());
         }
+        null_check(src, len)?;
         let pl = self.alloc_placement(&mut g, len)?;
         g.entries.get_mut(&key).unwrap().nvme = Some(pl.clone());
         drop(g);
@@ -590,6 +600,7 @@ impl Store {
     /// 4096 bytes until the ticket is done. The bytes past `len` are written
     /// to the file too (whatever they hold) and never read back as data.
     pub unsafe fn write_from(&self, src: *const u8, len: u64) -> Result<(u64, Arc<Ticket>)> {
+        null_check(src, len)?;
         if (src as u64) % ALIGN != 0 {
             return Err(Error::Invalid(format!("write_from needs a {ALIGN}-byte aligned buffer")));
         }
@@ -777,6 +788,7 @@ impl Store {
             if e.len == 0 {
                 return Ok(());
             }
+            null_check(dst, e.len)?;
             if let Some(off) = e.host {
                 // Resident after all: copy from the slot.
                 let len = e.len;
@@ -817,6 +829,7 @@ impl Store {
         if len == 0 {
             return Ok(Ticket::done());
         }
+        null_check(dst, len)?;
         if let Some(off) = e.host {
             // Safety: the slot holds len bytes; dst has room per the contract.
             std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(off as usize), dst, len as usize);

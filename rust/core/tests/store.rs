@@ -465,3 +465,25 @@ fn writes_from_caller_memory_wait_within_the_host_capacity() {
     assert!(t.is_done());
     assert!(dst.slice() == pattern(256 << 10, 9).as_slice());
 }
+
+#[test]
+fn null_buffers_are_refused_not_followed() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let null = std::ptr::null_mut::<u8>();
+    // Safety: every call below is refused before the pointer is used.
+    unsafe {
+        assert!(s.put_from(null, 100).unwrap_err().to_string().contains("null buffer"));
+        assert!(s.write_from(null, 4096).err().unwrap().to_string().contains("null buffer"));
+        let (k, _) = s.reserve(3 << 20).unwrap(); // bigger than the arena: no slot
+        assert!(s.write_direct(k, null).unwrap_err().to_string().contains("null buffer"));
+        s.free(k).unwrap();
+        let k = put(&s, &pattern(5000, 1));
+        assert!(s.read_direct(k, null).unwrap_err().to_string().contains("null buffer"));
+        assert!(s.read_into(k, null).err().unwrap().to_string().contains("null buffer"));
+        // Nothing to move: a null buffer is fine.
+        let k0 = s.put_from(null, 0).unwrap();
+        s.free(k0).unwrap();
+    }
+    assert_eq!(s.stats().entries, 1, "no refused call left an entry behind");
+}
