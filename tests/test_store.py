@@ -223,14 +223,16 @@ def test_misuse_gives_clear_errors(store_dir):
         store.put([1, 2, 3])
     with pytest.raises(TypeError, match="strided"):
         store.put(torch.eye(3).to_sparse())
-    with pytest.raises(TypeError, match="zero tensors"):
-        store.put(torch._efficientzerotensor(4, 4))  # data pointer 0: never read from
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensor creation is deprecated
         q = torch.quantize_per_tensor(torch.randn(8), 0.1, 3, torch.qint8)
     with pytest.raises(TypeError, match="quantized"):
         store.put(q)
     assert len(store) == 0
+    # A zero tensor has no storage (data pointer 0): its value is stored.
+    kz = store.put(torch._efficientzerotensor(4, 4))
+    assert torch.equal(store.get(kz), torch.zeros(4, 4))
+    store.free(kz)
     k = store.put(torch.ones(3))
     store.close()
     store.close()  # idempotent

@@ -306,5 +306,6 @@ def _plain(tensor: Any) -> torch.Tensor:
     if tensor.is_quantized:
         raise TypeError("quantized tensors cannot be stored (their scale and zero point are not in their bytes)")
     if tensor._is_zerotensor():
-        raise TypeError("zero tensors (torch._efficientzerotensor) have no storage to store")
+        # No storage (its data pointer is 0): what is stored is its value, zeros.
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
     return tensor.detach()
