@@ -227,6 +227,32 @@ def test_parameters_and_weight_transposes_are_not_offloaded(store_dir):
     assert s.tensors_offloaded == 1
 
 
+class _GathersItsWeight(nn.Module):
+    """Gives its weight new storage inside the forward, as sharded data parallelism does when
+    it gathers a parameter: the pointer seen when the forward began is stale."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+
+    def forward(self, x):
+        self.lin.weight.data = self.lin.weight.data.clone()
+        return self.lin(x)
+
+
+def test_a_parameter_given_new_storage_inside_the_forward_is_not_offloaded(store_dir):
+    torch.manual_seed(0)
+    ref, model = _GathersItsWeight(), _GathersItsWeight()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 512)
+    ref(x.clone().requires_grad_()).sum().backward()
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        model(x.clone().requires_grad_()).sum().backward()
+        s = off.stats()
+    assert s.tensors_offloaded == 1 and s.bytes_offloaded == x.numel() * 4, "only the input"
+    assert torch.equal(ref.lin.weight.grad, model.lin.weight.grad)
+
+
 def test_tied_embeddings_stay_tied_and_exact(store_dir):
     cfg = GPTConfig(n_layers=2, tie_embeddings=True, **TINY)
     torch.manual_seed(0)

@@ -399,7 +399,10 @@ class Offloader:
             return t
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if (dev, ptr) in self._param_ptrs:
+        if (dev, ptr) in self._param_ptrs or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            # A parameter, or a view of one (weight.t()): by its storage as it was when the
+            # forward began, or by what it is (a parameter whose storage is made inside the
+            # forward, as sharded data parallelism does when it gathers one, has a new pointer).
             return t
         nbytes = st.nbytes()
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
