@@ -34,20 +34,22 @@ def offload_config(path, host="64KiB", zero_copy=True, **policy):
     return cfg
 
 
-def train(model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=None):
+def train(model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=None, wrap=None):
     """Build from seed 0, run `micro` micro-batches of gradient accumulation with
-    seed 1 for dropout; returns losses, grads and the offloader's stats."""
+    seed 1 for dropout; returns losses, grads and the offloader's stats. `wrap` (e.g.
+    torch.compile) is applied to the model after attaching."""
     torch.manual_seed(0)
     model = build_model(model_cfg)
     gen = torch.Generator().manual_seed(2)
     batches = [make_batch(model_cfg, batch, gen) for _ in range(micro)]
     off = ssdtier.attach(model, ssd_cfg) if ssd_cfg is not None else None
+    runner = wrap(model) if wrap is not None else model
     torch.manual_seed(1)
     losses = []
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     for b in batches:
         with ctx:
-            loss = batch_loss(model, b)
+            loss = batch_loss(runner, b)
         (backward or (lambda x: x.backward()))(loss)
         losses.append(loss.detach())
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -651,25 +653,11 @@ def test_torch_compile(store_dir, backend, zero_copy):
     aot_eager keeps eager's kernels; inductor fuses them (and builds C++ for the CPU)."""
     cfg = GPTConfig(n_layers=2, **TINY)
 
-    def run(ssd):
+    def compiled(model):
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = build_model(cfg)
-        batch = make_batch(cfg, 2, torch.Generator().manual_seed(2))
-        off = ssdtier.attach(model, ssd) if ssd else None
-        compiled = torch.compile(model, backend=backend)
-        torch.manual_seed(1)
-        losses = []
-        for _ in range(2):
-            loss = batch_loss(compiled, batch)
-            loss.backward()
-            losses.append(loss.detach())
-        stats = off.stats() if off else None
-        if off:
-            off.detach()
-        return losses, {n: p.grad for n, p in model.named_parameters()}, stats
+        return torch.compile(model, backend=backend)
 
-    ref = run(None)
-    got = run(offload_config(store_dir, zero_copy=zero_copy))
+    ref = train(cfg, micro=2, wrap=compiled)
+    got = train(cfg, offload_config(store_dir, zero_copy=zero_copy), micro=2, wrap=compiled)
     assert_same(ref, got)
     assert got[2].tensors_offloaded > 0 and got[2].bytes_read_nvme > 0

@@ -12,7 +12,6 @@ import uuid
 import pytest
 import torch
 
-import ssdtier
 from ssdtier import OutOfSpaceError, TieredStore
 
 from .conftest import REPO, store_config
@@ -66,33 +65,19 @@ def test_real_disk_full_raises_out_of_space_and_keeps_data(small_fs, backend):
 def test_attach_on_a_full_disk_keeps_activations_and_exact_gradients(small_fs, zero_copy, caplog):
     import logging
 
-    from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+    from ssdtier.models import GPTConfig
+
+    from .test_attach import assert_same, train
 
     cfg = store_config(small_fs / "st", host="1MiB", nvme="1GiB", zero_copy=zero_copy)
     cfg["policy"] = {"min_tensor_bytes": 0, "keep_last_layers": 0}
     model_cfg = GPTConfig(vocab_size=64, seq_len=128, d_model=128, n_heads=4, n_layers=4)
 
-    def run(ssd):
-        torch.manual_seed(0)
-        model = build_model(model_cfg)
-        batch = make_batch(model_cfg, 16, torch.Generator().manual_seed(2))
-        off = ssdtier.attach(model, ssd) if ssd else None
-        torch.manual_seed(1)
-        losses = []
-        for _ in range(2):  # the second forward finds the disk full from the start
-            loss = batch_loss(model, batch)
-            loss.backward()
-            losses.append(loss.detach())
-        stats = off.stats() if off else None
-        if off:
-            off.detach()
-        return losses, [p.grad for p in model.parameters()], stats
-
-    ref = run(None)
+    # Two micro-batches: the second forward finds the disk full from the start.
+    ref = train(model_cfg, micro=2, batch=16)
     with caplog.at_level(logging.WARNING, logger="ssdtier"):
-        got = run(cfg)
-    for a, b in zip(ref[0] + ref[1], got[0] + got[1], strict=True):
-        assert torch.equal(a, b)
+        got = train(model_cfg, cfg, micro=2, batch=16)
+    assert_same(ref, got)
     s = got[2]
     # More than the file system holds was offloaded; what did not fit stayed in memory.
     assert s.bytes_offloaded > 24 << 20
