@@ -43,14 +43,12 @@ _AHEAD_MAX = 4  # prefetch_layers = "auto" reads 1.._AHEAD_MAX layers ahead
 _PAGE = 4096
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` whose data is page-aligned, with room up to the
-    next page (O_DIRECT writes whole pages). It is a view, at an offset below one page,
-    into an ordinary torch allocation, so the memory is reused like any other."""
-    size = -(-nbytes // _PAGE) * _PAGE
-    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
-    pad = (-raw.data_ptr()) % _PAGE
-    return raw[pad : pad + nbytes]
+def _aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
+    """A CPU storage with room for ``nbytes`` rounded up to whole pages (O_DIRECT moves whole
+    pages) from its first page boundary, and that boundary's offset in it. An ordinary torch
+    allocation, so its memory is reused like any other."""
+    st = torch.UntypedStorage(-(-nbytes // _PAGE) * _PAGE + _PAGE)
+    return st, -st.data_ptr() % _PAGE
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -411,11 +409,7 @@ class Offloader:
         if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         if keep:
-            c["tensors_kept"] += 1
-            c["bytes_kept"] += nbytes
-            kept = _Kept(self, t, nbytes)
-            self._note_peak()
-            return kept
+            return self._keep(t, nbytes)
         with self._lock:
             if self._dedup_ok:
                 hit = self._dedup.get((dev, ptr))
@@ -426,9 +420,7 @@ class Offloader:
                 entry = self._offload(t, st, nbytes)
             except OutOfSpaceError as e:
                 self._warn_full(e)
-                c["tensors_kept"] += 1
-                c["bytes_kept"] += nbytes
-                return _Kept(self, t, nbytes)
+                return self._keep(t, nbytes)
             c["tensors_offloaded"] += 1
             c["bytes_offloaded"] += nbytes
             if self._dedup_ok:
@@ -438,6 +430,13 @@ class Offloader:
             self._live += 1
         self._note_peak()
         return saved
+
+    def _keep(self, t: torch.Tensor, nbytes: int) -> _Kept:
+        self._counts["tensors_kept"] += 1
+        self._counts["bytes_kept"] += nbytes
+        kept = _Kept(self, t, nbytes)
+        self._note_peak()
+        return kept
 
     def _offload(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int) -> _Entry:
         if t.is_cuda:
@@ -572,13 +571,10 @@ class Offloader:
         native = self.store._native
         from_host = native.location(e.key)[0]
         if e.device.type == "cpu":
-            # A page-aligned buffer: a storage with room to start at the next page boundary.
             # The entry starts `lead` bytes before the data (a zero-copy write covers whole pages).
-            st = torch.UntypedStorage(-(-(e.lead + e.nbytes) // _PAGE) * _PAGE + _PAGE)
-            base = st.data_ptr()
-            pad = -base % _PAGE
+            st, pad = _aligned_storage(e.lead + e.nbytes)
             self._track(st, e.nbytes)
-            e.reading = (st, pad + e.lead, native.read_into(e.key, base + pad), from_host)
+            e.reading = (st, pad + e.lead, native.read_into(e.key, st.data_ptr() + pad), from_host)
         else:
             e.reading = (None, 0, None if from_host else native.prefetch(e.key), from_host)
 
@@ -593,7 +589,7 @@ class Offloader:
                 entry.wanted = True
                 if entry.reading is None and entry.gpu is None and entry.src is None and entry.restored is None:
                     self._start_read(entry)
-                    ticket = entry.reading[2] if entry.reading is not None else None
+                    ticket = entry.reading[2]  # set by _start_read
                     if auto and ticket is not None:
                         self._reads.setdefault((forward, layer - d), []).append((now, ticket))
 
@@ -784,9 +780,9 @@ class Offloader:
         for k in keys:
             store.evict(k)
         write = n * chunk / max(time.perf_counter() - t0, 1e-9)
-        bufs = [_aligned_empty(chunk) for _ in keys]
+        bufs = [_aligned_storage(chunk) for _ in keys]
         t0 = time.perf_counter()
-        tickets = [native.read_into(k, b.data_ptr()) for k, b in zip(keys, bufs, strict=True)]
+        tickets = [native.read_into(k, b.data_ptr() + pad) for k, (b, pad) in zip(keys, bufs, strict=True)]
         for t in tickets:
             t.wait()
         read = n * chunk / max(time.perf_counter() - t0, 1e-9)
