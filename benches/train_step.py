@@ -881,7 +881,8 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
         )
         lines.append(
             f"  kept {s['tensors_kept']} tensors / {fmt_mb(s['bytes_kept'])} MB; forwarded (served without "
-            f"NVMe read) {s['forwarded']}; dedup hits {s['dedup_hits']}; packs {s['packs']}, "
+            f"NVMe read) {s['forwarded']}; copied ahead on the prefetch stream {s.get('copied_ahead', 0)}; "
+            f"dedup hits {s['dedup_hits']}; packs {s['packs']}, "
             f"unpacks {s['unpacks']}"
         )
         lines.append(

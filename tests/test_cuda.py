@@ -10,7 +10,7 @@ import torch
 import ssdtier
 from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
 
-from .test_attach import TINY, assert_same, offload_config
+from .test_attach import TINY, _SlowBlock, assert_same, offload_config
 
 # CUBLAS_WORKSPACE_CONFIG (needed for deterministic cuBLAS) is set in conftest.py, before CUDA starts.
 
@@ -57,7 +57,47 @@ def test_exact_gradients_on_cuda(store_dir, host):
     if host == "64KiB":
         assert s.bytes_read_nvme > 0
     else:
-        assert s.forwarded > 0
+        assert s.forwarded + s.copied_ahead > 0
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict):
+    # Every copy to the arena is done before the backward (synchronize); with `evict` every
+    # entry is then on NVMe only. Each block's backward takes 30 ms on the host, so the
+    # read-ahead's reads are done before their unpack and the entries are copied to the GPU
+    # on the prefetch stream ahead of it. The GPU sleep keeps the compute stream busy, so
+    # those copies (which wait for the work queued before them) are still pending when the
+    # unpacks come: an unpack that did not make the compute stream wait would read garbage.
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        ref, model = (torch.nn.Sequential(*[_SlowBlock() for _ in range(6)]).cuda() for _ in range(2))
+        model.load_state_dict(ref.state_dict())
+        x = torch.randn(128, 64, device="cuda")
+        with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
+            for m in (ref, model):
+                loss = m(x).square().sum()
+                torch.cuda.synchronize()
+                if m is model:
+                    off._poll_pending()  # commits the copies to the arena, all done now
+                    if evict:
+                        for group in off._by_layer.values():
+                            for e in group:
+                                off.store._native.evict(e.key)
+                torch.cuda._sleep(50_000_000)
+                loss.backward()
+            torch.cuda.synchronize()
+            s = off.stats()
+        for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # Two saved tensors per block; the last block's are read when its backward starts, the
+    # next two blocks' are in the arena (or on their way) then: at least blocks 1..4 go ahead.
+    assert s.tensors_offloaded == 12
+    assert s.copied_ahead >= 8, s
+    if evict:
+        assert s.bytes_read_nvme > 0
 
 
 def test_races_widened_with_sleep(store_dir):

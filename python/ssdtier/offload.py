@@ -69,7 +69,9 @@ class OffloadStats:
     use, GPU tensors whose copy is in flight, CPU tensors whose write is in
     flight, and restored storages. ``prefetch_layers`` is how many layers the
     backward reads ahead now (with ``policy.prefetch_layers = "auto"``, what the
-    tuning has reached).
+    tuning has reached). ``copied_ahead`` counts, on CUDA, the read-ahead
+    entries copied to the GPU on the prefetch stream before their unpack (the
+    others are copied on the compute stream when unpacked).
     """
 
     tensors_offloaded: int
@@ -78,6 +80,7 @@ class OffloadStats:
     bytes_read_nvme: int
     dedup_hits: int
     forwarded: int
+    copied_ahead: int
     peak_resident_bytes: int
     stall_seconds: float
     layers_offloaded: int
@@ -154,6 +157,7 @@ class _Entry:
         "reading",
         "restored",
         "src",
+        "staged",
         "ticket",
         "triggered",
         "waiting",
@@ -183,6 +187,9 @@ class _Entry:
         # A read under way: (buffer storage or None, offset of the data in it, ticket or None,
         # served from the host arena).
         self.reading: tuple[torch.UntypedStorage | None, int, Any, bool] | None = None
+        # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
+        # prefetch stream, the compute stream it was allocated on).
+        self.staged: tuple[torch.Tensor, Any, Any] | None = None
         # Its unpack started the read-ahead of the layers below (once per entry).
         self.triggered = False
         # The read-ahead reached it: its bytes should be in memory (a source still held stays).
@@ -258,7 +265,8 @@ class Offloader:
         self._pending: deque[_Entry] = deque()  # CUDA copies to the arena in flight, in order
         self._writing: deque[_Entry] = deque()  # CPU writes from the tensors' own pages in flight, in order
         self._h2d: deque[tuple[Any, int]] = deque()  # (event, key): slots pinned until their copy to the GPU is done
-        self._cuda: dict[torch.device, Any] = {}
+        self._staging: list[_Entry] = []  # CUDA read-aheads not copied to the GPU yet
+        self._cuda: dict[torch.device, tuple[Any, Any]] = {}  # (offload stream, prefetch stream)
         self._registered = False
         self._closed = False
         self._live = 0
@@ -274,6 +282,7 @@ class Offloader:
                 "bytes_offloaded",
                 "dedup_hits",
                 "forwarded",
+                "copied_ahead",
                 "tensors_kept",
                 "bytes_kept",
                 "packs",
@@ -503,6 +512,8 @@ class Offloader:
             return h.tensor
         e: _Entry = h.entry
         with self._lock:
+            if self._staging:
+                self._stage_ready()
             if not h.unpacked:
                 h.unpacked = True
                 e.waiting -= 1
@@ -545,10 +556,16 @@ class Offloader:
                 self._stall_ahead += waited
         elif ticket is not None:
             ticket.wait()  # raises the read's error, if any
-        if st is None:  # CUDA: through a pinned slot
-            self._poll_pending()
-            st = self._restore_cuda(e).untyped_storage()
-            self._track(st, e.nbytes)
+        if st is None:  # CUDA
+            staged, e.staged = e.staged, None
+            if staged is not None:
+                # Copied ahead on the prefetch stream: the compute stream waits for that copy.
+                torch.cuda.current_stream(e.device).wait_event(staged[1])
+                st = staged[0].untyped_storage()  # tracked since it was staged
+            else:  # through a pinned slot, on the compute stream
+                self._poll_pending()
+                st = self._restore_cuda(e).untyped_storage()
+                self._track(st, e.nbytes)
         e.restored = weakref.ref(st)
         e.pad = pad
         return st
@@ -592,6 +609,10 @@ class Offloader:
                     ticket = entry.reading[2]  # set by _start_read
                     if auto and ticket is not None:
                         self._reads.setdefault((forward, layer - d), []).append((now, ticket))
+                    if entry.device.type == "cuda":
+                        self._staging.append(entry)
+        if self._staging:
+            self._stage_ready()
 
     def _tune_ahead(self) -> None:
         """After a backward (``prefetch_layers = "auto"``): one layer more of read-ahead if it
@@ -659,6 +680,13 @@ class Offloader:
                 ev.synchronize()
                 self._h2d.remove((ev, key))
                 self.store._native.release(key)
+            if e.staged is not None:
+                # Copied ahead and never unpacked: its block goes back to the compute stream's
+                # pool, so that stream must not reuse it before the copy into it is done.
+                out, ev, stream = e.staged
+                e.staged = None
+                stream.wait_event(ev)
+                del out
             e.gpu = None
             e.restored = None
             e.hold = None
@@ -680,12 +708,13 @@ class Offloader:
 
     # ---------------------------------------------------------------- CUDA staging
 
-    def _streams(self, device: torch.device) -> Any:
+    def _streams(self, device: torch.device) -> tuple[Any, Any]:
+        """The device's offload stream (copies to the arena) and prefetch stream (copies back)."""
         s = self._cuda.get(device)
         if s is None:
             if not self._registered and self.store.arena is not None:
                 self._register_arena()
-            s = torch.cuda.Stream(device)
+            s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self._cuda[device] = s
         return s
 
@@ -712,7 +741,7 @@ class Offloader:
                 native.free(key)
                 raise
             return entry
-        stream = self._streams(whole.device)
+        stream = self._streams(whole.device)[0]
         slot = self.store._slot(off, nbytes, torch.uint8, torch.Size([nbytes]))
         stream.wait_stream(torch.cuda.current_stream(whole.device))
         with torch.cuda.stream(stream):
@@ -739,6 +768,46 @@ class Offloader:
             if e.gpu is not None:
                 self._resident_gpu -= e.nbytes
                 e.gpu = None
+
+    def _stage_ready(self) -> None:
+        """Copy to the GPU, on the prefetch stream, the read-ahead entries now in the arena."""
+        waiting = []
+        for e in self._staging:
+            reading = e.reading
+            if reading is None or e.key is None or e.staged is not None:
+                continue  # unpacked, released, or failed meanwhile
+            if reading[2] is not None and not reading[2].done():
+                waiting.append(e)
+                continue
+            self._stage_cuda(e)
+        self._staging = waiting
+
+    def _stage_cuda(self, e: _Entry) -> None:
+        native = self.store._native
+        assert e.key is not None
+        if not native.location(e.key)[0]:
+            return  # not in the arena (no room for the read, or it failed): the unpack reads it
+        off = native.acquire(e.key)
+        if off is None:
+            return
+        compute = torch.cuda.current_stream(e.device)
+        try:
+            # Allocated for the compute stream, which uses it; the copy waits for the work
+            # already queued there, since that work may still use this block's previous tenant.
+            out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+            prefetch = self._streams(e.device)[1]
+            prefetch.wait_stream(compute)
+            with torch.cuda.stream(prefetch):
+                out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(prefetch)
+        except BaseException:
+            native.release(e.key)
+            raise
+        self._h2d.append((ev, e.key))  # the slot stays pinned until the copy has read it
+        e.staged = (out, ev, compute)
+        self._track(out.untyped_storage(), e.nbytes)
+        self._counts["copied_ahead"] += 1
 
     def _restore_cuda(self, e: _Entry) -> torch.Tensor:
         native = self.store._native
