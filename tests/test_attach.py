@@ -126,7 +126,8 @@ def test_a_cpu_model_under_zero_copy_does_not_pin_the_arena(store_dir):
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
 def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
     """After each backward the offloader's own bookkeeping is empty again: no entry, no
-    layer group, no restored storage counted as resident, and the store has no key."""
+    layer group, no dedup record, no restored storage counted as resident, and the store
+    has no key."""
     torch.manual_seed(0)
     model = build_model(CONFIGS["gpt"])
     gen = torch.Generator().manual_seed(2)
@@ -135,7 +136,7 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
             batch_loss(model, make_batch(CONFIGS["gpt"], 2, gen)).backward()
             off.store.flush()
             off._poll_writes()
-            assert off._live == 0 and not off._by_layer and not off._writing
+            assert off._live == 0 and not off._by_layer and not off._writing and not off._dedup
             assert off._resident_restored == 0 and not off._tracked
             assert off.store.stats().entries == 0
         assert off.stats().peak_resident_bytes > 0

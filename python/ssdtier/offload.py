@@ -143,7 +143,9 @@ class _Entry:
     """One offloaded storage."""
 
     __slots__ = (
+        "cuda",
         "device",
+        "dkey",
         "event",
         "forward",
         "gpu",
@@ -164,9 +166,10 @@ class _Entry:
         "wanted",
     )
 
-    def __init__(self, key: int, nbytes: int, device: torch.device, forward: int, layer: int) -> None:
+    def __init__(self, key: int, nbytes: int, device: torch.device, cuda: bool, forward: int, layer: int) -> None:
         self.key: int | None = key  # None once the store has no copy (a failed write)
-        self.nbytes, self.device = nbytes, device
+        self.nbytes, self.device, self.cuda = nbytes, device, cuda
+        self.dkey: tuple[torch.device, int] | None = None  # its key in the dedup map
         self.forward, self.layer = forward, layer
         self.refs = 0
         # Handles not unpacked yet: while some are, the restored storage is held, so a
@@ -406,10 +409,17 @@ class Offloader:
             return t
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if (dev, ptr) in self._param_ptrs or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        base = t._base
+        if (
+            (dev, ptr) in self._param_ptrs
+            or (base is not None and (type(base) is nn.Parameter or isinstance(base, nn.Parameter)))
+            or getattr(t, "_is_param", False)
+        ):
             # A parameter, or a view of one (weight.t()): by its storage as it was when the
             # forward began, or by what it is (a parameter whose storage is made inside the
             # forward, as sharded data parallelism does when it gathers one, has a new pointer).
+            # ``t`` is a plain Tensor here (a Parameter was kept above, as a subclass), so it
+            # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
             return t
         nbytes = st.nbytes()
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
@@ -433,7 +443,8 @@ class Offloader:
             c["tensors_offloaded"] += 1
             c["bytes_offloaded"] += nbytes
             if self._dedup_ok:
-                self._dedup[(dev, ptr)] = (weakref.ref(st), t._version, entry)
+                entry.dkey = (dev, ptr)
+                self._dedup[entry.dkey] = (weakref.ref(st), t._version, entry)
             self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
             saved = _Saved(self, entry, t)
             self._live += 1
@@ -457,12 +468,12 @@ class Offloader:
         if self.config.io.zero_copy and lead % 64 == 0:
             return self._offload_cpu(st, ptr, nbytes, lead)
         key = self.store._native.put_from(ptr, nbytes)  # a copy into the arena (or to NVMe)
-        return _Entry(key, nbytes, t.device, self._forward, self._tag)
+        return _Entry(key, nbytes, t.device, False, self._forward, self._tag)
 
     def _offload_cpu(self, st: torch.UntypedStorage, ptr: int, nbytes: int, lead: int) -> _Entry:
         """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
         key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes)
-        e = _Entry(key, nbytes, st.device, self._forward, self._tag)
+        e = _Entry(key, nbytes, st.device, False, self._forward, self._tag)
         e.lead, e.src, e.ticket = lead, st, ticket
         self._resident_writing += nbytes
         self._writing.append(e)
@@ -587,7 +598,7 @@ class Offloader:
         used, so read-ahead never evicts what is about to be needed."""
         native = self.store._native
         from_host = native.location(e.key)[0]
-        if e.device.type == "cpu":
+        if not e.cuda:
             # The entry starts `lead` bytes before the data (a zero-copy write covers whole pages).
             st, pad = _aligned_storage(e.lead + e.nbytes)
             self._track(st, e.nbytes)
@@ -609,7 +620,7 @@ class Offloader:
                     ticket = entry.reading[2]  # set by _start_read
                     if auto and ticket is not None:
                         self._reads.setdefault((forward, layer - d), []).append((now, ticket))
-                    if entry.device.type == "cuda":
+                    if entry.cuda:
                         self._staging.append(entry)
         if self._staging:
             self._stage_ready()
@@ -693,6 +704,10 @@ class Offloader:
             if e.reading is not None and e.reading[2] is not None:
                 e.reading[2].wait()  # the buffer must outlive its read
             e.reading = None
+            if e.dkey is not None:
+                hit = self._dedup.get(e.dkey)
+                if hit is not None and hit[2] is e:
+                    del self._dedup[e.dkey]
             group = self._by_layer.get((e.forward, e.layer))
             if group is not None:
                 group.pop(e, None)
@@ -731,7 +746,7 @@ class Offloader:
         native = self.store._native
         self._poll_pending()  # committed slots can be evicted to make room
         key, off = native.reserve(nbytes)
-        entry = _Entry(key, nbytes, whole.device, self._forward, self._tag)
+        entry = _Entry(key, nbytes, whole.device, True, self._forward, self._tag)
         if off is None:
             # Bigger than the arena: a synchronous copy, streamed to NVMe.
             try:
