@@ -1,4 +1,4 @@
-"""The command line: ssdtier check / info (as python -m ssdtier)."""
+"""The command line: ssdtier check / info / demo / roundtrip (as python -m ssdtier)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,21 @@ def test_info_reports_the_backend(store_dir):
     assert r.returncode == 0, r.stderr
     assert "backend         io_uring" in r.stdout
     assert "O_DIRECT        yes" in r.stdout
+
+
+def test_demo_trains_with_and_without_and_compares(store_dir):
+    # The README's first command, on a tiny model: both runs, the comparison, the same
+    # first-step loss, and no warning among the progress lines on stderr.
+    r = ssdtier("demo", "--dir", str(store_dir), "--steps", "2", "--layers", "2", "--d-model", "64", "--seq", "32")
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr, r.stderr
+    assert "keep    step 2/2" in r.stderr and "ssdtier step 2/2" in r.stderr, r.stderr
+    for line in ("activation bytes held in memory", "median step time"):
+        assert line in r.stdout, (line, r.stdout)
+    assert "first-step loss identical: yes" in r.stdout
+
+
+def test_roundtrip_reports_bandwidth(store_dir):
+    r = ssdtier("roundtrip", "--dir", str(store_dir), "--size", "8MiB", "--tensor", "1MiB", "--arena", "4MiB")
+    assert r.returncode == 0, r.stderr
+    assert "MB/s" in r.stdout or "GB/s" in r.stdout, r.stdout

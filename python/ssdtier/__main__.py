@@ -114,7 +114,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if not count_only:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss)
+            return loss.item()
 
         for i in range(args.steps):
             if device.type == "cuda":
