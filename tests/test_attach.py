@@ -671,3 +671,46 @@ def test_torch_compile(store_dir, backend, zero_copy):
         torch.set_num_threads(threads)
     assert_same(ref, got)
     assert got[2].tensors_offloaded > 0 and got[2].bytes_read_nvme > 0
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group, as DistributedDataParallel needs one."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("process_group")
+def test_distributed_data_parallel(store_dir):
+    """Attached to the module that DistributedDataParallel wraps, or to the wrapper itself
+    (its blocks are found under ``module.``): DDP's gradient hooks and buckets work on the
+    gradients as usual, and they are the same as DDP's without ssdtier."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = CONFIGS["gpt"]
+    ref = train(cfg, wrap=DDP)
+    got = train(cfg, offload_config(store_dir), wrap=DDP)
+    assert_same(ref, got)
+    assert got[2].tensors_offloaded > 0 and got[2].bytes_read_nvme > 0
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ddp = DDP(model)
+    batch = make_batch(cfg, 2, torch.Generator().manual_seed(2))
+    with ssdtier.attach(ddp, offload_config(store_dir)) as off:
+        assert off.layers_path == "module.blocks"
+        torch.manual_seed(1)
+        loss = batch_loss(ddp, batch)
+        loss.backward()
+        assert off.stats().bytes_read_nvme > 0
+    one = train(cfg, micro=1, wrap=DDP)  # the same first batch, seeds and model
+    assert torch.equal(loss.detach(), one[0][0])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, one[1][name]), name
