@@ -354,9 +354,22 @@ class Offloader:
                 # and buffers is refreshed every 64 forwards, their storages looked up every forward
                 # (`.to()`, `load_state_dict` and the like may have swapped them).
                 self._param_list = list(itertools.chain(module.parameters(), module.buffers()))
-            self._param_ptrs = {(p.device, p.untyped_storage().data_ptr()) for p in self._param_list}
+            self._param_ptrs = self._storages_of(self._param_list)
             self._hooks.__enter__()
         self._depth += 1
+
+    @staticmethod
+    def _storages_of(tensors: list[torch.Tensor]) -> set[tuple[torch.device, int]]:
+        ptrs = set()
+        for p in tensors:
+            try:
+                ptrs.add((p.device, p.untyped_storage().data_ptr()))
+            except (RuntimeError, NotImplementedError):
+                # No storage of its own (a sharded DTensor between FSDP's gathers, a meta
+                # tensor): what such a parameter becomes in the forward is a Parameter, and
+                # is recognised as one in _pack.
+                pass
+        return ptrs
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
