@@ -162,6 +162,25 @@ def test_checkpointing_inside(store_dir, family):
     assert_same(train(cfg), train(cfg, offload_config(store_dir)))
 
 
+def test_reentrant_checkpointing_inside(store_dir, monkeypatch):
+    # The reentrant form runs each block's forward under no_grad and again inside the
+    # backward, where the offloader's hooks are off: what it saves there stays in memory.
+    import torch.utils.checkpoint
+
+    import ssdtier.models
+
+    def run_block(block, use_checkpoint, *args):
+        if use_checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=True)
+        return block(*args)
+
+    monkeypatch.setattr(ssdtier.models, "_run_block", run_block)
+    cfg = CONFIGS["gpt"].__class__(**{**CONFIGS["gpt"].__dict__, "checkpoint": True})
+    got = train(cfg, offload_config(store_dir))
+    assert_same(train(cfg), got)
+    assert got[2].tensors_offloaded > 0
+
+
 def test_retain_graph_unpacks_twice(store_dir):
     def twice(loss):
         loss.backward(retain_graph=True)
