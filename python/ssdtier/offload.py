@@ -707,10 +707,8 @@ class Offloader:
             if e.staged is not None:
                 # Copied ahead and never unpacked: its block goes back to the compute stream's
                 # pool, so that stream must not reuse it before the copy into it is done.
-                out, ev, stream = e.staged
+                e.staged[2].wait_event(e.staged[1])
                 e.staged = None
-                stream.wait_event(ev)
-                del out
             e.gpu = None
             e.restored = None
             e.hold = None
@@ -815,31 +813,37 @@ class Offloader:
         assert e.key is not None
         if not native.location(e.key)[0]:
             return  # not in the arena (no room for the read, or it failed): the unpack reads it
+        compute = torch.cuda.current_stream(e.device)
+        prefetch = self._streams(e.device)[1]
+        # The GPU block is allocated for the compute stream, which uses it; the copy waits for
+        # the work already queued there, since that work may still use the block's previous tenant.
+        prefetch.wait_stream(compute)
         off = native.acquire(e.key)
         if off is None:
             return
-        compute = torch.cuda.current_stream(e.device)
-        try:
-            # Allocated for the compute stream, which uses it; the copy waits for the work
-            # already queued there, since that work may still use this block's previous tenant.
-            out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-            prefetch = self._streams(e.device)[1]
-            prefetch.wait_stream(compute)
-            with torch.cuda.stream(prefetch):
-                out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(prefetch)
-        except BaseException:
-            native.release(e.key)
-            raise
-        self._h2d.append((ev, e.key))  # the slot stays pinned until the copy has read it
+        out, ev = self._copy_from_slot(e, off, prefetch)
         e.staged = (out, ev, compute)
         self._track(out.untyped_storage(), e.nbytes)
         self._counts["copied_ahead"] += 1
 
+    def _copy_from_slot(self, e: _Entry, off: int, stream: Any) -> tuple[torch.Tensor, Any]:
+        """Copy an entry's acquired arena slot to new GPU bytes (allocated for the current
+        stream) on ``stream``; returns them and the copy's event. The slot stays pinned until
+        the copy has read it (_poll_pending unpins it); on failure it is released at once."""
+        try:
+            out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+            with torch.cuda.stream(stream):
+                out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+        except BaseException:
+            self.store._native.release(e.key)
+            raise
+        self._h2d.append((ev, e.key))
+        return out, ev
+
     def _restore_cuda(self, e: _Entry) -> torch.Tensor:
         native = self.store._native
-        out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
         # Not in the arena (no read-ahead brought it, or it was skipped for want of room):
         # acquire() or read_direct() reads it now, and the backward waits; count it as stall.
         resident = native.location(e.key)[0]
@@ -849,20 +853,10 @@ class Offloader:
             host = torch.empty(e.nbytes, dtype=torch.uint8)
             native.read_direct(e.key, host.data_ptr())
             self._stall += time.perf_counter() - t0
-            out.copy_(host)
-            return out
+            return host.to(e.device)
         if not resident:
             self._stall += time.perf_counter() - t0
-        try:
-            out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
-        except BaseException:
-            native.release(e.key)
-            raise
-        # The slot stays pinned until the copy has read it; _poll_pending unpins it.
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(e.device))
-        self._h2d.append((ev, e.key))
-        return out
+        return self._copy_from_slot(e, off, torch.cuda.current_stream(e.device))[0]
 
     # ---------------------------------------------------------------- adaptive plan
 
