@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import pytest
 import torch
@@ -337,6 +338,84 @@ def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir
     assert_same(train(CONFIGS["gpt"]), got)
     assert got[2].tensors_kept > 0
     assert sum("stay in memory" in r.message for r in caplog.records) == 1
+
+
+class _Resizer(nn.Module):
+    """Saves an activation, then frees its storage (``resize_(0)``) in the forward, as
+    sharded data parallelism does with a gathered parameter; `refill` gives it bytes again
+    before the backward, with other values, written through another tensor so autograd's
+    version check does not see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64))
+        self.saved: list[torch.Tensor] = []
+
+    def forward(self, x):
+        h = torch.tanh(x)  # tanh saves h, and the matmul saves it too
+        y = h @ self.w
+        self.saved.append(h)
+        h.untyped_storage().resize_(0)
+        return y
+
+    def refill(self):
+        for h in self.saved:
+            st = h.untyped_storage()
+            st.resize_(h.numel() * h.element_size())
+            fresh = torch.empty(0, device=h.device).set_(st, 0, h.shape, h.stride())
+            fresh.copy_(torch.full(h.shape, 0.5, device=h.device))
+        self.saved.clear()
+
+
+class _Resizers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Resizer() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def check_storage_freed_while_copied_out(store_dir, caplog, device):
+    """Without ssdtier, the backward reads whatever the storage holds then. A copy (a zero-copy
+    write from a CPU storage, a device-to-host copy from a GPU one) of a storage that is freed
+    before the copy is seen to be done may have copied other bytes: it is not used, and the
+    unpack is served from the storage itself."""
+
+    def run(cfg):
+        torch.manual_seed(0)
+        m = _Resizers().to(device)
+        x = torch.randn(32, 64, device=device, requires_grad=True)
+        off = ssdtier.attach(m, cfg) if cfg else None
+        y = m(x)
+        if off is not None:
+            deadline = time.monotonic() + 30
+            while (off._writing or off._pending) and time.monotonic() < deadline:
+                off._poll_writes()  # every copy done and seen as done
+                off._poll_pending()
+                time.sleep(0.001)
+            assert not off._writing and not off._pending
+        for b in m.blocks:
+            b.refill()
+        y.sum().backward()
+        stats = off.stats() if off else None
+        if off:
+            off.detach()
+        return [x.grad] + [p.grad for p in m.parameters()], stats
+
+    ref, _ = run(None)
+    with caplog.at_level(logging.WARNING, logger="ssdtier"):
+        got, stats = run(offload_config(store_dir, host="1MiB"))
+    assert stats.tensors_offloaded >= 2
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    assert sum("freed or resized while it was being copied out" in r.message for r in caplog.records) == 1
+
+
+def test_a_storage_freed_while_written_is_served_as_autograd_would(store_dir, caplog):
+    check_storage_freed_while_copied_out(store_dir, caplog, "cpu")
 
 
 def test_mode_none_keeps_everything(store_dir):

@@ -10,7 +10,7 @@ import torch
 import ssdtier
 from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
 
-from .test_attach import TINY, _SlowBlock, assert_same, offload_config
+from .test_attach import TINY, _SlowBlock, assert_same, check_storage_freed_while_copied_out, offload_config
 
 # CUBLAS_WORKSPACE_CONFIG (needed for deterministic cuBLAS) is set in conftest.py, before CUDA starts.
 
@@ -45,6 +45,10 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0):
 
 
 CFG = GPTConfig(n_layers=3, **TINY)
+
+
+def test_a_storage_freed_while_copied_out_is_served_as_autograd_would(store_dir, caplog):
+    check_storage_freed_while_copied_out(store_dir, caplog, "cuda")
 
 
 @pytest.mark.parametrize("host", ["64KiB", "64MiB"])

@@ -164,6 +164,7 @@ class _Entry:
         "triggered",
         "waiting",
         "wanted",
+        "wrote",
     )
 
     def __init__(self, key: int, nbytes: int, device: torch.device, cuda: bool, forward: int, layer: int) -> None:
@@ -184,6 +185,7 @@ class _Entry:
         self.src: torch.UntypedStorage | None = None
         self.ticket: Any = None
         self.lead = 0
+        self.wrote = 0  # the source's data pointer when its write was issued
         self.event: Any = None
         # The restored storage, while some unpacked view still uses it.
         self.restored: weakref.ref | None = None
@@ -487,7 +489,7 @@ class Offloader:
         """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
         key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes)
         e = _Entry(key, nbytes, st.device, False, self._forward, self._tag)
-        e.lead, e.src, e.ticket = lead, st, ticket
+        e.lead, e.src, e.ticket, e.wrote = lead, st, ticket, ptr
         self._resident_writing += nbytes
         self._writing.append(e)
         return e
@@ -504,19 +506,38 @@ class Offloader:
             ticket.wait()
         except SsdtierError as err:
             failed = err
+        if failed is None and e.refs:
+            failed = self._moved(e, e.src)
         if e.refs == 0:  # released while writing: nobody needs it, its key goes now
             self._drop_src(e)
             self._free_key(e.key)
         elif failed is not None:
-            # The store has no copy; the source stays in memory and serves the unpack.
-            if not getattr(self, "_warned_write", False):
-                self._warned_write = True
-                log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", failed)
-            key, e.key = e.key, None
-            self._free_key(key)
+            self._copy_lost(e, failed)  # the source stays in memory and serves the unpack
         elif not e.wanted:
             self._drop_src(e)
         # Else the backward is about to use it: it stays and serves the unpack, with no read.
+
+    @staticmethod
+    def _moved(e: _Entry, src: torch.UntypedStorage) -> SsdtierError | None:
+        """An error if the source storage was freed or resized while its bytes were being
+        copied out (as sharded data parallelism does with a gathered parameter's storage after
+        the forward): what was copied may not be what was saved. Whatever the storage holds at
+        the unpack is what autograd without ssdtier would see, so the unpack is served from it.
+        A storage freed and given new bytes at the same address is not seen here; parameters,
+        the storages that this happens to, are recognised and kept in _pack."""
+        if src.data_ptr() != e.wrote or src.nbytes() != e.nbytes:
+            return SsdtierError(
+                f"the storage of a saved tensor ({e.nbytes} bytes) was freed or resized while it was being copied out"
+            )
+        return None
+
+    def _copy_lost(self, e: _Entry, err: SsdtierError) -> None:
+        """The store has no good copy of a live entry: its source stays and serves the unpack."""
+        if not getattr(self, "_warned_write", False):
+            self._warned_write = True
+            log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+        key, e.key = e.key, None
+        self._free_key(key)
 
     def _drop_src(self, e: _Entry) -> None:
         if e.src is not None:
@@ -700,6 +721,8 @@ class Offloader:
                 self._pending.remove(e)
                 e.event = None
                 self._resident_gpu -= e.nbytes
+            elif e.gpu is not None:  # its copy was lost (_poll_pending): the source served it
+                self._resident_gpu -= e.nbytes
             for ev, key in [x for x in self._h2d if x[1] == e.key]:
                 ev.synchronize()
                 self._h2d.remove((ev, key))
@@ -768,6 +791,7 @@ class Offloader:
                 raise
             return entry
         stream = self._streams(whole.device)[0]
+        entry.wrote = whole.data_ptr()
         slot = self.store._slot(off, nbytes, torch.uint8, torch.Size([nbytes]))
         stream.wait_stream(torch.cuda.current_stream(whole.device))
         with torch.cuda.stream(stream):
@@ -789,11 +813,14 @@ class Offloader:
             native.release(self._h2d.popleft()[1])
         while self._pending and self._pending[0].event.query():
             e = self._pending.popleft()
-            native.commit(e.key)
             e.event = None
-            if e.gpu is not None:
-                self._resident_gpu -= e.nbytes
-                e.gpu = None
+            failed = self._moved(e, e.gpu.untyped_storage()) if e.refs else None
+            if failed is not None:
+                self._copy_lost(e, failed)  # e.gpu stays (resident) and serves the unpack
+                continue
+            native.commit(e.key)
+            self._resident_gpu -= e.nbytes
+            e.gpu = None
 
     def _stage_ready(self) -> None:
         """Copy to the GPU, on the prefetch stream, the read-ahead entries now in the arena."""
