@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .conftest import REPO
-from .test_attach import train
+from .test_attach import CONFIGS, offload_config, train
 
 WORLD = 2
 
@@ -58,8 +58,6 @@ def test_two_ranks_sharded(wrapper, tmp_path, store_dir):
     if wrapper == "fsdp2" and not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     results = _run_ranks(wrapper, tmp_path, store_dir)
-    from .test_attach import CONFIGS, offload_config
-
     # The unsharded model offloads this many tensors in the same two micro-batches: the
     # activations. The same count under sharding means no gathered parameter was offloaded.
     plain = train(CONFIGS["gpt"], offload_config(store_dir), micro=2)[2].tensors_offloaded
