@@ -1,4 +1,5 @@
-"""One rank of a sharded data-parallel run, started by tests/test_distributed.py.
+"""One rank of a sharded data-parallel run, started by tests/test_distributed.py (its
+`run` is also called in-process by the one-process FSDP2 test in tests/test_attach.py).
 
     python tests/dist_worker.py WRAPPER RANK WORLD INIT_FILE STORE_DIR OUT
 

@@ -823,33 +823,10 @@ def test_fully_sharded_data_parallel(store_dir):
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    cfg = CONFIGS["gpt"]
+    from .dist_worker import run  # what each rank of test_distributed.py runs
 
-    def shard(model):
-        for block in model.blocks:
-            fsdp.fully_shard(block)
-        return fsdp.fully_shard(model)
-
-    def run(ssd):
-        torch.manual_seed(0)
-        model = shard(build_model(cfg))
-        gen = torch.Generator().manual_seed(2)
-        batches = [make_batch(cfg, 2, gen) for _ in range(2)]
-        off = ssdtier.attach(model, ssd) if ssd is not None else None
-        torch.manual_seed(1)
-        losses = []
-        for b in batches:
-            loss = batch_loss(model, b)
-            loss.backward()
-            losses.append(loss.detach())
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        stats = off.stats() if off is not None else None
-        if off is not None:
-            off.detach()
-        return losses, grads, stats
-
-    ref = run(None)
-    got = run(offload_config(store_dir))
-    assert_same(ref, got)
-    plain = train(cfg, offload_config(store_dir), micro=2)[2]
-    assert got[2].tensors_offloaded == plain.tensors_offloaded > 0  # activations, and no parameter
+    ref = run("fsdp2", 0, None)
+    got = run("fsdp2", 0, offload_config(store_dir))
+    assert_same((ref["losses"], ref["grads"], None), (got["losses"], got["grads"], None))
+    plain = train(CONFIGS["gpt"], offload_config(store_dir), micro=2)[2]
+    assert got["stats"]["tensors_offloaded"] == plain.tensors_offloaded > 0  # activations, and no parameter
