@@ -16,6 +16,7 @@ tensor is classified once, at pack time:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from .config import Config, resolve_config
-from .errors import ConfigError, OutOfSpaceError, SsdtierError
+from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError
 from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
 
@@ -455,6 +456,11 @@ class Offloader:
             except OutOfSpaceError as e:
                 self._warn_full(e)
                 return self._keep(t, nbytes)
+            except SsdtierOSError as e:
+                # A write to NVMe failed (an eviction from the arena, or a direct write): the
+                # store lost nothing, and this tensor stays in memory.
+                self._warn_write(e)
+                return self._keep(t, nbytes)
             c["tensors_offloaded"] += 1
             c["bytes_offloaded"] += nbytes
             if self._dedup_ok:
@@ -533,9 +539,7 @@ class Offloader:
 
     def _copy_lost(self, e: _Entry, err: SsdtierError) -> None:
         """The store has no good copy of a live entry: its source stays and serves the unpack."""
-        if not getattr(self, "_warned_write", False):
-            self._warned_write = True
-            log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+        self._warn_write(err)
         key, e.key = e.key, None
         self._free_key(key)
 
@@ -566,7 +570,15 @@ class Offloader:
                 for entry in self._by_layer.get((e.forward, e.layer), ()):
                     entry.triggered = True
                 self._read_ahead(e.forward, e.layer)
-            storage = self._restore(e)
+            try:
+                storage = self._restore(e)
+            except SsdtierOSError as err:
+                raise type(err)(
+                    err.errno,
+                    f"a saved activation ({e.nbytes} bytes) could not be read back, so this backward "
+                    f"cannot go on: {err.strerror}",
+                    err.filename,
+                ) from err
             e.hold = storage if e.waiting > 0 else None
         self._note_peak()
         out = torch.empty(0, dtype=h.dtype, device=e.device)
@@ -736,7 +748,10 @@ class Offloader:
             e.restored = None
             e.hold = None
             if e.reading is not None and e.reading[2] is not None:
-                e.reading[2].wait()  # the buffer must outlive its read
+                # The buffer must outlive its read. A read that failed is of no concern here:
+                # nobody will unpack this entry (raising would skip freeing it, from __del__).
+                with contextlib.suppress(SsdtierError):
+                    e.reading[2].wait()
             e.reading = None
             if e.dkey is not None:
                 hit = self._dedup.get(e.dkey)
@@ -981,6 +996,11 @@ class Offloader:
         if resident > self._peak:
             self._peak = resident
 
+    def _warn_write(self, err: Exception) -> None:
+        if not getattr(self, "_warned_write", False):
+            self._warned_write = True
+            log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+
     def _warn_full(self, e: Exception) -> None:
         if not getattr(self, "_warned_full", False):
             self._warned_full = True
@@ -1020,7 +1040,12 @@ class Offloader:
         if self._registered and self.store.arena is not None:
             torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
             self._registered = False
-        self.store.close()  # waits for every write, so the sources still held can go
+        try:
+            self.store.close()  # waits for every write, so the sources still held can go
+        except SsdtierOSError as err:
+            # A write that failed earlier (warned of then); every entry is gone by now, so
+            # nothing is lost, and the store is closed all the same.
+            log.debug("ssdtier: closing the store: %s", err)
         for e in self._writing:
             e.ticket = None
             self._drop_src(e)

@@ -35,9 +35,39 @@ impl Error {
         }
     }
 
+    /// The message without the path, for callers that report the path apart
+    /// (Python's `OSError` prints `[Errno N] message: 'path'`).
+    pub fn message_without_path(&self) -> String {
+        match self {
+            Error::Io { op, offset, len, errno, .. } => io_message(op, *offset, *len, *errno, None),
+            other => other.to_string(),
+        }
+    }
+
     pub fn last_os(op: &'static str, path: impl Into<PathBuf>, offset: u64, len: u64) -> Self {
         let errno = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
         Error::io(op, path, offset, len, errno)
+    }
+}
+
+/// "read of 4096 bytes at offset 0 in /dir failed: Input/output error", or for an
+/// operation on a path ("open", "mkdir"), "open of /dir failed: Not a directory".
+fn io_message(op: &str, offset: u64, len: u64, errno: i32, path: Option<&std::path::Path>) -> String {
+    let what = match (op, path) {
+        ("read" | "write", Some(p)) => format!("{op} of {len} bytes at offset {offset} in {}", p.display()),
+        ("read" | "write", None) => format!("{op} of {len} bytes at offset {offset}"),
+        (_, Some(p)) => format!("{op} of {}", p.display()),
+        (_, None) => op.to_string(),
+    };
+    format!("{what} failed: {}{}", strerror(errno), errno_hint(op, errno))
+}
+
+/// The system's text for `errno`, without Rust's " (os error N)" suffix.
+fn strerror(errno: i32) -> String {
+    let text = io::Error::from_raw_os_error(errno).to_string();
+    match text.rfind(" (os error ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
     }
 }
 
@@ -56,13 +86,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Io { op, path, offset, len, errno } => {
-                let msg = io::Error::from_raw_os_error(*errno);
-                write!(
-                    f,
-                    "{op} of {len} bytes at offset {offset} in {}: {msg}{}",
-                    path.display(),
-                    errno_hint(op, *errno)
-                )
+                f.write_str(&io_message(op, *offset, *len, *errno, Some(path)))
             }
             Error::OutOfSpace { needed, detail } => {
                 write!(f, "no space for {needed} bytes: {detail}")
@@ -75,3 +99,20 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_operation_once_and_the_path_where_asked() {
+        let read = Error::io("read", "/ssd/a", 8192, 4096, libc::EIO);
+        assert_eq!(read.to_string(), "read of 4096 bytes at offset 8192 in /ssd/a failed: Input/output error");
+        assert_eq!(read.message_without_path(), "read of 4096 bytes at offset 8192 failed: Input/output error");
+        let open = Error::io("open", "/ssd/f", 0, 0, libc::ENOTDIR);
+        assert_eq!(open.to_string(), "open of /ssd/f failed: Not a directory");
+        let write = Error::io("write", "/ssd/a", 0, 512, libc::EINVAL);
+        assert!(write.message_without_path().ends_with("(misaligned buffer, offset or length for O_DIRECT?)"));
+        assert_eq!(Error::Closed.message_without_path(), "the store is closed");
+    }
+}

@@ -20,7 +20,7 @@ fn to_py(py: Python<'_>, err: Error) -> PyErr {
         Error::Io { path, .. } => Some(path.display().to_string()),
         _ => None,
     };
-    let message = err.to_string();
+    let message = err.message_without_path();
     let build = || -> PyResult<PyErr> {
         let errors = py.import("ssdtier.errors")?;
         let exc = errors.getattr("from_native")?.call1((kind, message.clone(), errno, filename.clone()))?;
