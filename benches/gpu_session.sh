@@ -43,7 +43,7 @@ part install 120 "$PY" -m pip install --no-deps --no-index --force-reinstall "$w
 # The installed wheel, not the source tree, must be what the tests import.
 part import 60 "$PY" -c "import ssdtier, ssdtier._native as n; print(ssdtier.__file__)"
 
-part test_cuda 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -v
+part test_cuda 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_io_errors.py -k cuda -v
 part pytest_all 300 "$PY" -m pytest -q -p no:cacheprovider -x
 part train_step_cuda 240 "$PY" benches/train_step.py --device cuda --skip-per-tensor --json "$OUT/train_step_cuda.json"
 part train_step_cuda_big 300 "$PY" benches/train_step.py --device cuda --skip-per-tensor \

@@ -336,7 +336,7 @@ def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir
     with caplog.at_level(logging.WARNING, logger="ssdtier"):
         got = train(CONFIGS["gpt"], cfg)
     assert_same(train(CONFIGS["gpt"]), got)
-    assert got[2].tensors_kept > 0
+    assert got[2].tensors_kept > 0 and got[2].failed_writes > 0
     assert sum("stay in memory" in r.message for r in caplog.records) == 1
 
 
@@ -408,7 +408,7 @@ def check_storage_freed_while_copied_out(store_dir, caplog, device):
     ref, _ = run(None)
     with caplog.at_level(logging.WARNING, logger="ssdtier"):
         got, stats = run(offload_config(store_dir, host="1MiB"))
-    assert stats.tensors_offloaded >= 2
+    assert stats.tensors_offloaded >= 2 and stats.failed_writes >= 1
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
     assert sum("freed or resized while it was being copied out" in r.message for r in caplog.records) == 1

@@ -82,6 +82,7 @@ def test_attach_on_a_full_disk_keeps_activations_and_exact_gradients(small_fs, z
     # More than the file system holds was offloaded; what did not fit stayed in memory.
     assert s.bytes_offloaded > 24 << 20
     assert s.tensors_kept > 0 or s.store.nvme_peak < s.bytes_offloaded
+    assert s.failed_writes > 0 and s.failed_reads == 0
     assert any("memory" in r.message for r in caplog.records), [r.message for r in caplog.records]
     if zero_copy:
         # The first ENOSPC comes from a write from a tensor's own pages: that tensor stays in memory.

@@ -111,6 +111,7 @@ def test_a_failed_read_stops_the_backward_clearly_and_leaks_nothing(
         assert err.errno == errno.EIO
         assert "could not be read back" in str(err) and "read of" in str(err)
         assert err.filename == str(store_dir)
+        assert off.stats().failed_reads == 1
         del loss, info, err
         gc.collect()
         # The graph is gone: every entry with it, read ahead or not, and none raised on the way.
@@ -167,4 +168,5 @@ def test_failed_writes_keep_activations_in_memory_with_exact_gradients(
     warned = [r.message for r in caplog.records if "writing an activation to NVMe failed" in r.message]
     assert len(warned) == 1 and "Bad file descriptor" in warned[0], warned
     assert stats.bytes_read_nvme == 0  # nothing was read from the broken file
+    assert stats.failed_writes > 0 and stats.failed_reads == 0
     assert unraisable == []

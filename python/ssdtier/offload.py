@@ -72,7 +72,10 @@ class OffloadStats:
     backward reads ahead now (with ``policy.prefetch_layers = "auto"``, what the
     tuning has reached). ``copied_ahead`` counts, on CUDA, the read-ahead
     entries copied to the GPU on the prefetch stream before their unpack (the
-    others are copied on the compute stream when unpacked).
+    others are copied on the compute stream when unpacked). ``failed_writes``
+    counts the activations whose copy to the store failed (no space, an I/O
+    error, or a storage freed while it was copied out), which stayed in memory;
+    ``failed_reads`` the reads that failed in backward (each raised).
     """
 
     tensors_offloaded: int
@@ -82,6 +85,8 @@ class OffloadStats:
     dedup_hits: int
     forwarded: int
     copied_ahead: int
+    failed_writes: int
+    failed_reads: int
     peak_resident_bytes: int
     stall_seconds: float
     layers_offloaded: int
@@ -289,6 +294,8 @@ class Offloader:
                 "dedup_hits",
                 "forwarded",
                 "copied_ahead",
+                "failed_writes",
+                "failed_reads",
                 "tensors_kept",
                 "bytes_kept",
                 "packs",
@@ -454,11 +461,13 @@ class Offloader:
             try:
                 entry = self._offload(t, st, nbytes)
             except OutOfSpaceError as e:
+                c["failed_writes"] += 1
                 self._warn_full(e)
                 return self._keep(t, nbytes)
             except SsdtierOSError as e:
                 # A write to NVMe failed (an eviction from the arena, or a direct write): the
                 # store lost nothing, and this tensor stays in memory.
+                c["failed_writes"] += 1
                 self._warn_write(e)
                 return self._keep(t, nbytes)
             c["tensors_offloaded"] += 1
@@ -539,6 +548,7 @@ class Offloader:
 
     def _copy_lost(self, e: _Entry, err: SsdtierError) -> None:
         """The store has no good copy of a live entry: its source stays and serves the unpack."""
+        self._counts["failed_writes"] += 1
         self._warn_write(err)
         key, e.key = e.key, None
         self._free_key(key)
@@ -573,6 +583,7 @@ class Offloader:
             try:
                 storage = self._restore(e)
             except SsdtierOSError as err:
+                self._counts["failed_reads"] += 1
                 raise type(err)(
                     err.errno,
                     f"a saved activation ({e.nbytes} bytes) could not be read back, so this backward "
