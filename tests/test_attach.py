@@ -5,6 +5,7 @@ patterns and store configurations."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 
@@ -328,6 +329,48 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
     }
     assert before == after
     ssdtier.attach(m, offload_config(store_dir)).detach()
+
+
+def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
+    """copy.deepcopy (EMA, AveragedModel) and torch.save of an attached model work; the copy
+    is not attached and shares nothing with the offloader; the original goes on offloading."""
+    cfg = CONFIGS["gpt"]
+    batch = make_batch(cfg, 2, torch.Generator().manual_seed(2))
+
+    def grads_of(model):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = batch_loss(model, batch)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    def same(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    want = grads_of(copy.deepcopy(model))  # before attaching: the plain model's gradients
+    off = ssdtier.attach(model, offload_config(store_dir))
+    try:
+        twin = copy.deepcopy(model)
+        ema = torch.optim.swa_utils.AveragedModel(model)  # deep-copies the model too
+        path = tmp_path / "model.pt"
+        torch.save(model, path)
+        loaded = torch.load(path, weights_only=False)
+        packs = off.stats().packs
+        for other in (twin, loaded):
+            assert getattr(other, "_ssdtier_offloader", None) is None
+            same(grads_of(other), want)
+        with torch.no_grad():
+            ema(*batch)
+        assert off.stats().packs == packs  # none of them went through the offloader
+        same(grads_of(model), want)
+        assert off.stats().tensors_offloaded > 0
+        with ssdtier.attach(twin, offload_config(store_dir)) as off2:  # a copy may be attached itself
+            same(grads_of(twin), want)
+            assert off2.stats().tensors_offloaded > 0
+    finally:
+        off.detach()
 
 
 def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir, caplog):

@@ -56,6 +56,38 @@ def _on_cpu(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+def _inert(*args: Any) -> None:
+    """What a copy of an attached model has in place of ssdtier's hooks: nothing."""
+
+
+class _Hook:
+    """A module hook of the offloader. A copy of the model (``copy.deepcopy``, as EMA and
+    ``AveragedModel`` make; ``torch.save(model)``) is not attached: its copies of these hooks do
+    nothing, and the copy shares nothing with the offloader or its store."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert
+
+    def __reduce__(self) -> tuple:
+        return (_inert_hook, ())
+
+
+def _inert_hook() -> Any:
+    return _inert
+
+
+def _detached() -> None:
+    return None
+
+
 def _storage_objects_preserved() -> bool:
     t = torch.empty(1)
     return t.untyped_storage() is t.untyped_storage()
@@ -316,13 +348,13 @@ class Offloader:
         self._trig: dict[tuple[int, int], float] = {}  # (forward, layer): when its backward began
         self._reads: dict[tuple[int, int], list[tuple[float, Any]]] = {}  # read-aheads: (start, ticket)
         self._handles = [
-            model.register_forward_pre_hook(self._enter),
-            model.register_forward_hook(self._exit, always_call=True),
+            model.register_forward_pre_hook(_Hook(self._enter)),
+            model.register_forward_hook(_Hook(self._exit), always_call=True),
         ]
         if found:
             for i, block in enumerate(found[1]):
-                self._handles.append(block.register_forward_pre_hook(self._block_enter(i + 1)))
-                self._handles.append(block.register_forward_hook(self._block_exit(i + 1), always_call=True))
+                self._handles.append(block.register_forward_pre_hook(_Hook(self._block_enter(i + 1))))
+                self._handles.append(block.register_forward_hook(_Hook(self._block_exit(i + 1)), always_call=True))
         # Adaptive mode: profile of the iteration in progress, and the plan.
         self._adaptive = pol.mode == "adaptive" and n > 0
         self._budget = pol.device_budget
@@ -1064,6 +1096,12 @@ class Offloader:
 
     def __enter__(self) -> Offloader:
         return self
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # the model's reference to it, in a copy of the model: not attached
+
+    def __reduce__(self) -> tuple:
+        return (_detached, ())
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
