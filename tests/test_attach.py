@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 import time
 
 import pytest
@@ -461,6 +462,64 @@ def test_a_storage_freed_while_written_is_served_as_autograd_would(store_dir, ca
     check_storage_freed_while_copied_out(store_dir, caplog, "cpu")
 
 
+class _InPlace(nn.Module):
+    """Modifies, after the forward saved it, either an activation (`"activation"`) or, between
+    the forward and the backward, a parameter (`"parameter"`, an optimizer step too early)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x, what="activation"):
+        y = self.lin(x).sigmoid()  # sigmoid saves its output
+        z = y * 3
+        if what == "activation":
+            y.mul_(2)
+        return z + y
+
+
+@pytest.mark.parametrize("what", ["activation", "parameter"])
+@pytest.mark.parametrize("mode", ["all", "none"])  # offloaded, or kept in memory
+@pytest.mark.parametrize("settled", [False, True], ids=["in_flight", "read_back"])
+def test_a_saved_tensor_modified_in_place_is_an_error_as_without_ssdtier(store_dir, what, mode, settled):
+    """Autograd does not check saved tensors' versions through saved-tensor hooks: ssdtier
+    does, so a saved tensor changed in place gives autograd's error, not a silent gradient
+    (of the old or the new values, depending on whether the copy was still in memory)."""
+
+    def run(cfg):
+        torch.manual_seed(0)
+        model = _InPlace()
+        x = torch.randn(32, 64, requires_grad=True)  # so that the backward needs the weight
+        off = ssdtier.attach(model, cfg) if cfg else None
+        try:
+            out = model(x, what)
+            if what == "parameter":
+                with torch.no_grad():
+                    model.lin.weight.add_(1.0)
+            if off is not None and settled:
+                deadline = time.monotonic() + 30
+                while off._writing and time.monotonic() < deadline:
+                    off._poll_writes()  # the write done: the backward reads the bytes back
+                    time.sleep(0.001)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+                out.sum().backward()
+            return str(info.value), off.stats() if off else None
+        finally:
+            if off is not None:
+                off.detach()
+
+    plain, _ = run(None)
+    got, s = run(offload_config(store_dir, mode=mode))
+    assert "checked by ssdtier" in got and "checked by ssdtier" not in plain
+    # The same tensor (its shape), at the same versions, as autograd reports it without ssdtier.
+    pattern = r"\[\S+ (\[[\d, ]+\])\].* is at version (\d+); expected version (\d+)"
+    assert re.search(pattern, got).groups() == re.search(pattern, plain).groups()
+    if mode == "all":
+        assert s.tensors_offloaded > 0
+    else:
+        assert s.tensors_offloaded == 0 and s.tensors_kept > 0
+
+
 def test_mode_none_keeps_everything(store_dir):
     got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none"))
     assert_same(train(CONFIGS["gpt"]), got)
@@ -764,12 +823,13 @@ def test_unpack_of_a_conjugate_view_is_a_conjugate_view(store_dir):
         off._forward, off._tag = 1, 1
         for t in (x.conj(), x.conj()[2:, ::3], x.conj().t()):
             h = off._pack(t)
-            assert not isinstance(h, torch.Tensor), "offloaded"
+            assert type(h).__name__ == "_Saved", "offloaded"
             out = off._unpack(h)
             assert out.is_conj() and torch.equal(out, t) and out.stride() == t.stride()
             del h, out
         n = x.conj().imag
-        assert off._pack(n) is n, "a negative-bit view is kept as it is"
+        h = off._pack(n)
+        assert h.tensor is n and off._unpack(h) is n, "a negative-bit view is kept as it is"
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensor creation is deprecated
@@ -780,7 +840,8 @@ def test_quantized_and_zero_tensors_are_kept_as_they_are(store_dir):
     with ssdtier.attach(model, offload_config(store_dir)) as off:
         off._forward, off._tag = 1, 1
         for t in (q, z):
-            assert off._pack(t) is t and off._unpack(t) is t
+            h = off._pack(t)
+            assert h.tensor is t and off._unpack(h) is t
         assert off.stats().tensors_offloaded == 0
 
 

@@ -161,13 +161,47 @@ def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     return best
 
 
+def _version_probe(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor that shares ``t``'s version counter (and nothing else): its
+    ``_version`` tells whether ``t``, or any view of its base, was modified in place."""
+    probe = t.detach()  # shares the version counter, and for now the storage
+    with torch.autograd._unsafe_preserve_version_counter(probe):
+        probe.set_()  # lets go of the storage; the counter is left as it was
+    return probe
+
+
+def _check_version(t: torch.Tensor | _Saved, version: int, now: int) -> None:
+    """Autograd checks that a saved tensor was not modified in place before its backward,
+    but not for tensors saved through saved-tensor hooks; ssdtier does it for them."""
+    if now != version:
+        shape = list(t.size) if isinstance(t, _Saved) else list(t.shape)
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.dtype} {shape}] is at version {now}; expected version {version} instead "
+            "(checked by ssdtier, as autograd does without saved-tensor hooks). Hint: enable anomaly "
+            "detection with torch.autograd.set_detect_anomaly(True) to find the operation that "
+            "failed to compute its gradient."
+        )
+
+
+class _Same:
+    """A saved tensor handed back to autograd as it is (a parameter, a subclass): only its
+    version at save time is added, to check it at the unpack."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+
 class _Kept:
     """A saved tensor held as it is (small, or in a kept layer)."""
 
-    __slots__ = ("__weakref__", "forward", "layer", "nbytes", "off", "tensor", "triggered")
+    __slots__ = ("__weakref__", "forward", "layer", "nbytes", "off", "tensor", "triggered", "version")
 
     def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int) -> None:
         self.off, self.tensor, self.nbytes = off, tensor, nbytes
+        self.version = tensor._version
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
         # the kept last layers come first in backward, and the first offloaded ones must be on the way.
         self.forward, self.layer, self.triggered = off._forward, off._tag, False
@@ -242,11 +276,12 @@ class _Entry:
 class _Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
-    __slots__ = ("conj", "dtype", "entry", "off", "offset", "size", "stride", "unpacked")
+    __slots__ = ("conj", "dtype", "entry", "off", "offset", "probe", "size", "stride", "unpacked", "version")
 
     def __init__(self, off: Offloader, entry: _Entry, t: torch.Tensor) -> None:
         self.off, self.entry = off, entry
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+        self.version, self.probe = t._version, _version_probe(t)
         # A lazily conjugated view (``x.conj()`` of a complex tensor) holds the unconjugated
         # bytes: they are what is stored, and the view gets its conjugate bit back on unpack.
         self.conj = t.is_conj()
@@ -458,10 +493,10 @@ class Offloader:
         ):
             # Kept as they are. A negative bit (``x.conj().imag``) is a lazy view; unlike the
             # conjugate bit there is no public call to set it again on the restored view.
-            return t
+            return _Same(t)
         dev = t.device
         if not (t.is_cpu or t.is_cuda):
-            return t
+            return _Same(t)
         st = t.untyped_storage()
         ptr = st.data_ptr()
         base = t._base
@@ -475,7 +510,7 @@ class Offloader:
             # forward, as sharded data parallelism does when it gathers one, has a new pointer).
             # ``t`` is a plain Tensor here (a Parameter was kept above, as a subclass), so it
             # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
-            return t
+            return _Same(t)
         nbytes = st.nbytes()
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
             self._prof_bytes[self._tag] = self._prof_bytes.get(self._tag, 0) + nbytes
@@ -591,16 +626,19 @@ class Offloader:
             self._resident_writing -= e.nbytes
 
     def _unpack(self, h: Any) -> torch.Tensor:
-        if isinstance(h, torch.Tensor):
-            return h
+        if type(h) is _Same:
+            _check_version(h.tensor, h.version, h.tensor._version)
+            return h.tensor
         self._counts["unpacks"] += 1
         self._poll_writes()
         if isinstance(h, _Kept):
+            _check_version(h.tensor, h.version, h.tensor._version)
             if not h.triggered:
                 h.triggered = True
                 with self._lock:
                     self._read_ahead(h.forward, h.layer)
             return h.tensor
+        _check_version(h, h.version, h.probe._version)
         e: _Entry = h.entry
         with self._lock:
             if self._staging:
