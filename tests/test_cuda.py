@@ -140,3 +140,41 @@ def test_store_round_trip_of_cuda_tensors(store_dir):
         store.evict(k)
         out = store.get(k)
         assert out.device == x.device and torch.equal(out, x.t())
+
+
+def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_dir, caplog):
+    """The arena registered by someone else first: ssdtier's cudaHostRegister fails. That
+    failure is left in the CUDA runtime for the thread's next error check, which torch makes
+    after its next kernel: it is cleared, so training goes on (copies are synchronous)."""
+    import logging
+
+    ref = train_cuda(CFG)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        model = build_model(CFG).cuda()
+        gen = torch.Generator().manual_seed(2)
+        batches = [make_batch(CFG, 2, gen, device="cuda") for _ in range(3)]
+        off = ssdtier.attach(model, offload_config(store_dir))
+        arena = off.store.arena
+        cudart = torch.cuda.cudart()
+        assert int(cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)) == 0
+        try:
+            torch.manual_seed(1)
+            losses = []
+            with caplog.at_level(logging.WARNING, logger="ssdtier"):
+                for b in batches:
+                    loss = batch_loss(model, b)
+                    loss.backward()
+                    losses.append(loss.detach())
+            torch.cuda.synchronize()
+        finally:
+            assert int(cudart.cudaHostUnregister(arena.data_ptr())) == 0
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        stats = off.stats()
+        off.detach()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert any("cudaHostRegister of the host arena failed" in r.message for r in caplog.records)
+    assert stats.tensors_offloaded > 0
+    assert_same(ref, (losses, grads, stats))

@@ -17,6 +17,7 @@ tensor is classified once, at pack time:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import math
@@ -54,6 +55,23 @@ def _aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
 
 def _on_cpu(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _cuda_ok(rc: Any) -> bool:
+    return int(rc[0] if isinstance(rc, tuple) else rc) == 0
+
+
+def _clear_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error to the thread's next cudaGetLastError, which
+    torch calls after its next kernel launch: that kernel would then fail with our error. Clear
+    it in the libcudart that torch loaded (torch does not expose cudaGetLastError)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except OSError as err:
+        log.debug("ssdtier: could not clear the CUDA error: %s", err)
 
 
 def _inert(*args: Any) -> None:
@@ -343,6 +361,7 @@ class Offloader:
         self._pending: deque[_Entry] = deque()  # CUDA copies to the arena in flight, in order
         self._writing: deque[_Entry] = deque()  # CPU writes from the tensors' own pages in flight, in order
         self._h2d: deque[tuple[Any, int]] = deque()  # (event, key): slots pinned until their copy to the GPU is done
+        self._free_later: set[int] = set()  # keys of released entries freed once their _h2d copies are done
         self._staging: list[_Entry] = []  # CUDA read-aheads not copied to the GPU yet
         self._cuda: dict[torch.device, tuple[Any, Any]] = {}  # (offload stream, prefetch stream)
         self._registered = False
@@ -452,8 +471,9 @@ class Offloader:
         self._depth -= 1
         if self._depth == 0:
             self._hooks.__exit__(None, None, None)
-            self._poll_pending()
-            self._poll_writes()
+            with self._lock:  # a backward, or a graph being freed, on another thread may poll too
+                self._poll_pending()
+                self._poll_writes()
 
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
@@ -641,6 +661,8 @@ class Offloader:
         _check_version(h, h.version, h.probe._version)
         e: _Entry = h.entry
         with self._lock:
+            if self._h2d:
+                self._poll_pending()  # unpins the slots copied to the GPU (frees released keys)
             if self._staging:
                 self._stage_ready()
             if not h.unpacked:
@@ -698,7 +720,11 @@ class Offloader:
             staged, e.staged = e.staged, None
             if staged is not None:
                 # Copied ahead on the prefetch stream: the compute stream waits for that copy.
-                torch.cuda.current_stream(e.device).wait_event(staged[1])
+                current = torch.cuda.current_stream(e.device)
+                current.wait_event(staged[1])
+                if current != staged[2]:
+                    # Allocated for another stream: not reused before this one is done with it.
+                    staged[0].record_stream(current)
                 st = staged[0].untyped_storage()  # tracked since it was staged
             else:  # through a pinned slot, on the compute stream
                 self._poll_pending()
@@ -804,10 +830,10 @@ class Offloader:
         self._ahead = n
 
     def _release(self, e: _Entry) -> None:
-        e.refs -= 1
-        if e.refs:
-            return
         with self._lock:
+            e.refs -= 1
+            if e.refs:
+                return
             if e.event is not None:
                 # A copy into its arena slot is in flight: the slot must not be reused under it.
                 e.event.synchronize()
@@ -816,10 +842,6 @@ class Offloader:
                 self._resident_gpu -= e.nbytes
             elif e.gpu is not None:  # its copy was lost (_poll_pending): the source served it
                 self._resident_gpu -= e.nbytes
-            for ev, key in [x for x in self._h2d if x[1] == e.key]:
-                ev.synchronize()
-                self._h2d.remove((ev, key))
-                self.store._native.release(key)
             if e.staged is not None:
                 # Copied ahead and never unpacked: its block goes back to the compute stream's
                 # pool, so that stream must not reuse it before the copy into it is done.
@@ -846,7 +868,12 @@ class Offloader:
             self._live -= 1
             if e.ticket is None:
                 self._drop_src(e)
-                self._free_key(e.key)
+                if e.key is not None and any(k == e.key for _, k in self._h2d):
+                    # A copy out of its arena slot is still running: the slot stays pinned,
+                    # and the key is freed once that copy is done (_poll_pending).
+                    self._free_later.add(e.key)
+                else:
+                    self._free_key(e.key)
             # Else its write is in flight: the source is held and the key freed when it is done.
             if self._closed and self._live == 0:
                 self._close_store()
@@ -867,33 +894,38 @@ class Offloader:
         arena = self.store.arena
         assert arena is not None
         rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-        ok = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
-        self._registered = ok
-        if not ok:
+        self._registered = _cuda_ok(rc)
+        if not self._registered:
+            _clear_cuda_error()
             log.warning("ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc)
 
     def _offload_cuda(self, whole: torch.Tensor, nbytes: int) -> _Entry:
         native = self.store._native
+        stream = self._streams(whole.device)[0]
         self._poll_pending()  # committed slots can be evicted to make room
         key, off = native.reserve(nbytes)
         entry = _Entry(key, nbytes, whole.device, True, self._forward, self._tag)
-        if off is None:
-            # Bigger than the arena: a synchronous copy, streamed to NVMe.
-            try:
+        try:
+            if off is None:
+                # Bigger than the arena: a synchronous copy, streamed to NVMe. The host copy is
+                # held by name: its bytes must outlive the write.
                 if nbytes:
-                    native.write_direct(key, whole.cpu().data_ptr())
-            except BaseException:
-                native.free(key)
-                raise
-            return entry
-        stream = self._streams(whole.device)[0]
-        entry.wrote = whole.data_ptr()
-        slot = self.store._slot(off, nbytes, torch.uint8, torch.Size([nbytes]))
-        stream.wait_stream(torch.cuda.current_stream(whole.device))
-        with torch.cuda.stream(stream):
-            slot.copy_(whole, non_blocking=True)
-            entry.event = torch.cuda.Event()
-            entry.event.record(stream)
+                    host = whole.cpu()
+                    native.write_direct(key, host.data_ptr())
+                return entry
+            entry.wrote = whole.data_ptr()
+            slot = self.store._slot(off, nbytes, torch.uint8, torch.Size([nbytes]))
+            stream.wait_stream(torch.cuda.current_stream(whole.device))
+            with torch.cuda.stream(stream):
+                slot.copy_(whole, non_blocking=True)
+                entry.event = torch.cuda.Event()
+                entry.event.record(stream)
+        except BaseException:
+            if off is not None:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()  # a copy into the slot may be queued: it ends first
+            native.free(key)
+            raise
         # Hold the source until the copy is done: its memory is not reused before.
         entry.gpu = whole
         self._resident_gpu += nbytes
@@ -906,7 +938,11 @@ class Offloader:
         sources), and unpin the slots whose host-to-device copy is complete."""
         native = self.store._native
         while self._h2d and self._h2d[0][0].query():
-            native.release(self._h2d.popleft()[1])
+            key = self._h2d.popleft()[1]
+            native.release(key)
+            if key in self._free_later and all(k != key for _, k in self._h2d):
+                self._free_later.discard(key)
+                self._free_key(key)
         while self._pending and self._pending[0].event.query():
             e = self._pending.popleft()
             e.event = None
@@ -938,13 +974,13 @@ class Offloader:
             return  # not in the arena (no room for the read, or it failed): the unpack reads it
         compute = torch.cuda.current_stream(e.device)
         prefetch = self._streams(e.device)[1]
-        # The GPU block is allocated for the compute stream, which uses it; the copy waits for
-        # the work already queued there, since that work may still use the block's previous tenant.
-        prefetch.wait_stream(compute)
         off = native.acquire(e.key)
         if off is None:
             return
-        out, ev = self._copy_from_slot(e, off, prefetch)
+        try:
+            out, ev = self._copy_from_slot(e, off, prefetch)
+        except torch.cuda.OutOfMemoryError:
+            return  # reading ahead is a bet: the unpack copies it on demand (the slot was released)
         e.staged = (out, ev, compute)
         self._track(out.untyped_storage(), e.nbytes)
         self._counts["copied_ahead"] += 1
@@ -955,6 +991,12 @@ class Offloader:
         the copy has read it (_poll_pending unpins it); on failure it is released at once."""
         try:
             out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+            current = torch.cuda.current_stream(e.device)
+            if stream != current:
+                # The block is allocated for the current stream, which uses it: the copy waits for
+                # the work queued there, which may still use the block's previous tenant, and which
+                # includes the fill of new memory that deterministic mode adds to torch.empty.
+                stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 out.copy_(self.store._slot(off, e.nbytes, torch.uint8, torch.Size([e.nbytes])), non_blocking=True)
                 ev = torch.cuda.Event()
@@ -1118,8 +1160,15 @@ class Offloader:
                 self._close_store()
 
     def _close_store(self) -> None:
+        for ev, _ in self._h2d:  # copies out of the arena still running (their keys freed later)
+            ev.synchronize()
+        self._h2d.clear()
+        self._free_later.clear()
         if self._registered and self.store.arena is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
+            rc = torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
+            if not _cuda_ok(rc):
+                _clear_cuda_error()
+                log.warning("ssdtier: cudaHostUnregister of the host arena failed (%s)", rc)
             self._registered = False
         try:
             self.store.close()  # waits for every write, so the sources still held can go
