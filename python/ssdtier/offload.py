@@ -70,8 +70,12 @@ def _clear_cuda_error() -> None:
             libs = {line.split()[-1] for line in maps if "libcudart.so" in line}
         for lib in libs:
             ctypes.CDLL(lib).cudaGetLastError()
-    except OSError as err:
-        log.debug("ssdtier: could not clear the CUDA error: %s", err)
+        if libs:
+            return
+        err: object = "no libcudart.so is loaded (a static build?)"
+    except OSError as e:
+        err = e
+    log.warning("ssdtier: could not clear the CUDA error (%s); torch may report it at its next kernel", err)
 
 
 def _inert(*args: Any) -> None:
@@ -202,6 +206,15 @@ def _check_version(t: torch.Tensor | _Saved, version: int, now: int) -> None:
         )
 
 
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, read past a subclass's ``__torch_function__``; None if it has none."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return t._version
+    except Exception:  # a subclass or tensor without a version counter: not checked
+        return None
+
+
 class _Same:
     """A saved tensor handed back to autograd as it is (a parameter, a subclass): only its
     version at save time is added, to check it at the unpack."""
@@ -209,7 +222,7 @@ class _Same:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
+        self.tensor, self.version = tensor, _version_of(tensor)
 
 
 class _Kept:
@@ -299,13 +312,15 @@ class _Saved:
     def __init__(self, off: Offloader, entry: _Entry, t: torch.Tensor) -> None:
         self.off, self.entry = off, entry
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+        # Counted first: the allocations below may run a garbage collection that releases the
+        # entry's other handles, and with this one counted the entry stays.
+        entry.refs += 1
+        entry.waiting += 1
         self.version, self.probe = t._version, _version_probe(t)
         # A lazily conjugated view (``x.conj()`` of a complex tensor) holds the unconjugated
         # bytes: they are what is stored, and the view gets its conjugate bit back on unpack.
         self.conj = t.is_conj()
         self.unpacked = False
-        entry.refs += 1
-        entry.waiting += 1
 
     def __del__(self) -> None:
         if not self.unpacked:
@@ -363,6 +378,7 @@ class Offloader:
         self._h2d: deque[tuple[Any, int]] = deque()  # (event, key): slots pinned until their copy to the GPU is done
         self._free_later: set[int] = set()  # keys of released entries freed once their _h2d copies are done
         self._staging: list[_Entry] = []  # CUDA read-aheads not copied to the GPU yet
+        self._stage_off = False  # no copies ahead until the next forward (out of GPU memory)
         self._cuda: dict[torch.device, tuple[Any, Any]] = {}  # (offload stream, prefetch stream)
         self._registered = False
         self._closed = False
@@ -445,6 +461,7 @@ class Offloader:
                 self._tune_ahead()
             self._forward += 1
             self._tag = 0
+            self._stage_off = False
             if self._forward % 64 == 1:
                 # Walking the module tree costs about 1 ms per 20 modules: the list of parameters
                 # and buffers is refreshed every 64 forwards, their storages looked up every forward
@@ -647,7 +664,8 @@ class Offloader:
 
     def _unpack(self, h: Any) -> torch.Tensor:
         if type(h) is _Same:
-            _check_version(h.tensor, h.version, h.tensor._version)
+            if h.version is not None:
+                _check_version(h.tensor, h.version, _version_of(h.tensor))
             return h.tensor
         self._counts["unpacks"] += 1
         self._poll_writes()
@@ -773,7 +791,7 @@ class Offloader:
                     ticket = entry.reading[2]  # set by _start_read
                     if auto and ticket is not None:
                         self._reads.setdefault((forward, layer - d), []).append((now, ticket))
-                    if entry.cuda:
+                    if entry.cuda and not self._stage_off:
                         self._staging.append(entry)
         if self._staging:
             self._stage_ready()
@@ -875,6 +893,8 @@ class Offloader:
                 else:
                     self._free_key(e.key)
             # Else its write is in flight: the source is held and the key freed when it is done.
+            if self._h2d:
+                self._poll_pending()  # so deferred keys go soon after the backward, not next forward
             if self._closed and self._live == 0:
                 self._close_store()
 
@@ -947,6 +967,8 @@ class Offloader:
             e = self._pending.popleft()
             e.event = None
             failed = self._moved(e, e.gpu.untyped_storage()) if e.refs else None
+            if not e.refs:
+                continue  # released meanwhile (a collection in _moved): its key is freed already
             if failed is not None:
                 self._copy_lost(e, failed)  # e.gpu stays (resident) and serves the unpack
                 continue
@@ -958,6 +980,8 @@ class Offloader:
         """Copy to the GPU, on the prefetch stream, the read-ahead entries now in the arena."""
         waiting = []
         for e in self._staging:
+            if self._stage_off:
+                break  # out of GPU memory (_stage_cuda): the rest are copied at their unpack
             reading = e.reading
             if reading is None or e.key is None or e.staged is not None:
                 continue  # unpacked, released, or failed meanwhile
@@ -980,7 +1004,11 @@ class Offloader:
         try:
             out, ev = self._copy_from_slot(e, off, prefetch)
         except torch.cuda.OutOfMemoryError:
-            return  # reading ahead is a bet: the unpack copies it on demand (the slot was released)
+            # Reading ahead is a bet: the unpack copies it on demand (the slot was released). Each
+            # failed allocation empties the allocator's cache, so no more copies ahead until the
+            # next forward.
+            self._stage_off = True
+            return
         e.staged = (out, ev, compute)
         self._track(out.untyped_storage(), e.nbytes)
         self._counts["copied_ahead"] += 1
