@@ -422,6 +422,16 @@ class _Resizers(nn.Module):
         return x
 
 
+def wait_copies(off) -> None:
+    """Wait until every copy and write of the forward is done and seen done (polled)."""
+    deadline = time.monotonic() + 30
+    while (off._writing or off._pending) and time.monotonic() < deadline:
+        off._poll_writes()
+        off._poll_pending()
+        time.sleep(0.001)
+    assert not off._writing and not off._pending
+
+
 def check_storage_freed_while_copied_out(store_dir, caplog, device):
     """Without ssdtier, the backward reads whatever the storage holds then. A copy (a zero-copy
     write from a CPU storage, a device-to-host copy from a GPU one) of a storage that is freed
@@ -435,12 +445,7 @@ def check_storage_freed_while_copied_out(store_dir, caplog, device):
         off = ssdtier.attach(m, cfg) if cfg else None
         y = m(x)
         if off is not None:
-            deadline = time.monotonic() + 30
-            while (off._writing or off._pending) and time.monotonic() < deadline:
-                off._poll_writes()  # every copy done and seen as done
-                off._poll_pending()
-                time.sleep(0.001)
-            assert not off._writing and not off._pending
+            wait_copies(off)
         for b in m.blocks:
             b.refill()
         y.sum().backward()
@@ -497,10 +502,7 @@ def test_a_saved_tensor_modified_in_place_is_an_error_as_without_ssdtier(store_d
                 with torch.no_grad():
                     model.lin.weight.add_(1.0)
             if off is not None and settled:
-                deadline = time.monotonic() + 30
-                while off._writing and time.monotonic() < deadline:
-                    off._poll_writes()  # the write done: the backward reads the bytes back
-                    time.sleep(0.001)
+                wait_copies(off)  # the write done: the backward reads the bytes back
             with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
                 out.sum().backward()
             return str(info.value), off.stats() if off else None

@@ -13,7 +13,6 @@ import gc
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 import ssdtier
 from ssdtier.models import batch_loss, build_model, make_batch
 
-from .test_attach import CONFIGS, offload_config
+from .test_attach import CONFIGS, offload_config, wait_copies
 
 MODEL = CONFIGS["gpt"]
 # (device, zero_copy): CPU storages written from their own pages or through the arena; CUDA
@@ -50,13 +49,8 @@ def store_fds(directory: Path) -> list[int]:
 
 
 def settle(off: ssdtier.Offloader) -> None:
-    """Wait until every copy and write of the forward is done and seen done."""
-    deadline = time.monotonic() + 30
-    while (off._writing or off._pending) and time.monotonic() < deadline:
-        off._poll_writes()
-        off._poll_pending()
-        time.sleep(0.001)
-    assert not off._writing and not off._pending
+    """Wait until every copy and write of the forward is done and seen done, evictions too."""
+    wait_copies(off)
     off.store.flush()
 
 
