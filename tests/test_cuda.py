@@ -10,7 +10,14 @@ import torch
 import ssdtier
 from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
 
-from .test_attach import TINY, _SlowBlock, assert_same, check_storage_freed_while_copied_out, offload_config
+from .test_attach import (
+    TINY,
+    _SlowBackward,
+    _SlowBlock,
+    assert_same,
+    check_storage_freed_while_copied_out,
+    offload_config,
+)
 
 # CUBLAS_WORKSPACE_CONFIG (needed for deterministic cuBLAS) is set in conftest.py, before CUDA starts.
 
@@ -102,6 +109,65 @@ def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict):
     assert s.copied_ahead >= 8, s
     if evict:
         assert s.bytes_read_nvme > 0
+
+
+class _TwoStreamBlock(torch.nn.Module):
+    """Two halves of one activation used on two streams: ``h`` (saved by tanh) and its two
+    column halves (saved by the matmuls, one of them run on a side stream) are one entry.
+    In backward autograd runs each matmul's backward on its forward's stream, so the entry
+    is unpacked on both streams."""
+
+    side: dict[int, torch.cuda.Stream] = {}
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.a = torch.nn.Parameter(torch.randn(32, 32) / 8)
+        self.b = torch.nn.Parameter(torch.randn(32, 32) / 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        main = torch.cuda.current_stream()
+        side = self.side.setdefault(main.device.index, torch.cuda.Stream())
+        side.wait_stream(main)
+        left = h[:, :32] @ self.a
+        with torch.cuda.stream(side):
+            right = torch.sin(h[:, 32:]) @ self.b
+        main.wait_stream(side)
+        right.record_stream(main)
+        return _SlowBackward.apply(torch.cat([left, right], 1))
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_an_entry_unpacked_on_two_streams_is_waited_for_on_both(store_dir, evict):
+    # As in the read-ahead test above, the copies ahead are still pending when the unpacks
+    # come (the GPU sleep): whichever stream unpacks the entry second must wait for the copy
+    # as well as the first, or it reads a block still being filled.
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        ref, model = (torch.nn.Sequential(*[_TwoStreamBlock() for _ in range(6)]).cuda() for _ in range(2))
+        model.load_state_dict(ref.state_dict())
+        x = torch.randn(128, 64, device="cuda")
+        with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
+            for m in (ref, model):
+                loss = m(x).square().sum()
+                torch.cuda.synchronize()
+                if m is model:
+                    off._poll_pending()
+                    if evict:
+                        for group in off._by_layer.values():
+                            for e in group:
+                                off.store._native.evict(e.key)
+                torch.cuda._sleep(50_000_000)
+                loss.backward()
+            torch.cuda.synchronize()
+            s = off.stats()
+        for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert s.dedup_hits > 0 and s.copied_ahead > 0, s
 
 
 def test_races_widened_with_sleep(store_dir):

@@ -255,6 +255,7 @@ class _Entry:
         "key",
         "layer",
         "lead",
+        "made",
         "nbytes",
         "refs",
         "hold",
@@ -298,6 +299,10 @@ class _Entry:
         # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
         # prefetch stream, the compute stream it was allocated on).
         self.staged: tuple[torch.Tensor, Any, Any] | None = None
+        # CUDA: how the restored storage was made: (event of its copy, the stream its block was
+        # allocated for, the streams that have waited for that event). An unpack on another
+        # stream (a forward that used several) waits for the copy too, and records its use.
+        self.made: tuple[Any, Any, list[Any]] | None = None
         # Its unpack started the read-ahead of the layers below (once per entry).
         self.triggered = False
         # The read-ahead reached it: its bytes should be in memory (a source still held stays).
@@ -717,6 +722,8 @@ class Offloader:
         st = e.restored() if e.restored is not None else None
         if st is not None:
             self._counts["forwarded"] += 1
+            if e.made is not None:
+                self._use_on_current_stream(e, st)
             return st
         ahead = e.reading is not None  # read ahead (else read now, on demand)
         if not ahead:
@@ -738,19 +745,34 @@ class Offloader:
             staged, e.staged = e.staged, None
             if staged is not None:
                 # Copied ahead on the prefetch stream: the compute stream waits for that copy.
-                current = torch.cuda.current_stream(e.device)
-                current.wait_event(staged[1])
-                if current != staged[2]:
-                    # Allocated for another stream: not reused before this one is done with it.
-                    staged[0].record_stream(current)
+                e.made = (staged[1], staged[2], [])
                 st = staged[0].untyped_storage()  # tracked since it was staged
+                self._use_on_current_stream(e, st)
             else:  # through a pinned slot, on the compute stream
                 self._poll_pending()
                 st = self._restore_cuda(e).untyped_storage()
                 self._track(st, e.nbytes)
+                current = torch.cuda.current_stream(e.device)
+                ev = torch.cuda.Event()
+                ev.record(current)
+                e.made = (ev, current, [current])
         e.restored = weakref.ref(st)
         e.pad = pad
         return st
+
+    def _use_on_current_stream(self, e: _Entry, st: torch.UntypedStorage) -> None:
+        """CUDA: before the current stream uses a restored storage, it waits for the copy
+        that made it, and a block allocated for another stream is recorded as used here too,
+        so the allocator does not reuse it before this stream is done with it."""
+        assert e.made is not None
+        ev, allocated, waited = e.made
+        current = torch.cuda.current_stream(e.device)
+        if current in waited:
+            return
+        current.wait_event(ev)
+        waited.append(current)
+        if current != allocated:
+            torch.empty(0, dtype=torch.uint8, device=e.device).set_(st).record_stream(current)
 
     def _track(self, st: torch.UntypedStorage, nbytes: int) -> None:
         """Count restored or read-ahead bytes as resident until their storage is freed."""
@@ -867,6 +889,7 @@ class Offloader:
                 e.staged = None
             e.gpu = None
             e.restored = None
+            e.made = None
             e.hold = None
             if e.reading is not None and e.reading[2] is not None:
                 # The buffer must outlive its read. A read that failed is of no concern here:
