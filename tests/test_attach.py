@@ -104,9 +104,11 @@ def test_large_arena_forwards_everything_without_reads(store_dir):
 
 def test_zero_copy_skips_the_arena_and_forwards_while_writing(store_dir):
     cfg = offload_config(store_dir, host="64MiB")
-    # A slow disk: most writes outlast the forward (about 0.3 s of them), so most unpacks are
-    # served from the sources still held; the first few writes finish and are read back.
-    cfg["io"]["throttle"] = "2MB"
+    # A slow disk: the writes (about 320 KB, so 1.2 s of them) outlast the forward and most of
+    # the backward, so most unpacks are served from the sources still held; the first few
+    # writes finish and are read back. (At 2 MB/s a loaded machine's slower forward let most
+    # writes finish: half the unpacks were forwarded only about half the time.)
+    cfg["io"]["throttle"] = "256KB"
     got = train(CONFIGS["gpt"], cfg, micro=1)
     assert_same(train(CONFIGS["gpt"], micro=1), got)
     s = got[2]
@@ -156,13 +158,21 @@ def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
 
 
 def test_bf16_autocast(store_dir):
-    assert_same(train(CONFIGS["gpt"], autocast=True), train(CONFIGS["gpt"], offload_config(store_dir), autocast=True))
+    got = train(CONFIGS["gpt"], offload_config(store_dir), autocast=True)
+    assert_same(train(CONFIGS["gpt"], autocast=True), got)
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
+    # Less than the float32 run offloads: the bfloat16 activations went through the store too.
+    assert s.bytes_offloaded < train(CONFIGS["gpt"], offload_config(store_dir))[2].bytes_offloaded
 
 
 @pytest.mark.parametrize("family", ["gpt", "t5"])
 def test_checkpointing_inside(store_dir, family):
     cfg = CONFIGS[family].__class__(**{**CONFIGS[family].__dict__, "checkpoint": True})
-    assert_same(train(cfg), train(cfg, offload_config(store_dir)))
+    got = train(cfg, offload_config(store_dir))
+    assert_same(train(cfg), got)
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
 
 
 def test_reentrant_checkpointing_inside(store_dir, monkeypatch):
@@ -181,7 +191,8 @@ def test_reentrant_checkpointing_inside(store_dir, monkeypatch):
     cfg = CONFIGS["gpt"].__class__(**{**CONFIGS["gpt"].__dict__, "checkpoint": True})
     got = train(cfg, offload_config(store_dir))
     assert_same(train(cfg), got)
-    assert got[2].tensors_offloaded > 0
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
 
 
 def test_retain_graph_unpacks_twice(store_dir):
@@ -203,12 +214,23 @@ def test_several_forwards_before_one_backward(store_dir):
         off = ssdtier.attach(model, ssd) if ssd else None
         torch.manual_seed(1)
         losses = [batch_loss(model, make_batch(CONFIGS["gpt"], 2, gen)) for _ in range(3)]
+        stats = None
+        if off:
+            # The three forwards' entries are all held at once, each in its own layer groups,
+            # and (every write done) the backward reads them back from NVMe.
+            wait_copies(off)
+            assert {f for f, _ in off._by_layer} == {1, 2, 3}
+            assert {layer for _, layer in off._by_layer} >= {1, 2, 3}
         sum(losses).backward()
         if off:
+            stats = off.stats()
             off.detach()
-        return [x.detach() for x in losses], {n: p.grad for n, p in model.named_parameters()}, None
+        return [x.detach() for x in losses], {n: p.grad for n, p in model.named_parameters()}, stats
 
-    assert_same(run(None), run(offload_config(store_dir)))
+    got = run(offload_config(store_dir))
+    assert_same(run(None), got)
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_read_nvme > 0 and s.store.entries == 0
 
 
 def test_double_backward(store_dir):
@@ -218,14 +240,23 @@ def test_double_backward(store_dir):
         off = ssdtier.attach(model, ssd) if ssd else None
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(3))
         loss = model(x).square().mean()
+        if off:
+            wait_copies(off)  # every write done: the first backward reads the activations back
         grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
         penalty = sum(g.square().sum() for g in grads)
         penalty.backward()
+        stats = None
         if off:
+            stats = off.stats()
             off.detach()
-        return [loss.detach(), penalty.detach()], {n: p.grad for n, p in model.named_parameters()}, None
+        return [loss.detach(), penalty.detach()], {n: p.grad for n, p in model.named_parameters()}, stats
 
-    assert_same(run(None), run(offload_config(store_dir)))
+    got = run(offload_config(store_dir))
+    assert_same(run(None), got)
+    # The input and the hidden activations (the Tanh outputs) went to NVMe and came back for
+    # the first backward, whose graph (create_graph) then uses them in the second.
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_read_nvme > 0
 
 
 def test_no_grad_and_inference_mode_offload_nothing(store_dir):
@@ -283,7 +314,10 @@ def test_tied_embeddings_stay_tied_and_exact(store_dir):
     torch.manual_seed(0)
     m = build_model(cfg)
     assert m.lm_head.weight is m.tok_emb.weight
-    assert_same(train(cfg), train(cfg, offload_config(store_dir)))
+    got = train(cfg, offload_config(store_dir))
+    assert_same(train(cfg), got)
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
 
 
 class Boom(nn.Module):
@@ -576,9 +610,12 @@ def apply(t, op, seed):
     return t
 
 
+@pytest.mark.parametrize("path", ["zero_copy", "arena", "no_arena"])
 @settings(max_examples=60, deadline=None)
 @given(spec=views())
-def test_unpack_of_pack_is_the_same_view(spec):
+def test_unpack_of_pack_is_the_same_view(view_offloaders, path, spec):
+    """For each path a storage takes: written to NVMe from its own pages (zero copy), copied
+    into the host arena, or (no arena) copied straight to NVMe."""
     shape, dtype, ops, seed = spec
     gen = torch.Generator().manual_seed(seed)
     base = (
@@ -589,13 +626,21 @@ def test_unpack_of_pack_is_the_same_view(spec):
     v = base
     for op in ops:
         v = apply(v, op, seed)
-    off = _OFF
+    off = view_offloaders[path]
+    written = off.stats().bytes_written_nvme
     hb, hv = off._pack(base), off._pack(v)
     # Written from its own pages: wait, so that the unpack reads it back (not served from the source).
     if hb.entry.ticket is not None:  # None: done already (the second pack polled it) or not zero-copy
         hb.entry.ticket.wait()
     off._poll_writes()
     assert hb.entry.src is None
+    if path == "zero_copy":
+        assert hb.entry.lead % 64 == 0 and hb.entry.wrote == base.untyped_storage().data_ptr()
+    else:
+        assert hb.entry.wrote == 0, "copied, not written from its own pages"
+    loc = off.store._native.location(hb.entry.key)[0]  # in the arena?
+    assert loc == (path == "arena")
+    assert (off.stats().bytes_written_nvme > written) == (path != "arena")
     # The contract (as for save_on_cpu): equal values, dtype, shape, stride and device.
     # The storage offset may differ: restored storages start at a page-aligned address.
     ub, uv = off._unpack(hb), off._unpack(hv)
@@ -609,25 +654,26 @@ def test_unpack_of_pack_is_the_same_view(spec):
     assert uv.storage_offset() - ub.storage_offset() == v.storage_offset() - base.storage_offset()
 
 
-_OFF = None
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _offloader_for_views():
-    """One offloader for all hypothesis examples (fixtures are not reset between them)."""
-    global _OFF
+@pytest.fixture(scope="module")
+def view_offloaders():
+    """One offloader per path for all hypothesis examples (fixtures are not reset between them)."""
     import shutil
     import tempfile
 
     from .conftest import STORE_ROOT
 
     STORE_ROOT.mkdir(parents=True, exist_ok=True)
-    path = tempfile.mkdtemp(dir=STORE_ROOT)
-    _OFF = ssdtier.attach(nn.Identity(), offload_config(path, host="256KiB"))
-    yield
-    _OFF.detach()
-    _OFF = None
-    shutil.rmtree(path)
+    paths = [tempfile.mkdtemp(dir=STORE_ROOT) for _ in range(3)]
+    offs = {
+        "zero_copy": ssdtier.attach(nn.Identity(), offload_config(paths[0], host="256KiB")),
+        "arena": ssdtier.attach(nn.Identity(), offload_config(paths[1], host="256KiB", zero_copy=False)),
+        "no_arena": ssdtier.attach(nn.Identity(), offload_config(paths[2], host="0", zero_copy=False)),
+    }
+    yield offs
+    for off in offs.values():
+        off.detach()
+    for path in paths:
+        shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------ adaptive mode and device budget
@@ -726,6 +772,97 @@ def test_auto_read_ahead_decisions(store_dir):
         assert off.stats().prefetch_layers == 3
 
 
+class _Probe(torch.autograd.Function):
+    """Saves its input (its block's activation) and, in backward, looks at which layers'
+    entries have a read under way just before and just after unpacking it: the first unpack
+    of its block's backward."""
+
+    off = None
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, h, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(h)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        off = _Probe.off
+        if off is None:  # the twin without ssdtier
+            return g, None
+
+        def reading():
+            return {e.layer for group in off._by_layer.values() for e in group if e.reading is not None}
+
+        before = reading()
+        ctx.saved_tensors  # noqa: B018 (the unpack)
+        _Probe.seen.append((ctx.layer, before, reading()))
+        return g, None
+
+
+class _ProbedBlock(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.layer = layer
+
+    def forward(self, x):
+        # Two entries per block: the Linear's input and tanh's output (the probe saves it too).
+        return _Probe.apply(torch.tanh(self.fc(x)), self.layer)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_a_fixed_read_ahead_reads_exactly_the_next_layers(store_dir, ahead):
+    """prefetch_layers = N: the first unpack of layer j's backward starts the reads of layers
+    j - 1 .. j - N not started yet (all N of them in the top layer; below, only j - N, the
+    others were started by the layers above), and of no layer further down."""
+    n = 6
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[_ProbedBlock(i + 1) for i in range(n)])
+    model = nn.Sequential(*[_ProbedBlock(i + 1) for i in range(n)])
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 32)
+    _Probe.off, _Probe.seen = None, []
+    ref(x).square().sum().backward()
+    try:
+        with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=ahead)) as off:
+            assert off.layers_path == "" and off.stats().prefetch_layers == ahead
+            started = []  # (layer whose backward began, layers of the entries read since)
+            read_ahead, start_read = off._read_ahead, off._start_read
+
+            def spy_read_ahead(forward, layer):
+                started.append((layer, []))
+                read_ahead(forward, layer)
+
+            def spy_start_read(e):
+                started[-1][1].append(e.layer)
+                start_read(e)
+
+            off._read_ahead, off._start_read = spy_read_ahead, spy_start_read
+            _Probe.off = off
+            out = model(x).square().sum()
+            wait_copies(off)  # every write done: nothing is served from its source
+            out.backward()
+            s = off.stats()
+    finally:
+        _Probe.off = None
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert s.tensors_offloaded == 2 * n and s.bytes_read_nvme > 0
+    assert [j for j, _ in started] == list(range(n, 0, -1)), "each layer's backward starts it once"
+    for j, layers in started:
+        new = range(max(j - ahead, 1), j) if j == n else [j - ahead] if j > ahead else []
+        # Both entries of each layer read ahead; the top layer's own two are read on demand.
+        want = [k for k in new for _ in range(2)] + ([n, n] if j == n else [])
+        assert sorted(layers) == sorted(want), (j, layers)
+    assert [j for j, _, _ in _Probe.seen] == list(range(n, 0, -1))
+    for j, before, after in _Probe.seen:
+        assert after - {j} == set(range(max(j - ahead, 1), j)), (j, before, after)
+        assert before - {j} == (set(range(max(j - ahead + 1, 1), j)) if j < n else set()), (j, before, after)
+        assert (j in before) == (j < n), "read ahead by the layer above, except the top layer"
+
+
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -822,7 +959,7 @@ def test_unpack_of_a_conjugate_view_is_a_conjugate_view(store_dir):
     model = nn.Linear(2, 2)
     x = torch.randn(16, 16, dtype=torch.complex64)
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
-        off._forward, off._tag = 1, 1
+        off._tls.forward, off._tls.tag = 1, 1
         for t in (x.conj(), x.conj()[2:, ::3], x.conj().t()):
             h = off._pack(t)
             assert type(h).__name__ == "_Saved", "offloaded"
@@ -840,11 +977,125 @@ def test_quantized_and_zero_tensors_are_kept_as_they_are(store_dir):
     q = torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 3, torch.qint8)
     z = torch._efficientzerotensor(64, 64)
     with ssdtier.attach(model, offload_config(store_dir)) as off:
-        off._forward, off._tag = 1, 1
+        off._tls.forward, off._tls.tag = 1, 1
         for t in (q, z):
             h = off._pack(t)
             assert h.tensor is t and off._unpack(h) is t
         assert off.stats().tensors_offloaded == 0
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass that passes every op through ``__torch_function__`` (its results,
+    and what autograd saves of them, are _Tagged too)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Exotic(nn.Module):
+    """Saves a sparse COO and a sparse CSR matrix (mm saves its sparse operand for the dense
+    one's gradient), a strided and a jagged nested tensor (sin saves its input), and a tensor
+    subclass, next to plain dense activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, coo, csr, nt, nj, sub):
+        h = torch.tanh(self.w * 2)  # dense: offloaded
+        a = torch.sparse.mm(coo, h)  # saves coo (which requires grad) and h
+        b = torch.mm(csr, h)  # saves csr
+        c = torch.nested.to_padded_tensor(nt.sin(), 0.0)
+        d = nj.sin().values()
+        e = (sub * sub).as_subclass(torch.Tensor)
+        return a.square().sum() + b.square().sum() + c.sum() + d.sum() + e.sum()
+
+
+def _exotic_inputs():
+    gen = torch.Generator().manual_seed(4)
+    i = torch.tensor([[0, 1, 2, 3, 5, 7], [1, 0, 3, 2, 9, 15]])
+    coo = torch.sparse_coo_tensor(i, torch.randn(6, generator=gen), (8, 16)).coalesce()
+    csr = coo.detach().to_sparse_csr()
+    parts = [torch.randn(2, 3, generator=gen), torch.randn(4, 3, generator=gen)]
+    return (
+        coo.requires_grad_(),
+        csr,
+        torch.nested.nested_tensor(parts, requires_grad=True),
+        torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True),
+        torch.randn(4, 4, generator=gen).as_subclass(_Tagged).requires_grad_(),
+    )
+
+
+def _kind(t):
+    if t.layout in (torch.sparse_coo, torch.sparse_csr, torch.jagged):
+        return str(t.layout).removeprefix("torch.")
+    if t.is_nested:
+        return "nested"
+    return "subclass" if type(t) is _Tagged else "dense"
+
+
+def _exotic_grads(model, inputs):
+    out = []
+    for t in (model.w, *inputs):
+        g = t.grad
+        if g is None:
+            out.append(None)
+        elif g.is_nested:
+            out.extend(g.unbind())
+        else:
+            out.append(g.to_dense() if g.layout != torch.strided else g)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR and nested tensors are in beta
+def test_sparse_nested_and_subclass_tensors_are_kept_as_they_are(store_dir, monkeypatch):
+    from ssdtier.offload import Offloader
+
+    torch.manual_seed(0)
+    ref, model = _Exotic(), _Exotic()
+    model.load_state_dict(ref.state_dict())
+    ref_in, got_in = _exotic_inputs(), _exotic_inputs()
+    ref_loss = ref(*ref_in)
+    ref_loss.backward()
+    packed, unpacked = [], []
+    real_pack, real_unpack = Offloader._pack, Offloader._unpack
+
+    def pack(self, t):
+        h = real_pack(self, t)
+        packed.append((_kind(t), t, h))
+        return h
+
+    def unpack(self, h):
+        out = real_unpack(self, h)
+        unpacked.append((h, out))
+        return out
+
+    # ssdtier's own pack and unpack, seen on their way (its hooks call them as usual).
+    monkeypatch.setattr(Offloader, "_pack", pack)
+    monkeypatch.setattr(Offloader, "_unpack", unpack)
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        loss = model(*got_in)
+        wait_copies(off)
+        loss.backward()
+        s = off.stats()
+        kinds = [k for k, _, _ in packed]
+        assert {"sparse_coo", "sparse_csr", "nested", "jagged", "subclass", "dense"} <= set(kinds), kinds
+        assert s.packs == len(packed)
+        for kind, t, h in packed:
+            if kind != "dense":
+                assert type(h).__name__ == "_Same" and h.tensor is t, kind
+        # Every dense activation went through the store; none of the others did.
+        assert s.tensors_offloaded + s.dedup_hits == kinds.count("dense") > 0
+        assert s.bytes_read_nvme > 0
+        # Unpacked as they were packed: the very same tensor object.
+        exotic = {id(h): t for kind, t, h in packed if kind != "dense"}
+        seen = [out for h, out in unpacked if id(h) in exotic]
+        assert len(seen) >= len(exotic)
+        assert all(out is exotic[id(h)] for h, out in unpacked if id(h) in exotic)
+    assert torch.equal(ref_loss, loss)
+    for a, b in zip(_exotic_grads(ref, ref_in), _exotic_grads(model, got_in), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize(

@@ -66,16 +66,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _saved_bytes(step) -> int:
-    """Bytes of distinct storages autograd saves in one step, parameters excluded."""
+def _saved_bytes(step, model) -> int:
+    """Bytes of distinct storages autograd saves in one step (all held at once, until the
+    backward), parameters and views of them (``weight.t()``) excluded, as ssdtier counts."""
     import torch
 
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if type(t) is torch.Tensor:
             st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -137,7 +140,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         elif off is not None:
             mem = off.stats().peak_resident_bytes
         else:
-            mem = _saved_bytes(step)
+            mem = _saved_bytes(step, model)
         stats = off.stats() if off is not None else None
         if off is not None:
             off.detach()

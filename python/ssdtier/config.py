@@ -487,7 +487,8 @@ class PolicyConfig:
         layers: Dotted path of the module list holding the layers
             (``"model.layers"``), or None to detect it.
         mode: ``"all"``, ``"adaptive"`` or ``"none"``.
-        device_budget: Device memory budget for ``"adaptive"``, or None.
+        device_budget: Most bytes of activations kept in memory (in every mode: beyond
+            it, even what the policy would keep is offloaded), or None.
     """
 
     _TABLE: ClassVar[str] = "policy"

@@ -21,6 +21,7 @@ import ctypes
 import itertools
 import logging
 import math
+import sys
 import threading
 import time
 import weakref
@@ -119,10 +120,12 @@ def _storage_objects_preserved() -> bool:
 class OffloadStats:
     """What the offloader did so far.
 
-    ``peak_resident_bytes`` is the most bytes of saved activations that ssdtier
-    held in device or process memory at once: kept tensors, the host arena in
-    use, GPU tensors whose copy is in flight, CPU tensors whose write is in
-    flight, and restored storages. ``prefetch_layers`` is how many layers the
+    ``forwarded`` counts the unpacks served from memory with no NVMe read (a
+    write still in flight, the host arena, a kept tensor). ``peak_resident_bytes``
+    is the most bytes of saved activations that ssdtier held in device or process
+    memory at once: kept tensors (each storage once), the host arena in use,
+    GPU tensors whose copy is in flight, CPU tensors whose write is in flight,
+    and restored storages. ``prefetch_layers`` is how many layers the
     backward reads ahead now (with ``policy.prefetch_layers = "auto"``, what the
     tuning has reached). ``copied_ahead`` counts, on CUDA, the read-ahead
     entries copied to the GPU on the prefetch stream before their unpack (the
@@ -225,21 +228,61 @@ class _Same:
         self.tensor, self.version = tensor, _version_of(tensor)
 
 
+class _PerThread(threading.local):
+    """A thread's forward of the model: saved-tensor hooks are per thread, so whether they
+    were pushed, and the layer that packs are tagged with, are per thread too."""
+
+    def __init__(self) -> None:
+        self.pushed: list[bool] = []  # a forward of the model under way on this thread: hooks pushed?
+        self.forward = 0  # the number of this thread's outermost forward
+        self.tag = 0  # the layer that forward is in
+
+
+def _saving_possible() -> str | None:
+    """Why saved-tensor hooks cannot or need not be pushed now, or None if they can."""
+    if not torch.is_grad_enabled():
+        return ""  # no_grad, inference_mode: nothing is saved
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if active is not None and active():
+        return "a torch.func transform is active, and those do not support saved-tensor hooks"
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if enabled is not None and not enabled():
+        return "saved-tensor hooks are disabled here (torch.autograd.graph.disable_saved_tensors_hooks)"
+    return None
+
+
+def _top_hooks() -> Any:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _forwards_under_way(module: nn.Module) -> int:
+    """How many calls of ``module`` are on this thread's Python stack."""
+    n = 0
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_call_impl" and f.f_locals.get("self") is module:
+            n += 1
+        f = f.f_back
+    return n
+
+
 class _Kept:
     """A saved tensor held as it is (small, or in a kept layer)."""
 
-    __slots__ = ("__weakref__", "forward", "layer", "nbytes", "off", "tensor", "triggered", "version")
+    __slots__ = ("__weakref__", "forward", "layer", "nbytes", "off", "st", "tensor", "triggered", "version")
 
     def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int) -> None:
         self.off, self.tensor, self.nbytes = off, tensor, nbytes
         self.version = tensor._version
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
         # the kept last layers come first in backward, and the first offloaded ones must be on the way.
-        self.forward, self.layer, self.triggered = off._forward, off._tag, False
-        off._resident_kept += nbytes
+        tls = off._tls
+        self.forward, self.layer, self.triggered = tls.forward, tls.tag, False
+        self.st = off._hold_kept(tensor, nbytes)
 
     def __del__(self) -> None:
-        self.off._resident_kept -= self.nbytes
+        self.off._drop_kept(self.st)
 
 
 class _Entry:
@@ -370,11 +413,13 @@ class Offloader:
         self._keep_from = n - keep + 1 if keep else n + 2
         if pol.mode == "none":
             self._keep_from = 0
-        self._tag = 0
-        self._forward = 0
-        self._depth = 0
+        self._tls = _PerThread()
+        self._forward = 0  # forwards begun, on any thread
         self._param_ptrs: set[tuple[torch.device, int]] = set()
-        self._param_list: list[torch.Tensor] = []
+        # The parameter and buffer dicts of the model's modules (`.to()` swaps the tensors in them).
+        self._param_dicts: list[dict[str, Any]] = []
+        # Kept tensors' storages: (device, pointer) -> [handles holding it, its bytes]
+        self._kept_st: dict[tuple[torch.device, int], list[int]] = {}
         self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
         # Entries by (forward, layer), in pack order (dicts used as ordered sets).
         self._by_layer: dict[tuple[int, int], dict[_Entry, None]] = {}
@@ -422,14 +467,7 @@ class Offloader:
         self._ahead_stall0 = 0.0
         self._trig: dict[tuple[int, int], float] = {}  # (forward, layer): when its backward began
         self._reads: dict[tuple[int, int], list[tuple[float, Any]]] = {}  # read-aheads: (start, ticket)
-        self._handles = [
-            model.register_forward_pre_hook(_Hook(self._enter)),
-            model.register_forward_hook(_Hook(self._exit), always_call=True),
-        ]
-        if found:
-            for i, block in enumerate(found[1]):
-                self._handles.append(block.register_forward_pre_hook(_Hook(self._block_enter(i + 1))))
-                self._handles.append(block.register_forward_hook(_Hook(self._block_exit(i + 1)), always_call=True))
+        self._handles: list[Any] = []
         # Adaptive mode: profile of the iteration in progress, and the plan.
         self._adaptive = pol.mode == "adaptive" and n > 0
         self._budget = pol.device_budget
@@ -444,9 +482,26 @@ class Offloader:
         self._iter_stall0 = 0.0
         self._iter_wait0 = 0.0
         self._bw: tuple[float, float] | None = None
-        if self._adaptive:
-            self._bw = self._calibrate()
-        setattr(model, _ATTR, self)
+        try:
+            if self._adaptive:
+                self._bw = self._calibrate()
+            self._handles += [
+                model.register_forward_pre_hook(_Hook(self._enter)),
+                model.register_forward_hook(_Hook(self._exit), always_call=True),
+            ]
+            if found:
+                for i, block in enumerate(found[1]):
+                    self._handles.append(block.register_forward_pre_hook(_Hook(self._block_enter(i + 1))))
+                    self._handles.append(block.register_forward_hook(_Hook(self._block_exit(i + 1)), always_call=True))
+            setattr(model, _ATTR, self)
+        except BaseException:
+            # Nothing left behind: no hook on the model, and the store closed.
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._closed = True
+            self.store.close()
+            raise
         log.info(
             "ssdtier: attached to %s; layers %s (%d), keeping the last %d, prefetching %s ahead",
             type(model).__name__,
@@ -459,22 +514,53 @@ class Offloader:
     # ---------------------------------------------------------------- hooks on modules
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        if self._depth == 0:
+        tls = self._tls
+        if tls.pushed and _forwards_under_way(module) < 2:
+            self._drop_interrupted(tls, "did not finish")
+        tls.pushed.append(False)
+        if len(tls.pushed) > 1:
+            return  # the model called inside its own forward: the outer call's hooks serve
+        why = _saving_possible()
+        if why is not None:
+            if why and not getattr(self, "_warned_off", False):
+                self._warned_off = True
+                log.warning(
+                    "ssdtier: %s: activations of such forwards of %s stay in memory", why, type(module).__name__
+                )
+            return
+        with self._lock:
             if self._adaptive:
                 self._replan()
             if self._ahead_auto and self._trig:
                 self._tune_ahead()
             self._forward += 1
-            self._tag = 0
+            tls.forward = self._forward
             self._stage_off = False
             if self._forward % 64 == 1:
-                # Walking the module tree costs about 1 ms per 20 modules: the list of parameters
-                # and buffers is refreshed every 64 forwards, their storages looked up every forward
-                # (`.to()`, `load_state_dict` and the like may have swapped them).
-                self._param_list = list(itertools.chain(module.parameters(), module.buffers()))
-            self._param_ptrs = self._storages_of(self._param_list)
-            self._hooks.__enter__()
-        self._depth += 1
+                # Walking the module tree costs about 1 ms per 20 modules: the list of modules'
+                # parameter and buffer dicts is refreshed every 64 forwards (new submodules), the
+                # tensors in them looked up every forward (`.to()`, `load_state_dict` and the
+                # like may have swapped them).
+                self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
+            self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
+        tls.tag = 0
+        self._hooks.__enter__()
+        tls.pushed[-1] = True
+
+    def _drop_interrupted(self, tls: _PerThread, what: str) -> None:
+        """Pop the hooks that a forward of the model left pushed on this thread: a
+        KeyboardInterrupt (not an Exception) skips the forward hook that pops them."""
+        n = sum(tls.pushed)
+        tls.pushed.clear()
+        while n and (top := _top_hooks()) is not None and top[0] == self._pack:
+            self._hooks.__exit__(None, None, None)
+            n -= 1
+        log.warning(
+            "ssdtier: a forward of %s on this thread %s (interrupted, as by KeyboardInterrupt, "
+            "which skips forward hooks); the saved-tensor hooks it left on were removed",
+            type(self.model).__name__,
+            what,
+        )
 
     @staticmethod
     def _storages_of(tensors: list[torch.Tensor]) -> set[tuple[torch.device, int]]:
@@ -490,8 +576,10 @@ class Offloader:
         return ptrs
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0:
+        tls = self._tls
+        if not tls.pushed:
+            return  # its _enter did not run (a forward pre-hook before it raised)
+        if tls.pushed.pop():
             self._hooks.__exit__(None, None, None)
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 self._poll_pending()
@@ -499,15 +587,16 @@ class Offloader:
 
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
-            self._tag = tag
-            if self._adaptive and self._depth:
+            tls = self._tls
+            tls.tag = tag
+            if self._adaptive and tls.pushed and tls.pushed[0]:
                 self._prof_t0[tag] = (time.perf_counter(), self._store_wait())
 
         return hook
 
     def _block_exit(self, tag: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._tag = self._n_layers + 1 if tag == self._n_layers else tag
+            self._tls.tag = self._n_layers + 1 if tag == self._n_layers else tag
             start = self._prof_t0.pop(tag, None) if self._adaptive else None
             if start is not None:
                 # Compute time: the time blocked on the store (a full arena) is not the layer's.
@@ -522,6 +611,8 @@ class Offloader:
     # ---------------------------------------------------------------- pack / unpack
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self._closed:
+            return _Same(t)  # hooks an interrupted forward left on another thread, after detach()
         c = self._counts
         c["packs"] += 1
         self._poll_writes()
@@ -554,9 +645,10 @@ class Offloader:
             # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
             return _Same(t)
         nbytes = st.nbytes()
+        tag = self._tls.tag
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
-            self._prof_bytes[self._tag] = self._prof_bytes.get(self._tag, 0) + nbytes
-        keep = nbytes < self.config.policy.min_tensor_bytes or self._tag >= self._keep_from
+            self._prof_bytes[tag] = self._prof_bytes.get(tag, 0) + nbytes
+        keep = nbytes < self.config.policy.min_tensor_bytes or tag >= self._keep_from
         if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         if keep:
@@ -607,12 +699,12 @@ class Offloader:
         if self.config.io.zero_copy and lead % 64 == 0:
             return self._offload_cpu(st, ptr, nbytes, lead)
         key = self.store._native.put_from(ptr, nbytes)  # a copy into the arena (or to NVMe)
-        return _Entry(key, nbytes, t.device, False, self._forward, self._tag)
+        return _Entry(key, nbytes, t.device, False, self._tls.forward, self._tls.tag)
 
     def _offload_cpu(self, st: torch.UntypedStorage, ptr: int, nbytes: int, lead: int) -> _Entry:
         """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
         key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes)
-        e = _Entry(key, nbytes, st.device, False, self._forward, self._tag)
+        e = _Entry(key, nbytes, st.device, False, self._tls.forward, self._tls.tag)
         e.lead, e.src, e.ticket, e.wrote = lead, st, ticket, ptr
         self._resident_writing += nbytes
         self._writing.append(e)
@@ -620,8 +712,10 @@ class Offloader:
 
     def _poll_writes(self) -> None:
         """Drop the sources of CPU writes that are done."""
-        while self._writing and self._writing[0].ticket.done():
-            self._end_write(self._writing.popleft())
+        if self._writing:
+            with self._lock:  # another thread's pack or unpack may poll too
+                while self._writing and self._writing[0].ticket.done():
+                    self._end_write(self._writing.popleft())
 
     def _end_write(self, e: _Entry) -> None:
         ticket, e.ticket = e.ticket, None
@@ -676,6 +770,7 @@ class Offloader:
         self._poll_writes()
         if isinstance(h, _Kept):
             _check_version(h.tensor, h.version, h.tensor._version)
+            self._counts["forwarded"] += 1  # served from memory, with no read
             if not h.triggered:
                 h.triggered = True
                 with self._lock:
@@ -947,7 +1042,7 @@ class Offloader:
         stream = self._streams(whole.device)[0]
         self._poll_pending()  # committed slots can be evicted to make room
         key, off = native.reserve(nbytes)
-        entry = _Entry(key, nbytes, whole.device, True, self._forward, self._tag)
+        entry = _Entry(key, nbytes, whole.device, True, self._tls.forward, self._tls.tag)
         try:
             if off is None:
                 # Bigger than the arena: a synchronous copy, streamed to NVMe. The host copy is
@@ -1159,6 +1254,27 @@ class Offloader:
         except SsdtierError:
             pass
 
+    def _hold_kept(self, t: torch.Tensor, nbytes: int) -> tuple[torch.device, int]:
+        """Count a kept tensor's storage as resident, once however many kept tensors share it
+        (a live storage is known by its pointer); returns the key to drop it by."""
+        k = (t.device, t.untyped_storage().data_ptr())
+        with self._lock:
+            held = self._kept_st.get(k)
+            if held is None:
+                self._kept_st[k] = [1, nbytes]
+                self._resident_kept += nbytes
+            else:
+                held[0] += 1
+        return k
+
+    def _drop_kept(self, k: tuple[torch.device, int]) -> None:
+        with self._lock:
+            held = self._kept_st[k]
+            held[0] -= 1
+            if not held[0]:
+                del self._kept_st[k]
+                self._resident_kept -= held[1]
+
     def _note_peak(self) -> None:
         resident = (
             self._resident_kept
@@ -1205,6 +1321,8 @@ class Offloader:
         self._handles.clear()
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
+        if any(self._tls.pushed):
+            self._drop_interrupted(self._tls, "was not finished at detach()")
         self._closed = True
         with self._lock:
             if self._live == 0:

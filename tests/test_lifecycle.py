@@ -1,0 +1,301 @@
+"""When the model's forward does not run as a plain training step: another thread, a forward
+interrupted by KeyboardInterrupt, saved-tensor hooks disabled, a torch.func transform, a
+failed attach, buffers swapped by `.to()`. ssdtier's saved-tensor hooks are per thread (as
+torch's are) and none may be left behind; gradients stay exact."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ssdtier
+from ssdtier.errors import SsdtierError
+
+from .test_attach import offload_config
+
+
+class _Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * x
+
+
+class _Net(nn.Module):
+    def __init__(self, n=3, d=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
+        self.stop: BaseException | None = None  # raised inside the forward when set
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            x = b(x)
+            if i == 1 and self.stop is not None:
+                raise self.stop
+        return x.square().mean()
+
+
+def _twins(n=3):
+    torch.manual_seed(0)
+    ref, model = _Net(n), _Net(n)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _grads(m):
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def _step(m, x):
+    m.zero_grad()
+    loss = m(x)
+    loss.backward()
+    return loss.detach(), _grads(m)
+
+
+def _same(a, b):
+    assert torch.equal(a[0], b[0])
+    for p, q in zip(a[1], b[1], strict=True):
+        assert torch.equal(p, q)
+
+
+def _no_hooks_left():
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is None
+
+
+X = torch.randn(128, 64)
+
+
+def test_a_forward_interrupted_by_keyboard_interrupt_leaves_no_hooks(store_dir, caplog):
+    """torch runs always_call forward hooks only for an Exception: after a KeyboardInterrupt
+    the hooks pushed by the pre-hook are still on. The next forward of the model removes them
+    (with a warning), and so does detach(): autograd outside the model is never packed by a
+    closed offloader."""
+    ref, model = _twins()
+    off = ssdtier.attach(model, offload_config(store_dir))
+    model.stop = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        model(X)
+    model.stop = None
+    assert not _no_hooks_left(), "torch left the hooks on, as expected"
+    with caplog.at_level(logging.WARNING, logger="ssdtier"):
+        for _ in range(2):
+            before = off.stats().tensors_offloaded
+            _same(_step(ref, X), _step(model, X))
+            assert off.stats().tensors_offloaded > before
+            assert _no_hooks_left()
+    assert sum("did not finish" in r.message for r in caplog.records) == 1
+
+    model.stop = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        model(X)
+    with caplog.at_level(logging.WARNING, logger="ssdtier"):
+        off.detach()
+    assert _no_hooks_left()
+    assert any("was not finished at detach()" in r.message for r in caplog.records)
+    a = torch.randn(300, 300, requires_grad=True)
+    a.sin().sum().backward()  # packed by nobody now (it raised "the store is closed" before)
+    assert torch.equal(a.grad, a.detach().cos())
+
+
+def test_a_forward_pre_hook_that_raises_does_not_turn_offloading_off(store_dir):
+    """A user's pre-hook registered before attach() raises: ssdtier's pre-hook does not run,
+    its always_call forward hook does. The next forwards offload as before."""
+    ref, model = _twins()
+    fail = [True]
+
+    def reject(module, args):
+        if fail[0]:
+            fail[0] = False
+            raise ValueError("a bad batch")
+
+    model.register_forward_pre_hook(reject)
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        with pytest.raises(ValueError, match="a bad batch"):
+            model(X)
+        assert _no_hooks_left()
+        for _ in range(2):
+            before = off.stats().tensors_offloaded
+            _same(_step(ref, X), _step(model, X))
+            assert off.stats().tensors_offloaded > before
+
+
+def test_with_saved_tensor_hooks_disabled_nothing_is_offloaded_and_a_warning_says_why(store_dir, caplog):
+    ref, model = _twins()
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        with caplog.at_level(logging.WARNING, logger="ssdtier"):
+            for _ in range(2):
+                with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this region"):
+                    _same(_step(ref, X), _step(model, X))
+        assert off.stats().tensors_offloaded == 0
+        assert sum("disable_saved_tensors_hooks" in r.message for r in caplog.records) == 1, "warned once"
+        _same(_step(ref, X), _step(model, X))
+        assert off.stats().tensors_offloaded > 0
+
+
+def test_torch_func_transforms_run_as_without_ssdtier(store_dir, caplog):
+    """torch.func refuses saved-tensor hooks: under a transform ssdtier pushes none."""
+    ref, model = _twins()
+
+    def per_sample_grads(m):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(p, x):
+            return torch.func.functional_call(m, p, (x.unsqueeze(0),))
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, X[:8])
+
+    want = per_sample_grads(ref)
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        with caplog.at_level(logging.WARNING, logger="ssdtier"):
+            got = per_sample_grads(model)
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+        assert any("torch.func" in r.message for r in caplog.records)
+        _same(_step(ref, X), _step(model, X))
+        assert off.stats().tensors_offloaded > 0
+
+
+def test_an_eval_thread_beside_the_training_thread(store_dir):
+    """Saved-tensor hooks are per thread: a no_grad forward of the same model on another
+    thread, while the training thread is inside its forward or backward, must neither pop
+    the training thread's hooks nor change the layer its packs are tagged with."""
+    ref, model = _twins(4)
+    stop = threading.Event()
+    errors = []
+
+    def evaluate():
+        try:
+            while not stop.is_set():
+                with torch.no_grad():
+                    model(X)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        _same(_step(ref, X), _step(model, X))
+        per_step = off.stats().tensors_offloaded
+        assert per_step > 0
+        t = threading.Thread(target=evaluate)
+        t.start()
+        try:
+            for _ in range(20):
+                before = off.stats().tensors_offloaded
+                _same(_step(ref, X), _step(model, X))
+                assert off.stats().tensors_offloaded - before == per_step
+        finally:
+            stop.set()
+            t.join()
+        assert not errors, errors
+        assert not off._by_layer or all(e.layer > 0 for g in off._by_layer.values() for e in g)
+
+
+def test_two_training_threads(store_dir):
+    """Two threads each run forward and backward of one attached model (as DataParallel's
+    replicas do, sharing its hooks): each gets the gradients of a run without ssdtier."""
+    ref, model = _twins(4)
+    xs = [torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def grads(m, x):
+        return torch.autograd.grad(m(x), list(m.parameters()))
+
+    want = [grads(ref, x) for x in xs]
+    got: list = [None, None]
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def run(i):
+        try:
+            barrier.wait()
+            for _ in range(10):
+                g = grads(model, xs[i])
+                assert all(torch.equal(a, b) for a, b in zip(want[i], g, strict=True))
+            got[i] = g
+        except BaseException as e:
+            errors.append(e)
+
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        grads(model, xs[0])
+        per_step = off.stats().tensors_offloaded
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert off.stats().tensors_offloaded == (1 + 2 * 10) * per_step
+        assert off._live == 0
+    assert _no_hooks_left()
+
+
+class _Scaled(nn.Module):
+    """Saves a buffer: ``x * scale`` keeps ``scale`` for the gradient of ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(64, 64)])
+        self.register_buffer("scale", torch.rand(128, 64))
+
+    def forward(self, x):
+        return (self.blocks[0](x) * self.scale).sum()
+
+
+def test_buffers_swapped_by_to_are_still_recognised(store_dir):
+    """`.to(dtype)` puts new tensors in the modules' buffer dicts: looked up every forward,
+    they are still recognised as buffers, not offloaded as activations."""
+    model = _Scaled()
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        model(torch.randn(128, 64)).backward()
+        first = off.stats().tensors_offloaded
+        model.double()
+        model(torch.randn(128, 64, dtype=torch.float64)).backward()
+        assert off.stats().tensors_offloaded == 2 * first  # the same tensors, the buffer not among them
+        scale = model.scale
+        assert all(e.nbytes != scale.untyped_storage().nbytes() for g in off._by_layer.values() for e in g)
+
+
+def test_a_failed_attach_leaves_nothing_behind(store_dir):
+    """Adaptive mode measures the store at attach; with no room for that, attach raises, and
+    the model has no hook of ssdtier's, so it trains as before and can be attached again."""
+    cfg = offload_config(store_dir, mode="adaptive")
+    cfg["nvme"][0]["capacity"] = "16MiB"  # the measurement writes 32 MiB
+    ref, model = _twins()
+    hooks = [(m._forward_pre_hooks.copy(), m._forward_hooks.copy()) for m in model.modules()]
+    with pytest.raises(SsdtierError):
+        ssdtier.attach(model, cfg)
+    assert [(m._forward_pre_hooks, m._forward_hooks) for m in model.modules()] == hooks
+    _same(_step(ref, X), _step(model, X))
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        _same(_step(ref, X), _step(model, X))
+        assert off.stats().tensors_offloaded > 0
+
+
+def test_kept_tensors_sharing_a_storage_are_counted_once(store_dir):
+    """peak_resident_bytes counts a storage once, however many kept tensors share it, and
+    every unpack of a kept tensor is served from memory (counted as forwarded)."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(256, 1024, bias=False)])
+
+        def forward(self, x):
+            h = self.blocks[0](x)  # 1 MiB, saved by sin and by cos
+            return (h.sin() + h.cos()).sum()
+
+    model = Twice()
+    x = torch.randn(256, 256)  # saved by the Linear: 256 KiB
+    with ssdtier.attach(model, offload_config(store_dir, mode="none")) as off:
+        model(x).backward()
+        s = off.stats()
+    assert s.tensors_offloaded == 0 and s.tensors_kept == 3
+    assert s.peak_resident_bytes == (256 + 1024) * 256 * 4
+    assert s.forwarded == s.unpacks == 3
