@@ -959,7 +959,7 @@ def test_unpack_of_a_conjugate_view_is_a_conjugate_view(store_dir):
     model = nn.Linear(2, 2)
     x = torch.randn(16, 16, dtype=torch.complex64)
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
-        off._tls.forward, off._tls.tag = 1, 1
+        off._last_fwd.forward, off._last_fwd.tag = 1, 1
         for t in (x.conj(), x.conj()[2:, ::3], x.conj().t()):
             h = off._pack(t)
             assert type(h).__name__ == "_Saved", "offloaded"
@@ -977,7 +977,7 @@ def test_quantized_and_zero_tensors_are_kept_as_they_are(store_dir):
     q = torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 3, torch.qint8)
     z = torch._efficientzerotensor(64, 64)
     with ssdtier.attach(model, offload_config(store_dir)) as off:
-        off._tls.forward, off._tls.tag = 1, 1
+        off._last_fwd.forward, off._last_fwd.tag = 1, 1
         for t in (q, z):
             h = off._pack(t)
             assert h.tensor is t and off._unpack(h) is t

@@ -299,3 +299,94 @@ def test_kept_tensors_sharing_a_storage_are_counted_once(store_dir):
     assert s.tensors_offloaded == 0 and s.tensors_kept == 3
     assert s.peak_resident_bytes == (256 + 1024) * 256 * 4
     assert s.forwarded == s.unpacks == 3
+
+
+class _Outer(nn.Module):
+    """An attached model whose forward calls another attached model (its submodule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.inner = _Net(3)
+
+    def forward(self, x):
+        return self.inner(self.blocks[1](self.blocks[0](x)))
+
+
+def test_nested_attached_models_interrupted_inside_leave_no_hooks(store_dir, caplog):
+    """The inner model's forward is interrupted: both models' hooks are left on (the inner's
+    on top). The outer's next forward removes both."""
+    torch.manual_seed(0)
+    ref, model = _Outer(), _Outer()
+    model.load_state_dict(ref.state_dict())
+    outer = ssdtier.attach(model, offload_config(store_dir))
+    inner = ssdtier.attach(model.inner, offload_config(store_dir))
+    model.inner.stop = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        model(X)
+    model.inner.stop = None
+    with caplog.at_level(logging.WARNING, logger="ssdtier"):
+        _same(_step(ref, X), _step(model, X))
+    assert _no_hooks_left()
+    assert any("2 of the saved-tensor hooks left on were removed" in r.message for r in caplog.records)
+    assert inner.stats().tensors_offloaded > 0 and outer.stats().tensors_offloaded > 0
+    inner.detach()
+    outer.detach()
+    a = torch.randn(300, 300, requires_grad=True)
+    a.sin().sum().backward()
+    assert _no_hooks_left() and torch.equal(a.grad, a.detach().cos())
+
+
+class _Recursive(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x, again=True):
+        x = self.blocks[0](x)
+        if not again:
+            return x
+        x = self(x, again=False)  # the model called inside its own forward
+        return self.blocks[1](x).square().mean()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_model_called_inside_its_own_forward(store_dir, compiled, caplog):
+    """The inner call finds the outer call's hooks on: it is not taken for an interrupted
+    forward (no warning), and the hooks come off once, at the outer call's end."""
+    torch.manual_seed(0)
+    ref, model = _Recursive(), _Recursive()
+    model.load_state_dict(ref.state_dict())
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        run = torch.compile(model, backend="eager") if compiled else model
+        counts = []
+        with caplog.at_level(logging.WARNING, logger="ssdtier"):
+            for _ in range(2):
+                want = torch.autograd.grad(ref(X), list(ref.parameters()))
+                got = torch.autograd.grad(run(X), list(model.parameters()))
+                assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+                assert _no_hooks_left()
+                counts.append(off.stats().tensors_offloaded)
+        # The same every step (so nothing of the inner call's was lost to a wrong "interrupted").
+        assert counts[0] > 0 and counts[1] == 2 * counts[0]
+    assert not [r.message for r in caplog.records if "did not finish" in r.message]
+
+
+def test_torch_compile_traces_the_hooks_without_a_graph_break(store_dir, recwarn):
+    """torch.compile traces the model's hooks: what they call must be traceable (a call it
+    cannot trace breaks the graph and warns)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    ref, model = _twins(4)
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        run = torch.compile(model, backend=backend)
+        for _ in range(3):
+            _same(_step(ref, X), _step(run, X))
+        assert off.stats().tensors_offloaded > 0
+    assert len(graphs) == 1
+    assert not [w for w in recwarn if "Dynamo" in str(w.message)]

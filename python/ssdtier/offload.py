@@ -228,20 +228,49 @@ class _Same:
         self.tensor, self.version = tensor, _version_of(tensor)
 
 
-class _PerThread(threading.local):
-    """A thread's forward of the model: saved-tensor hooks are per thread, so whether they
-    were pushed, and the layer that packs are tagged with, are per thread too."""
+class _Fwd:
+    """One thread's forward of one attached model. Saved-tensor hooks are per thread, so
+    whether they were pushed, and the layer that packs are tagged with, are per thread too.
+    A plain object: autograd's engine threads get a copy of the hooks (not of this state)
+    and pack with the state of the last forward that pushed them."""
 
-    def __init__(self) -> None:
-        self.pushed: list[bool] = []  # a forward of the model under way on this thread: hooks pushed?
+    __slots__ = ("forward", "off", "pushed", "tag")
+
+    def __init__(self, off: Offloader | None) -> None:
+        self.off = off
+        self.pushed: list[bool] = []  # calls of the model under way on this thread: hooks pushed?
         self.forward = 0  # the number of this thread's outermost forward
         self.tag = 0  # the layer that forward is in
+
+
+class _PerThread(threading.local):
+    def __init__(self, off: Offloader | None = None) -> None:
+        self.fwd = _Fwd(off)
+
+
+# Per thread: the forwards (of any attached model) whose hooks are pushed, in push order.
+_PUSHED = threading.local()
+
+
+def _pushed() -> list[_Fwd]:
+    stack = getattr(_PUSHED, "stack", None)
+    if stack is None:
+        stack = _PUSHED.stack = []
+    return stack
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+# Run as Python, not traced by torch.compile (which cannot trace frames or the hooks' stack);
+# used on the rare paths only, as each call is a break in the compiled graph.
+_eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
 
 
 def _saving_possible() -> str | None:
     """Why saved-tensor hooks cannot or need not be pushed now, or None if they can."""
     if not torch.is_grad_enabled():
         return ""  # no_grad, inference_mode: nothing is saved
+    if _is_compiling():
+        return None  # traced by torch.compile, which cannot call the checks below
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     if active is not None and active():
         return "a torch.func transform is active, and those do not support saved-tensor hooks"
@@ -256,8 +285,11 @@ def _top_hooks() -> Any:
     return top(False) if top is not None else None
 
 
+@_eager
 def _forwards_under_way(module: nn.Module) -> int:
-    """How many calls of ``module`` are on this thread's Python stack."""
+    """How many calls of ``module`` are on this thread's Python stack (asked only when the
+    model is entered with its hooks still pushed: a call inside its own forward, or a
+    forward that was interrupted)."""
     n = 0
     f = sys._getframe(1)
     while f is not None:
@@ -267,22 +299,63 @@ def _forwards_under_way(module: nn.Module) -> int:
     return n
 
 
+@_eager
+def _drop_interrupted(f: _Fwd, what: str) -> None:
+    """Pop the hooks that an interrupted forward left pushed on this thread (KeyboardInterrupt,
+    not an Exception, skips the forward hooks that pop them), with those of the attached
+    models called inside it, which were interrupted too."""
+    stack = _pushed()
+    inner = next((i for i, g in enumerate(stack) if g is f), len(stack))
+    left = stack[inner:]
+    popped = 0
+    for g in reversed(left):
+        top = _top_hooks()
+        if top is None or g.off is None or top[0] != g.off._pack:
+            break  # not ssdtier's on top: whoever pushed it pops it
+        g.off._hooks.__exit__(None, None, None)
+        popped += 1
+    for g in left:
+        g.pushed.clear()
+    del stack[inner:]
+    f.pushed.clear()
+    name = type(f.off.model).__name__ if f.off is not None else "a model"
+    log.warning(
+        "ssdtier: a forward of %s on this thread %s (interrupted, as by KeyboardInterrupt, which "
+        "skips forward hooks); %d of the saved-tensor hooks left on were removed%s",
+        name,
+        what,
+        popped,
+        "" if popped == len(left) else " (others were pushed above them and stay)",
+    )
+
+
 class _Kept:
     """A saved tensor held as it is (small, or in a kept layer)."""
 
-    __slots__ = ("__weakref__", "forward", "layer", "nbytes", "off", "st", "tensor", "triggered", "version")
+    __slots__ = ("__weakref__", "forward", "held", "layer", "nbytes", "off", "st", "tensor", "triggered", "version")
 
-    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: _Fwd, st: tuple) -> None:
         self.off, self.tensor, self.nbytes = off, tensor, nbytes
         self.version = tensor._version
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
         # the kept last layers come first in backward, and the first offloaded ones must be on the way.
-        tls = off._tls
-        self.forward, self.layer, self.triggered = tls.forward, tls.tag, False
-        self.st = off._hold_kept(tensor, nbytes)
+        self.forward, self.layer, self.triggered = fwd.forward, fwd.tag, False
+        # Its storage, (device, pointer), is counted as resident once however many kept tensors
+        # share it (a live storage is known by its pointer): the list has one item per holder.
+        # No lock: list and dict calls are atomic, and one storage is packed by one thread.
+        self.st, self.held = st, off._kept_st.setdefault(st, [])
+        self.held.append(None)
+        if len(self.held) == 1:
+            off._resident_kept += nbytes
 
     def __del__(self) -> None:
-        self.off._drop_kept(self.st)
+        held = self.held
+        held.pop()
+        if not held:
+            off = self.off
+            if off._kept_st.get(self.st) is held:
+                del off._kept_st[self.st]
+            off._resident_kept -= self.nbytes
 
 
 class _Entry:
@@ -413,13 +486,14 @@ class Offloader:
         self._keep_from = n - keep + 1 if keep else n + 2
         if pol.mode == "none":
             self._keep_from = 0
-        self._tls = _PerThread()
+        self._tls = _PerThread(self)
+        self._last_fwd = _Fwd(self)  # the forward that pushed the hooks last, on any thread
         self._forward = 0  # forwards begun, on any thread
         self._param_ptrs: set[tuple[torch.device, int]] = set()
         # The parameter and buffer dicts of the model's modules (`.to()` swaps the tensors in them).
         self._param_dicts: list[dict[str, Any]] = []
-        # Kept tensors' storages: (device, pointer) -> [handles holding it, its bytes]
-        self._kept_st: dict[tuple[torch.device, int], list[int]] = {}
+        # Kept tensors' storages: (device, pointer) -> one item per kept handle holding it
+        self._kept_st: dict[tuple[torch.device, int], list[None]] = {}
         self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, _Entry]] = {}
         # Entries by (forward, layer), in pack order (dicts used as ordered sets).
         self._by_layer: dict[tuple[int, int], dict[_Entry, None]] = {}
@@ -514,11 +588,11 @@ class Offloader:
     # ---------------------------------------------------------------- hooks on modules
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        tls = self._tls
-        if tls.pushed and _forwards_under_way(module) < 2:
-            self._drop_interrupted(tls, "did not finish")
-        tls.pushed.append(False)
-        if len(tls.pushed) > 1:
+        f = self._tls.fwd
+        if f.pushed and _forwards_under_way(module) < 2:
+            _drop_interrupted(f, "did not finish")
+        f.pushed.append(False)
+        if len(f.pushed) > 1:
             return  # the model called inside its own forward: the outer call's hooks serve
         why = _saving_possible()
         if why is not None:
@@ -528,39 +602,26 @@ class Offloader:
                     "ssdtier: %s: activations of such forwards of %s stay in memory", why, type(module).__name__
                 )
             return
+        if self._adaptive:
+            self._replan()
+        if self._ahead_auto and self._trig:
+            self._tune_ahead()
         with self._lock:
-            if self._adaptive:
-                self._replan()
-            if self._ahead_auto and self._trig:
-                self._tune_ahead()
             self._forward += 1
-            tls.forward = self._forward
+            f.forward = self._forward
             self._stage_off = False
-            if self._forward % 64 == 1:
-                # Walking the module tree costs about 1 ms per 20 modules: the list of modules'
-                # parameter and buffer dicts is refreshed every 64 forwards (new submodules), the
-                # tensors in them looked up every forward (`.to()`, `load_state_dict` and the
-                # like may have swapped them).
-                self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
-            self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
-        tls.tag = 0
+        if f.forward % 64 == 1:
+            # Walking the module tree costs about 1 ms per 20 modules: the list of modules'
+            # parameter and buffer dicts is refreshed every 64 forwards (new submodules), the
+            # tensors in them looked up every forward (`.to()`, `load_state_dict` and the
+            # like may have swapped them).
+            self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
+        self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
+        f.tag = 0
         self._hooks.__enter__()
-        tls.pushed[-1] = True
-
-    def _drop_interrupted(self, tls: _PerThread, what: str) -> None:
-        """Pop the hooks that a forward of the model left pushed on this thread: a
-        KeyboardInterrupt (not an Exception) skips the forward hook that pops them."""
-        n = sum(tls.pushed)
-        tls.pushed.clear()
-        while n and (top := _top_hooks()) is not None and top[0] == self._pack:
-            self._hooks.__exit__(None, None, None)
-            n -= 1
-        log.warning(
-            "ssdtier: a forward of %s on this thread %s (interrupted, as by KeyboardInterrupt, "
-            "which skips forward hooks); the saved-tensor hooks it left on were removed",
-            type(self.model).__name__,
-            what,
-        )
+        f.pushed[-1] = True
+        _pushed().append(f)
+        self._last_fwd = f
 
     @staticmethod
     def _storages_of(tensors: list[torch.Tensor]) -> set[tuple[torch.device, int]]:
@@ -576,28 +637,34 @@ class Offloader:
         return ptrs
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        tls = self._tls
-        if not tls.pushed:
+        f = self._tls.fwd
+        if not f.pushed:
             return  # its _enter did not run (a forward pre-hook before it raised)
-        if tls.pushed.pop():
+        if f.pushed.pop():
             self._hooks.__exit__(None, None, None)
+            stack = _pushed()
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is f:
+                    del stack[i]
+                    break
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 self._poll_pending()
                 self._poll_writes()
 
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
-            tls = self._tls
-            tls.tag = tag
-            if self._adaptive and tls.pushed and tls.pushed[0]:
+            f = self._tls.fwd
+            f.tag = tag
+            if self._adaptive and f.pushed and f.pushed[0]:
                 self._prof_t0[tag] = (time.perf_counter(), self._store_wait())
 
         return hook
 
     def _block_exit(self, tag: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._tls.tag = self._n_layers + 1 if tag == self._n_layers else tag
-            start = self._prof_t0.pop(tag, None) if self._adaptive else None
+            f = self._tls.fwd
+            f.tag = self._n_layers + 1 if tag == self._n_layers else tag
+            start = self._prof_t0.pop(tag, None) if self._adaptive and f.pushed and f.pushed[0] else None
             if start is not None:
                 # Compute time: the time blocked on the store (a full arena) is not the layer's.
                 spent = time.perf_counter() - start[0] - (self._store_wait() - start[1])
@@ -645,32 +712,39 @@ class Offloader:
             # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
             return _Same(t)
         nbytes = st.nbytes()
-        tag = self._tls.tag
+        f = self._tls.fwd
+        if not f.pushed:
+            # Not this thread's forward: an autograd engine thread (its copy of the hooks packs
+            # for a graph built in backward), or a backward building one after the forward.
+            f = self._last_fwd
+        tag = f.tag
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
             self._prof_bytes[tag] = self._prof_bytes.get(tag, 0) + nbytes
         keep = nbytes < self.config.policy.min_tensor_bytes or tag >= self._keep_from
         if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         if keep:
-            return self._keep(t, nbytes)
+            return self._keep(t, nbytes, f, (dev, ptr))
         with self._lock:
+            if self._closed:
+                return _Same(t)  # detach() on another thread since the check above
             if self._dedup_ok:
                 hit = self._dedup.get((dev, ptr))
                 if hit is not None and hit[0]() is st and hit[1] == t._version and hit[2].refs > 0:
                     c["dedup_hits"] += 1
                     return _Saved(self, hit[2], t)
             try:
-                entry = self._offload(t, st, nbytes)
+                entry = self._offload(t, st, nbytes, f)
             except OutOfSpaceError as e:
                 c["failed_writes"] += 1
                 self._warn_full(e)
-                return self._keep(t, nbytes)
+                return self._keep(t, nbytes, f, (dev, ptr))
             except SsdtierOSError as e:
                 # A write to NVMe failed (an eviction from the arena, or a direct write): the
                 # store lost nothing, and this tensor stays in memory.
                 c["failed_writes"] += 1
                 self._warn_write(e)
-                return self._keep(t, nbytes)
+                return self._keep(t, nbytes, f, (dev, ptr))
             c["tensors_offloaded"] += 1
             c["bytes_offloaded"] += nbytes
             if self._dedup_ok:
@@ -682,29 +756,29 @@ class Offloader:
         self._note_peak()
         return saved
 
-    def _keep(self, t: torch.Tensor, nbytes: int) -> _Kept:
+    def _keep(self, t: torch.Tensor, nbytes: int, f: _Fwd, st: tuple) -> _Kept:
         self._counts["tensors_kept"] += 1
         self._counts["bytes_kept"] += nbytes
-        kept = _Kept(self, t, nbytes)
+        kept = _Kept(self, t, nbytes, f, st)
         self._note_peak()
         return kept
 
-    def _offload(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int) -> _Entry:
+    def _offload(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int, f: _Fwd) -> _Entry:
         if t.is_cuda:
-            return self._offload_cuda(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st), nbytes)
+            return self._offload_cuda(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st), nbytes, f)
         ptr = st.data_ptr()
         lead = ptr % _PAGE
         # The restored view starts `lead` bytes into its page as the original did; a
         # multiple of 64 keeps every dtype's views aligned (torch allocates at 64).
         if self.config.io.zero_copy and lead % 64 == 0:
-            return self._offload_cpu(st, ptr, nbytes, lead)
+            return self._offload_cpu(st, ptr, nbytes, lead, f)
         key = self.store._native.put_from(ptr, nbytes)  # a copy into the arena (or to NVMe)
-        return _Entry(key, nbytes, t.device, False, self._tls.forward, self._tls.tag)
+        return _Entry(key, nbytes, t.device, False, f.forward, f.tag)
 
-    def _offload_cpu(self, st: torch.UntypedStorage, ptr: int, nbytes: int, lead: int) -> _Entry:
+    def _offload_cpu(self, st: torch.UntypedStorage, ptr: int, nbytes: int, lead: int, f: _Fwd) -> _Entry:
         """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
         key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes)
-        e = _Entry(key, nbytes, st.device, False, self._tls.forward, self._tls.tag)
+        e = _Entry(key, nbytes, st.device, False, f.forward, f.tag)
         e.lead, e.src, e.ticket, e.wrote = lead, st, ticket, ptr
         self._resident_writing += nbytes
         self._writing.append(e)
@@ -845,11 +919,13 @@ class Offloader:
                 self._use_on_current_stream(e, st)
             else:  # through a pinned slot, on the compute stream
                 self._poll_pending()
-                st = self._restore_cuda(e).untyped_storage()
+                out, ev = self._restore_cuda(e)
+                st = out.untyped_storage()
                 self._track(st, e.nbytes)
                 current = torch.cuda.current_stream(e.device)
-                ev = torch.cuda.Event()
-                ev.record(current)
+                if ev is None:
+                    ev = torch.cuda.Event()
+                    ev.record(current)
                 e.made = (ev, current, [current])
         e.restored = weakref.ref(st)
         e.pad = pad
@@ -1037,12 +1113,12 @@ class Offloader:
             _clear_cuda_error()
             log.warning("ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc)
 
-    def _offload_cuda(self, whole: torch.Tensor, nbytes: int) -> _Entry:
+    def _offload_cuda(self, whole: torch.Tensor, nbytes: int, f: _Fwd) -> _Entry:
         native = self.store._native
         stream = self._streams(whole.device)[0]
         self._poll_pending()  # committed slots can be evicted to make room
         key, off = native.reserve(nbytes)
-        entry = _Entry(key, nbytes, whole.device, True, self._tls.forward, self._tls.tag)
+        entry = _Entry(key, nbytes, whole.device, True, f.forward, f.tag)
         try:
             if off is None:
                 # Bigger than the arena: a synchronous copy, streamed to NVMe. The host copy is
@@ -1153,7 +1229,9 @@ class Offloader:
         self._h2d.append((ev, e.key))
         return out, ev
 
-    def _restore_cuda(self, e: _Entry) -> torch.Tensor:
+    def _restore_cuda(self, e: _Entry) -> tuple[torch.Tensor, Any]:
+        """Copy an entry back to the GPU on the current stream; returns it and the copy's
+        event (None: a synchronous copy from pageable memory)."""
         native = self.store._native
         # Not in the arena (no read-ahead brought it, or it was skipped for want of room):
         # acquire() or read_direct() reads it now, and the backward waits; count it as stall.
@@ -1164,10 +1242,10 @@ class Offloader:
             host = torch.empty(e.nbytes, dtype=torch.uint8)
             native.read_direct(e.key, host.data_ptr())
             self._stall += time.perf_counter() - t0
-            return host.to(e.device)
+            return host.to(e.device), None
         if not resident:
             self._stall += time.perf_counter() - t0
-        return self._copy_from_slot(e, off, torch.cuda.current_stream(e.device))[0]
+        return self._copy_from_slot(e, off, torch.cuda.current_stream(e.device))
 
     # ---------------------------------------------------------------- adaptive plan
 
@@ -1254,27 +1332,6 @@ class Offloader:
         except SsdtierError:
             pass
 
-    def _hold_kept(self, t: torch.Tensor, nbytes: int) -> tuple[torch.device, int]:
-        """Count a kept tensor's storage as resident, once however many kept tensors share it
-        (a live storage is known by its pointer); returns the key to drop it by."""
-        k = (t.device, t.untyped_storage().data_ptr())
-        with self._lock:
-            held = self._kept_st.get(k)
-            if held is None:
-                self._kept_st[k] = [1, nbytes]
-                self._resident_kept += nbytes
-            else:
-                held[0] += 1
-        return k
-
-    def _drop_kept(self, k: tuple[torch.device, int]) -> None:
-        with self._lock:
-            held = self._kept_st[k]
-            held[0] -= 1
-            if not held[0]:
-                del self._kept_st[k]
-                self._resident_kept -= held[1]
-
     def _note_peak(self) -> None:
         resident = (
             self._resident_kept
@@ -1321,8 +1378,8 @@ class Offloader:
         self._handles.clear()
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
-        if any(self._tls.pushed):
-            self._drop_interrupted(self._tls, "was not finished at detach()")
+        if any(self._tls.fwd.pushed):
+            _drop_interrupted(self._tls.fwd, "was not finished at detach()")
         self._closed = True
         with self._lock:
             if self._live == 0:
