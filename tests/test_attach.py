@@ -893,7 +893,7 @@ def test_auto_read_ahead_goes_down_to_one_layer_when_reads_are_quick(store_dir):
     x = torch.randn(128, 64)
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB", prefetch_layers="auto")) as off:
         seen = []
-        for _ in range(4):
+        for _ in range(8):  # 1 comes within the first 4 on a quiet machine; the rest is for a busy disk
             for m in (ref, model):
                 m.zero_grad()
                 m(x).square().sum().backward()
