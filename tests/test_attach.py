@@ -877,12 +877,15 @@ class _SlowBackward(torch.autograd.Function):
 
 
 class _SlowBlock(nn.Module):
-    def __init__(self):
+    """A block whose backward takes 30 ms (slept, or on the test's clock with `backward`)."""
+
+    def __init__(self, backward=_SlowBackward):
         super().__init__()
         self.fc = nn.Linear(64, 64)
+        self.backward_fn = backward
 
     def forward(self, x):
-        return _SlowBackward.apply(torch.tanh(self.fc(x)))
+        return self.backward_fn.apply(torch.tanh(self.fc(x)))
 
 
 class _Clock:
@@ -891,24 +894,11 @@ class _Clock:
     t = 0.0
 
 
-class _TimedBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _TimedBackward(_SlowBackward):
     @staticmethod
     def backward(ctx, g):
         _Clock.t += 0.030  # each block's backward takes 30 ms on that clock
         return g
-
-
-class _TimedBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 64)
-
-    def forward(self, x):
-        return _TimedBackward.apply(torch.tanh(self.fc(x)))
 
 
 class _QuickTicket:
@@ -939,7 +929,7 @@ def test_auto_read_ahead_goes_down_to_one_layer_when_reads_are_quick(store_dir, 
 
     monkeypatch.setattr(offload_module, "time", types.SimpleNamespace(perf_counter=lambda: _Clock.t))
     torch.manual_seed(0)
-    ref, model = (nn.Sequential(*[_TimedBlock() for _ in range(6)]) for _ in range(2))
+    ref, model = (nn.Sequential(*[_SlowBlock(_TimedBackward) for _ in range(6)]) for _ in range(2))
     model.load_state_dict(ref.state_dict())
     x = torch.randn(128, 64)
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB", prefetch_layers="auto")) as off:
