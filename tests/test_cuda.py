@@ -71,18 +71,16 @@ def test_exact_gradients_on_cuda(store_dir, host):
         assert s.forwarded + s.copied_ahead > 0
 
 
-@pytest.mark.parametrize("evict", [False, True])
-def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict):
-    # Every copy to the arena is done before the backward (synchronize); with `evict` every
-    # entry is then on NVMe only. Each block's backward takes 30 ms on the host, so the
-    # read-ahead's reads are done before their unpack and the entries are copied to the GPU
-    # on the prefetch stream ahead of it. The GPU sleep keeps the compute stream busy, so
-    # those copies (which wait for the work queued before them) are still pending when the
-    # unpacks come: an unpack that did not make the compute stream wait would read garbage.
+def run_with_copies_pending(store_dir, block, evict):
+    """Six ``block``s, trained with and without ssdtier: every copy to the arena is done
+    before the backward (synchronize); with ``evict`` every entry is then on NVMe only. The
+    GPU sleep keeps the compute stream busy, so the copies back to the GPU on the prefetch
+    stream (which wait for the work queued before them) are still pending when the unpacks
+    come. Asserts exact gradients; returns the offloader's stats."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
-        ref, model = (torch.nn.Sequential(*[_SlowBlock() for _ in range(6)]).cuda() for _ in range(2))
+        ref, model = (torch.nn.Sequential(*[block() for _ in range(6)]).cuda() for _ in range(2))
         model.load_state_dict(ref.state_dict())
         x = torch.randn(128, 64, device="cuda")
         with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
@@ -103,6 +101,15 @@ def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict):
             assert torch.equal(p.grad, q.grad)
     finally:
         torch.use_deterministic_algorithms(False)
+    return s
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict):
+    # Each block's backward takes 30 ms on the host, so the read-ahead's reads are done before
+    # their unpack and the entries are copied to the GPU on the prefetch stream ahead of it:
+    # an unpack that did not make the compute stream wait for that copy would read garbage.
+    s = run_with_copies_pending(store_dir, _SlowBlock, evict)
     # Two saved tensors per block; the last block's are read when its backward starts, the
     # next two blocks' are in the arena (or on their way) then: at least blocks 1..4 go ahead.
     assert s.tensors_offloaded == 12
@@ -140,33 +147,10 @@ class _TwoStreamBlock(torch.nn.Module):
 
 @pytest.mark.parametrize("evict", [False, True])
 def test_an_entry_unpacked_on_two_streams_is_waited_for_on_both(store_dir, evict):
-    # As in the read-ahead test above, the copies ahead are still pending when the unpacks
-    # come (the GPU sleep): whichever stream unpacks the entry second must wait for the copy
-    # as well as the first, or it reads a block still being filled.
-    torch.use_deterministic_algorithms(True)
-    try:
-        torch.manual_seed(0)
-        ref, model = (torch.nn.Sequential(*[_TwoStreamBlock() for _ in range(6)]).cuda() for _ in range(2))
-        model.load_state_dict(ref.state_dict())
-        x = torch.randn(128, 64, device="cuda")
-        with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
-            for m in (ref, model):
-                loss = m(x).square().sum()
-                torch.cuda.synchronize()
-                if m is model:
-                    off._poll_pending()
-                    if evict:
-                        for group in off._by_layer.values():
-                            for e in group:
-                                off.store._native.evict(e.key)
-                torch.cuda._sleep(50_000_000)
-                loss.backward()
-            torch.cuda.synchronize()
-            s = off.stats()
-        for p, q in zip(ref.parameters(), model.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    # The copies ahead are still pending when the unpacks come: whichever stream unpacks the
+    # entry second must wait for the copy as well as the first, or it reads a block still
+    # being filled.
+    s = run_with_copies_pending(store_dir, _TwoStreamBlock, evict)
     assert s.dedup_hits > 0 and s.copied_ahead > 0, s
 
 
