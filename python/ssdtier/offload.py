@@ -236,7 +236,7 @@ class _Fwd:
 
     __slots__ = ("forward", "off", "pushed", "tag")
 
-    def __init__(self, off: Offloader | None) -> None:
+    def __init__(self, off: Offloader) -> None:
         self.off = off
         self.pushed: list[bool] = []  # calls of the model under way on this thread: hooks pushed?
         self.forward = 0  # the number of this thread's outermost forward
@@ -244,7 +244,7 @@ class _Fwd:
 
 
 class _PerThread(threading.local):
-    def __init__(self, off: Offloader | None = None) -> None:
+    def __init__(self, off: Offloader) -> None:
         self.fwd = _Fwd(off)
 
 
@@ -310,7 +310,7 @@ def _drop_interrupted(f: _Fwd, what: str) -> None:
     popped = 0
     for g in reversed(left):
         top = _top_hooks()
-        if top is None or g.off is None or top[0] != g.off._pack:
+        if top is None or top[0] != g.off._pack:
             break  # not ssdtier's on top: whoever pushed it pops it
         g.off._hooks.__exit__(None, None, None)
         popped += 1
@@ -318,11 +318,10 @@ def _drop_interrupted(f: _Fwd, what: str) -> None:
         g.pushed.clear()
     del stack[inner:]
     f.pushed.clear()
-    name = type(f.off.model).__name__ if f.off is not None else "a model"
     log.warning(
         "ssdtier: a forward of %s on this thread %s (interrupted, as by KeyboardInterrupt, which "
         "skips forward hooks); %d of the saved-tensor hooks left on were removed%s",
-        name,
+        type(f.off.model).__name__,
         what,
         popped,
         "" if popped == len(left) else " (others were pushed above them and stay)",
@@ -332,9 +331,9 @@ def _drop_interrupted(f: _Fwd, what: str) -> None:
 class _Kept:
     """A saved tensor held as it is (small, or in a kept layer)."""
 
-    __slots__ = ("__weakref__", "forward", "held", "layer", "nbytes", "off", "st", "tensor", "triggered", "version")
+    __slots__ = ("__weakref__", "forward", "held", "key", "layer", "nbytes", "off", "tensor", "triggered", "version")
 
-    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: _Fwd, st: tuple) -> None:
+    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: _Fwd, key: tuple) -> None:
         self.off, self.tensor, self.nbytes = off, tensor, nbytes
         self.version = tensor._version
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
@@ -343,7 +342,7 @@ class _Kept:
         # Its storage, (device, pointer), is counted as resident once however many kept tensors
         # share it (a live storage is known by its pointer): the list has one item per holder.
         # No lock: list and dict calls are atomic, and one storage is packed by one thread.
-        self.st, self.held = st, off._kept_st.setdefault(st, [])
+        self.key, self.held = key, off._kept_st.setdefault(key, [])
         self.held.append(None)
         if len(self.held) == 1:
             off._resident_kept += nbytes
@@ -353,8 +352,8 @@ class _Kept:
         held.pop()
         if not held:
             off = self.off
-            if off._kept_st.get(self.st) is held:
-                del off._kept_st[self.st]
+            if off._kept_st.get(self.key) is held:
+                del off._kept_st[self.key]
             off._resident_kept -= self.nbytes
 
 
@@ -756,10 +755,10 @@ class Offloader:
         self._note_peak()
         return saved
 
-    def _keep(self, t: torch.Tensor, nbytes: int, f: _Fwd, st: tuple) -> _Kept:
+    def _keep(self, t: torch.Tensor, nbytes: int, f: _Fwd, key: tuple) -> _Kept:
         self._counts["tensors_kept"] += 1
         self._counts["bytes_kept"] += nbytes
-        kept = _Kept(self, t, nbytes, f, st)
+        kept = _Kept(self, t, nbytes, f, key)
         self._note_peak()
         return kept
 
