@@ -165,7 +165,7 @@ def run_store(
             t1 - t0,
             written,
             nvme_write_ops=after.nvme_write_ops - before.nvme_write_ops,
-            direct_puts=after.direct_puts - before.direct_puts,
+            staged_puts=after.staged_puts - before.staged_puts,
             evictions=after.evictions - before.evictions,
             wait_seconds=after.wait_seconds - before.wait_seconds,
         )
@@ -195,7 +195,7 @@ def run_store(
                 "prefetch_skipped",
                 "host_hits",
                 "nvme_hits",
-                "direct_gets",
+                "staged_gets",
                 "evictions",
                 "wait_seconds",
             )

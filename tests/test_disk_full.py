@@ -84,6 +84,6 @@ def test_attach_on_a_full_disk_keeps_activations_and_exact_gradients(small_fs, z
     assert s.tensors_kept > 0 or s.store.nvme_peak < s.bytes_offloaded
     assert s.failed_writes > 0 and s.failed_reads == 0
     assert any("memory" in r.message for r in caplog.records), [r.message for r in caplog.records]
-    if zero_copy:
-        # The first ENOSPC comes from a write from a tensor's own pages: that tensor stays in memory.
-        assert any("writing an activation to NVMe failed" in r.message for r in caplog.records)
+    # The file is grown ahead of its use, so the full file system shows when space is taken
+    # (fallocate), before any write: the tensor that found no room stays in memory.
+    assert any("no space" in r.message for r in caplog.records), [r.message for r in caplog.records]

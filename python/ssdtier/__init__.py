@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING, Any
 from .config import Config, load_config
 from .errors import (
     ConfigError,
+    EntryBusyError,
+    InvalidUseError,
     OutOfSpaceError,
     SsdtierError,
     SsdtierOSError,
     SsdtierWarning,
     StoreClosedError,
+    StoreFailedError,
     UnknownKeyError,
 )
 
@@ -28,6 +31,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigError",
+    "EntryBusyError",
+    "InvalidUseError",
     "OffloadStats",
     "Offloader",
     "OutOfSpaceError",
@@ -35,6 +40,7 @@ __all__ = [
     "SsdtierOSError",
     "SsdtierWarning",
     "StoreClosedError",
+    "StoreFailedError",
     "StoreStats",
     "TieredStore",
     "UnknownKeyError",

@@ -18,7 +18,10 @@ __all__ = [
     "SsdtierFileNotFoundError",
     "SsdtierPermissionError",
     "OutOfSpaceError",
+    "StoreFailedError",
     "UnknownKeyError",
+    "EntryBusyError",
+    "InvalidUseError",
     "SsdtierWarning",
 ]
 
@@ -40,6 +43,14 @@ class UnknownKeyError(SsdtierError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class EntryBusyError(SsdtierError, RuntimeError):
+    """A store entry is held by another call (acquired, or still being filled)."""
+
+
+class InvalidUseError(SsdtierError, ValueError):
+    """A store call made out of order or with a bad buffer (misaligned, null, no bytes)."""
 
 
 class SsdtierWarning(UserWarning):
@@ -65,6 +76,11 @@ class OutOfSpaceError(SsdtierOSError):
     """
 
 
+class StoreFailedError(SsdtierOSError):
+    """The store refuses new work after a failure (an I/O engine stopped with transfers in
+    flight); ``errno`` is ``EIO``. Freeing and closing still work."""
+
+
 def os_error(code: int, message: str, filename: str | None = None) -> SsdtierOSError:
     """Build the most specific ssdtier OS error for ``code`` (used by ``_native``)."""
     if code == _errno.ENOSPC:
@@ -88,6 +104,12 @@ def from_native(kind: str, message: str, errno: int | None, filename: str | None
         return UnknownKeyError(message)
     if kind == "closed":
         return StoreClosedError(message)
-    if kind == "invalid":
+    if kind == "failed":
+        return StoreFailedError(_errno.EIO, message)
+    if kind == "config":
         return ConfigError(message)
+    if kind == "invalid":
+        return InvalidUseError(message)
+    if kind == "busy":
+        return EntryBusyError(message)
     return SsdtierError(message)

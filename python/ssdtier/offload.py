@@ -771,12 +771,12 @@ class Offloader:
         # multiple of 64 keeps every dtype's views aligned (torch allocates at 64).
         if self.config.io.zero_copy and lead % 64 == 0:
             return self._offload_cpu(st, ptr, nbytes, lead, f)
-        key = self.store._native.put_from(ptr, nbytes)  # a copy into the arena (or to NVMe)
+        key = self.store._native.put_from(ptr, nbytes, st)  # a copy into the arena (or to NVMe)
         return _Entry(key, nbytes, t.device, False, f.forward, f.tag)
 
     def _offload_cpu(self, st: torch.UntypedStorage, ptr: int, nbytes: int, lead: int, f: _Fwd) -> _Entry:
         """Write a CPU storage to NVMe from its own pages (no copy); it is held until written."""
-        key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes)
+        key, ticket = self.store._native.write_from(ptr - lead, lead + nbytes, st)
         e = _Entry(key, nbytes, st.device, False, f.forward, f.tag)
         e.lead, e.src, e.ticket, e.wrote = lead, st, ticket, ptr
         self._resident_writing += nbytes
@@ -965,7 +965,7 @@ class Offloader:
             # The entry starts `lead` bytes before the data (a zero-copy write covers whole pages).
             st, pad = _aligned_storage(e.lead + e.nbytes)
             self._track(st, e.nbytes)
-            e.reading = (st, pad + e.lead, native.read_into(e.key, st.data_ptr() + pad), from_host)
+            e.reading = (st, pad + e.lead, native.read_into(e.key, st.data_ptr() + pad, st), from_host)
         else:
             e.reading = (None, 0, None if from_host else native.prefetch(e.key), from_host)
 
@@ -1124,7 +1124,7 @@ class Offloader:
                 # held by name: its bytes must outlive the write.
                 if nbytes:
                     host = whole.cpu()
-                    native.write_direct(key, host.data_ptr())
+                    native.write_staged(key, host.data_ptr(), host)
                 return entry
             entry.wrote = whole.data_ptr()
             slot = self.store._slot(off, nbytes, torch.uint8, torch.Size([nbytes]))
@@ -1233,13 +1233,13 @@ class Offloader:
         event (None: a synchronous copy from pageable memory)."""
         native = self.store._native
         # Not in the arena (no read-ahead brought it, or it was skipped for want of room):
-        # acquire() or read_direct() reads it now, and the backward waits; count it as stall.
+        # acquire() or read_staged() reads it now, and the backward waits; count it as stall.
         resident = native.location(e.key)[0]
         t0 = time.perf_counter()
         off = native.acquire(e.key)
         if off is None:
             host = torch.empty(e.nbytes, dtype=torch.uint8)
-            native.read_direct(e.key, host.data_ptr())
+            native.read_staged(e.key, host.data_ptr(), host)
             self._stall += time.perf_counter() - t0
             return host.to(e.device), None
         if not resident:
@@ -1261,7 +1261,7 @@ class Offloader:
         write = n * chunk / max(time.perf_counter() - t0, 1e-9)
         bufs = [_aligned_storage(chunk) for _ in keys]
         t0 = time.perf_counter()
-        tickets = [native.read_into(k, b.data_ptr() + pad) for k, (b, pad) in zip(keys, bufs, strict=True)]
+        tickets = [native.read_into(k, b.data_ptr() + pad, b) for k, (b, pad) in zip(keys, bufs, strict=True)]
         for t in tickets:
             t.wait()
         read = n * chunk / max(time.perf_counter() - t0, 1e-9)

@@ -28,7 +28,11 @@ _WARN_MARKERS = ("O_DIRECT", "O_TMPFILE", "io_uring is not available", "cannot r
 class StoreStats:
     """Traffic per tier and direction, space used, and time spent waiting on I/O.
 
-    Byte counts of NVMe traffic include the padding of each entry to 4 KiB.
+    Byte counts of NVMe traffic include the padding of each entry to 4 KiB. "staged"
+    transfers stream through a small staging buffer (tensors bigger than the arena);
+    ``device_high_water`` is how far each file's space has reached (the file itself is
+    grown a step ahead). ``quarantined_bytes`` are never reused because an I/O engine
+    failed while the kernel held them; ``failure`` says why the store then refuses work.
     """
 
     host_bytes_in: int
@@ -39,8 +43,8 @@ class StoreStats:
     nvme_bytes_read: int
     nvme_write_ops: int
     nvme_read_ops: int
-    direct_puts: int
-    direct_gets: int
+    staged_puts: int
+    staged_gets: int
     zero_copy_puts: int
     evictions: int
     prefetches: int
@@ -59,6 +63,9 @@ class StoreStats:
     device_bytes_written: list[int]
     device_bytes_read: list[int]
     device_file_size: list[int]
+    device_high_water: list[int]
+    quarantined_bytes: int
+    failure: str | None
 
     @classmethod
     def _from_native(cls, d: dict[str, Any]) -> StoreStats:
@@ -134,6 +141,8 @@ class TieredStore:
         self._arena: torch.Tensor | None = None
         if n:
             buf = (ctypes.c_uint8 * n).from_address(self._native.arena_address)
+            # Views of the arena keep the native store, and so the mapping, alive.
+            buf._ssdtier_store = self._native  # type: ignore[attr-defined]
             self._arena = torch.frombuffer(buf, dtype=torch.uint8)
         self._meta: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self._closed = False
@@ -179,7 +188,7 @@ class TieredStore:
         # The raw bytes of a lazily conjugated or negated view are not its values: copy_ below
         # resolves them.
         if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            key = self._native.put_from(t.data_ptr(), nbytes)  # one copy, in Rust
+            key = self._native.put_from(t.data_ptr(), nbytes, t)  # one copy, in Rust
             self._meta[key] = (t.shape, t.dtype, t.device)
             return key
         key, off = self._native.reserve(nbytes)
@@ -189,7 +198,7 @@ class TieredStore:
                 self._native.commit(key)
             elif nbytes:
                 src = t.detach().to("cpu").contiguous()
-                self._native.write_direct(key, src.data_ptr())
+                self._native.write_staged(key, src.data_ptr(), src)
         except BaseException:
             self._native.free(key)
             raise
@@ -210,7 +219,7 @@ class TieredStore:
                 self._native.release(key)
         elif nbytes:
             host = out if out.device.type == "cpu" else torch.empty(shape, dtype=dtype)
-            self._native.read_direct(key, host.data_ptr())
+            self._native.read_staged(key, host.data_ptr(), host)
             if host is not out:
                 out.copy_(host)
         return out

@@ -11,10 +11,19 @@ pub enum Error {
     Io { op: &'static str, path: PathBuf, offset: u64, len: u64, errno: i32 },
     /// Every tier that could take the bytes is full.
     OutOfSpace { needed: u64, detail: String },
-    /// A bad argument or configuration value.
+    /// A bad configuration value.
+    Config(String),
+    /// A bad argument (a misaligned or null buffer, a call out of order).
     Invalid(String),
     /// A key that the store does not hold (freed already, or never put).
     UnknownKey(u64),
+    /// The entry is held by another call (acquired, or being filled): `what` says by what.
+    Busy { key: u64, what: &'static str },
+    /// A device's I/O engine stopped (its ring failed, or its thread died): this
+    /// transfer did not happen.
+    EngineFailed { path: PathBuf, detail: String },
+    /// The store refuses new work since an earlier failure, which `0` describes.
+    Failed(String),
     /// The store was used after `close()`.
     Closed,
 }
@@ -31,6 +40,7 @@ impl Error {
         match self {
             Error::Io { errno, .. } => Some(*errno),
             Error::OutOfSpace { .. } => Some(libc::ENOSPC),
+            Error::EngineFailed { .. } | Error::Failed(_) => Some(libc::EIO),
             _ => None,
         }
     }
@@ -91,8 +101,11 @@ impl fmt::Display for Error {
             Error::OutOfSpace { needed, detail } => {
                 write!(f, "no space for {needed} bytes: {detail}")
             }
-            Error::Invalid(msg) => f.write_str(msg),
+            Error::Config(msg) | Error::Invalid(msg) => f.write_str(msg),
             Error::UnknownKey(k) => write!(f, "unknown key {k} (freed already, or never put)"),
+            Error::Busy { key, what } => write!(f, "entry {key} is busy: {what}"),
+            Error::EngineFailed { path, detail } => write!(f, "the I/O engine of {} failed: {detail}", path.display()),
+            Error::Failed(why) => write!(f, "the store refuses new work after a failure: {why}"),
             Error::Closed => f.write_str("the store is closed"),
         }
     }
@@ -114,5 +127,11 @@ mod tests {
         let write = Error::io("write", "/ssd/a", 0, 512, libc::EINVAL);
         assert!(write.message_without_path().ends_with("(misaligned buffer, offset or length for O_DIRECT?)"));
         assert_eq!(Error::Closed.message_without_path(), "the store is closed");
+        let dead = Error::EngineFailed { path: "/ssd".into(), detail: "its thread panicked".into() };
+        assert_eq!(dead.errno(), Some(libc::EIO));
+        assert_eq!(
+            Error::Failed(dead.to_string()).to_string(),
+            "the store refuses new work after a failure: the I/O engine of /ssd failed: its thread panicked"
+        );
     }
 }

@@ -7,9 +7,11 @@ pub mod arena;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod sim;
 pub mod store;
+pub mod ticket;
 
 pub use device::ALIGN;
-pub use engine::Ticket;
 pub use error::{Error, Result};
 pub use store::{Backend, DeviceConfig, Eviction, Stats, Store, StoreConfig};
+pub use ticket::{Owner, Ticket};

@@ -5,7 +5,8 @@
 mod common;
 use common::*;
 use ssdtier_core::device::DeviceFile;
-use ssdtier_core::engine::{Dir, IoQueue, IoReq, PosixQueue, Throttle, Ticket, UringQueue};
+use ssdtier_core::engine::{Dir, IoQueue, IoReq, PosixQueue, Throttle, UringQueue};
+use ssdtier_core::Ticket;
 use std::sync::Arc;
 
 fn queues(dir: &std::path::Path, depth: u32, fixed: &[(*mut u8, usize)]) -> Vec<(DeviceFile, Box<dyn IoQueue>)> {
@@ -13,16 +14,20 @@ fn queues(dir: &std::path::Path, depth: u32, fixed: &[(*mut u8, usize)]) -> Vec<
     let mut notes = Vec::new();
     let f = DeviceFile::open(&dir.join("uring"), true, &mut notes).unwrap();
     assert!(f.direct, "{notes:?}");
-    let q = UringQueue::new(f.raw_fd(), dir.into(), depth, fixed, Throttle::new(0), &mut notes).unwrap();
+    // Safety: the file and the fixed buffers outlive the queue (the tests drop queues first).
+    let q = unsafe { UringQueue::new(f.raw_fd(), dir.into(), depth, fixed, Throttle::new(0), &mut notes) }.unwrap();
     out.push((f, Box::new(q)));
     let f = DeviceFile::open(&dir.join("posix"), true, &mut notes).unwrap();
-    let q = PosixQueue::new(f.raw_fd(), dir.into(), 4, Throttle::new(0)).unwrap();
+    // Safety: as above.
+    let q = unsafe { PosixQueue::new(f.raw_fd(), dir.into(), 4, Throttle::new(0)) }.unwrap();
     out.push((f, Box::new(q)));
     out
 }
 
+/// A request; the tests keep `buf` alive and untouched until `t` is done.
 fn one(dir: Dir, buf: *mut u8, len: usize, off: u64, fixed: Option<u16>, t: &Arc<Ticket>) -> IoReq {
-    IoReq { dir, file_off: off, buf, len, fixed, ticket: t.clone() }
+    // Safety: every caller waits for `t` before its buffer goes.
+    unsafe { IoReq::new(dir, off, buf, len, fixed, t.clone()) }
 }
 
 #[test]
@@ -92,11 +97,10 @@ fn fixed_buffers_round_trip() {
     let fixed = [(buf.as_mut_ptr(), 4 << 20)];
     let mut notes = Vec::new();
     let f = DeviceFile::open(d.path(), true, &mut notes).unwrap();
-    let q = UringQueue::new(f.raw_fd(), d.path().into(), 16, &fixed, Throttle::new(0), &mut notes).unwrap();
-    if !q.fixed_buffers() {
-        // Registration refused (RLIMIT_MEMLOCK): the notice must say so.
-        assert!(notes.iter().any(|n| n.contains("register")), "{notes:?}");
-    }
+    // Safety: the file and buf outlive the queue.
+    let q = unsafe { UringQueue::new(f.raw_fd(), d.path().into(), 16, &fixed, Throttle::new(0), &mut notes) }.unwrap();
+    // 4 MiB is under the default RLIMIT_MEMLOCK (8 MiB): registration must work here.
+    assert!(q.fixed_buffers(), "{notes:?}");
     buf.slice_mut().copy_from_slice(&pattern(4 << 20, 3));
     let t = Ticket::new(4);
     // Safety: four 1 MiB pieces of buf.
@@ -110,6 +114,11 @@ fn fixed_buffers_round_trip() {
     q.submit(vec![one(Dir::Read, buf.as_mut_ptr(), 4 << 20, 0, Some(0), &t)]);
     t.wait().unwrap();
     assert!(buf.slice() == pattern(4 << 20, 3).as_slice());
+    // The kernel really checks requests against the registered buffer: memory outside it is refused.
+    let outside = Aligned::new(4096);
+    let t = Ticket::new(1);
+    q.submit(vec![one(Dir::Read, outside.as_mut_ptr(), 4096, 0, Some(0), &t)]);
+    assert_eq!(t.wait().unwrap_err().errno(), Some(libc::EFAULT));
 }
 
 #[test]
@@ -139,7 +148,8 @@ fn throttle_caps_bandwidth() {
     let mut notes = Vec::new();
     let f = DeviceFile::open(d.path(), true, &mut notes).unwrap();
     // 8 MiB at 64 MiB/s takes at least ~110 ms (the first block goes at once).
-    let q = PosixQueue::new(f.raw_fd(), d.path().into(), 2, Throttle::new(64 << 20)).unwrap();
+    // Safety: the file outlives the queue.
+    let q = unsafe { PosixQueue::new(f.raw_fd(), d.path().into(), 2, Throttle::new(64 << 20)) }.unwrap();
     let b = Aligned::new(8 << 20);
     let t0 = std::time::Instant::now();
     let t = Ticket::new(8);
@@ -157,4 +167,106 @@ fn throttle_caps_bandwidth() {
     let took = t.elapsed().expect("done");
     assert!(took >= std::time::Duration::from_millis(100) && took <= wall, "{took:?} vs {wall:?}");
     assert_eq!(Ticket::done().elapsed(), Some(std::time::Duration::ZERO));
+}
+
+/// A queue on a FIFO, whose reads stay in the kernel until bytes are written to it, and two
+/// buffers that outlive the queue. Dropping it fills the FIFO first, so that the queue can be
+/// joined even after a failed assertion.
+struct FifoQueue {
+    q: UringQueue,
+    bufs: [Aligned; 2],
+    pipe: std::os::fd::OwnedFd,
+    _dir: tempfile::TempDir,
+}
+
+impl FifoQueue {
+    fn new() -> Self {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        use std::os::unix::ffi::OsStrExt;
+        let dir = real_dir();
+        let path = std::ffi::CString::new(dir.path().join("fifo").as_os_str().as_bytes()).unwrap();
+        // Safety: a valid C string; results checked; the fd is owned at once.
+        let pipe = unsafe {
+            assert_eq!(libc::mkfifo(path.as_ptr(), 0o600), 0);
+            let fd = libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+            assert!(fd >= 0);
+            std::os::fd::OwnedFd::from_raw_fd(fd)
+        };
+        let bufs = [Aligned::new(4096), Aligned::new(4096)];
+        // Safety: the FIFO and the buffers outlive the queue (field order); no fixed buffers.
+        let q =
+            unsafe { UringQueue::new(pipe.as_raw_fd(), dir.path().into(), 8, &[], Throttle::new(0), &mut Vec::new()) }
+                .unwrap();
+        FifoQueue { q, bufs, pipe, _dir: dir }
+    }
+
+    fn write(&self, data: &[u8]) {
+        use std::os::fd::AsRawFd;
+        // Safety: a write from a live buffer to the FIFO.
+        assert_eq!(
+            unsafe { libc::write(self.pipe.as_raw_fd(), data.as_ptr().cast(), data.len()) },
+            data.len() as isize
+        );
+    }
+}
+
+impl Drop for FifoQueue {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        let bytes = [0u8; 16384];
+        // Safety: a write from a live buffer to the FIFO, still open.
+        unsafe { libc::write(self.pipe.as_raw_fd(), bytes.as_ptr().cast(), bytes.len()) };
+    }
+}
+
+#[test]
+fn a_failed_ring_waits_for_what_the_kernel_holds() {
+    use std::os::fd::AsRawFd;
+    use std::time::Duration;
+    let f = FifoQueue::new();
+    let (q, [held, other]) = (&f.q, &f.bufs);
+    let t1 = Ticket::new(1);
+    // Offset -1: the FIFO's current position (it has no other).
+    q.submit(vec![one(Dir::Read, held.as_mut_ptr(), 4096, u64::MAX, None, &t1)]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!t1.is_done());
+    // Break the ring: its descriptor now names /dev/null, so every io_uring_enter fails, while the
+    // ring's memory (and the read in it) lives on.
+    let null = std::fs::File::open("/dev/null").unwrap();
+    // Safety: dup2 between two descriptors this test owns.
+    assert!(unsafe { libc::dup2(null.as_raw_fd(), q.ring_fd()) } >= 0);
+    let t2 = Ticket::new(1);
+    q.submit(vec![one(Dir::Read, other.as_mut_ptr(), 4096, u64::MAX, None, &t2)]);
+    // The request that never reached the kernel fails at once, and the queue says why.
+    let err = t2.wait_timeout(Duration::from_secs(3)).expect("refused").unwrap_err();
+    assert!(matches!(err, ssdtier_core::Error::EngineFailed { .. }), "{err}");
+    assert!(q.failure().is_some_and(|w| w.contains("ring failed")), "{:?}", q.failure());
+    // The read the kernel holds is not completed on its behalf: its buffer is still the kernel's.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!t1.is_done(), "completed while the kernel still holds its buffer");
+    let data = pattern(4096, 11);
+    f.write(&data);
+    // Its completion still arrives, through the completion queue's memory.
+    t1.wait_timeout(Duration::from_secs(3)).expect("the kernel's completion arrives").unwrap();
+    assert!(held.slice() == data.as_slice());
+    // New work is refused at once.
+    let t3 = Ticket::new(1);
+    q.submit(vec![one(Dir::Read, other.as_mut_ptr(), 4096, u64::MAX, None, &t3)]);
+    assert!(t3.poll().is_some_and(|r| r.is_err()));
+}
+
+#[test]
+fn a_request_waiting_behind_a_slow_one_starts_at_once() {
+    use std::time::Duration;
+    let f = FifoQueue::new();
+    let (q, [a, b]) = (&f.q, &f.bufs);
+    let slow = Ticket::new(1);
+    q.submit(vec![one(Dir::Read, a.as_mut_ptr(), 4096, u64::MAX, None, &slow)]);
+    std::thread::sleep(Duration::from_millis(100));
+    // The engine waits in the ring for the slow read; a write submitted now must not wait for it.
+    let t = Ticket::new(1);
+    q.submit(vec![one(Dir::Write, b.as_mut_ptr(), 4096, u64::MAX, None, &t)]);
+    t.wait_timeout(Duration::from_secs(3)).expect("the write was not held back").unwrap();
+    // The write filled the FIFO, so the slow read completes with its bytes.
+    slow.wait_timeout(Duration::from_secs(3)).expect("read").unwrap();
 }

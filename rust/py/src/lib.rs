@@ -1,17 +1,22 @@
 //! `ssdtier._native`: a thin binding over `ssdtier-core`. Every call that can
-//! block (I/O, waiting for evictions) releases the GIL.
+//! block (I/O, waiting for evictions) releases the GIL; copies from caller
+//! memory take it again, so Python cannot resize the source meanwhile.
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ssdtier_core::{self as core, Backend, DeviceConfig, Error, Eviction, StoreConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Turn a core error into the matching `ssdtier.errors` exception.
 fn to_py(py: Python<'_>, err: Error) -> PyErr {
     let kind = match &err {
-        Error::Io { .. } | Error::OutOfSpace { .. } => "os",
+        Error::Io { .. } | Error::OutOfSpace { .. } | Error::EngineFailed { .. } => "os",
+        Error::Failed(_) => "failed",
+        Error::Config(_) => "config",
         Error::Invalid(_) => "invalid",
+        Error::Busy { .. } => "busy",
         Error::UnknownKey(_) => "key",
         Error::Closed => "closed",
     };
@@ -39,7 +44,29 @@ impl<T> IntoPy<T> for core::Result<T> {
     }
 }
 
-/// Completion of an asynchronous transfer (a prefetch).
+/// A copy from caller memory at `address` into the store, batch by batch, each with the GIL
+/// held so Python cannot free or resize the source meanwhile.
+fn copy_in(address: usize) -> impl FnMut(u64, &mut [u8]) {
+    move |off, dst| {
+        Python::attach(|_| {
+            // Safety: the caller's buffer holds the entry's length (checked non-null) and its owner
+            // is held for the call; the GIL keeps Python from freeing or resizing it meanwhile.
+            unsafe {
+                std::ptr::copy_nonoverlapping((address as *const u8).add(off as usize), dst.as_mut_ptr(), dst.len())
+            }
+        })
+    }
+}
+
+/// A null address with bytes to move is refused (a zero-size storage has none).
+fn check_address(address: usize, len: u64) -> PyResult<()> {
+    if address == 0 && len > 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("a null buffer for {len} bytes")));
+    }
+    Ok(())
+}
+
+/// Completion of an asynchronous transfer.
 #[pyclass(frozen, module = "ssdtier._native")]
 struct Ticket {
     inner: Arc<core::Ticket>,
@@ -52,10 +79,16 @@ impl Ticket {
         self.inner.is_done()
     }
 
-    /// Block until the transfer has finished; raises its error, if any.
+    /// Block until the transfer has finished; raises its error, if any. Ctrl-C interrupts the
+    /// wait (the transfer goes on, and its memory stays held until it ends).
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
-        let t = self.inner.clone();
-        py.detach(move || t.wait()).py_err(py)
+        loop {
+            let t = self.inner.clone();
+            if let Some(r) = py.detach(move || t.wait_timeout(Duration::from_millis(50))) {
+                return r.py_err(py);
+            }
+            py.check_signals()?;
+        }
     }
 
     /// Seconds from the start of the transfer to its end; None while it is in flight.
@@ -76,7 +109,8 @@ impl Store {
     #[new]
     #[pyo3(signature = (
         devices, host_capacity, *, backend = "auto", queue_depth = 64, block_size = 1 << 20,
-        direct = true, fixed_buffers = true, threads = 4, eviction = "lifetime", throttle_bytes_per_sec = 0
+        direct = true, fixed_buffers = true, threads = 4, eviction = "lifetime", prealloc_step = 256 << 20,
+        throttle_bytes_per_sec = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -90,6 +124,7 @@ impl Store {
         fixed_buffers: bool,
         threads: usize,
         eviction: &str,
+        prealloc_step: u64,
         throttle_bytes_per_sec: u64,
     ) -> PyResult<Self> {
         let cfg = StoreConfig {
@@ -98,10 +133,11 @@ impl Store {
             backend: backend.parse::<Backend>().py_err(py)?,
             queue_depth,
             block_size,
-            direct,
+            o_direct: direct,
             fixed_buffers,
             threads,
             eviction: eviction.parse::<Eviction>().py_err(py)?,
+            prealloc_step,
             throttle_bytes_per_sec,
         };
         let store = py.detach(move || core::Store::new(cfg)).py_err(py)?;
@@ -119,36 +155,37 @@ impl Store {
         self.inner.commit(key).py_err(py)
     }
 
-    /// Write an entry that has no slot from host memory at `address`.
-    ///
-    /// The caller guarantees `address` holds the entry's length in bytes for the call.
-    fn write_direct(&self, py: Python<'_>, key: u64, address: usize) -> PyResult<()> {
+    /// Write an entry reserved without a slot from host memory at `address` (its length),
+    /// which `owner` keeps alive; copied with the GIL held.
+    fn write_staged(&self, py: Python<'_>, key: u64, address: usize, owner: Py<PyAny>) -> PyResult<()> {
         let s = self.inner.clone();
-        // Safety: the Python layer passes the data pointer of a live contiguous
-        // CPU tensor of the entry's length and keeps it alive across this call.
-        py.detach(move || unsafe { s.write_direct(key, address as *const u8) }).py_err(py)
+        let len = s.len_of(key).py_err(py)?;
+        check_address(address, len)?;
+        let _keep = owner;
+        py.detach(move || s.write_staged_with(key, &mut copy_in(address))).map_err(|e| to_py(py, e))
     }
 
-    /// New entry holding a copy of `nbytes` of host memory at `address`: its key.
-    ///
-    /// Copied into an arena slot, or written to NVMe when it does not fit in the host tier;
-    /// the caller keeps `address` valid for the call only.
-    fn put_from(&self, py: Python<'_>, address: usize, nbytes: u64) -> PyResult<u64> {
+    /// New entry holding a copy of `nbytes` of host memory at `address`, which `owner` keeps
+    /// alive: its key. Copied into an arena slot with the GIL held, or written to NVMe through
+    /// staging when it does not fit in the host tier.
+    fn put_from(&self, py: Python<'_>, address: usize, nbytes: u64, owner: Py<PyAny>) -> PyResult<u64> {
         let s = self.inner.clone();
-        // Safety: the Python layer passes the data pointer of a live CPU storage of at least
-        // `nbytes` and holds it across this call.
-        py.detach(move || unsafe { s.put_from(address as *const u8, nbytes) }).py_err(py)
+        check_address(address, nbytes)?;
+        let _keep = owner;
+        py.detach(move || s.put_with(nbytes, &mut copy_in(address))).map_err(|e| to_py(py, e))
     }
 
     /// New entry written to NVMe straight from caller memory: (key, ticket of the write).
     ///
-    /// The caller keeps `address` (4096-aligned) valid and unchanged for `nbytes`
-    /// rounded up to 4096 until the ticket is done.
-    fn write_from(&self, py: Python<'_>, address: usize, nbytes: u64) -> PyResult<(u64, Ticket)> {
+    /// `address` is page-aligned, holds `nbytes` rounded up to 4096, and stays unchanged while
+    /// `owner` lives; the ticket holds `owner` until the write is done.
+    fn write_from(&self, py: Python<'_>, address: usize, nbytes: u64, owner: Py<PyAny>) -> PyResult<(u64, Ticket)> {
         let s = self.inner.clone();
-        // Safety: the Python layer passes the page-aligned start of a live CPU storage's
-        // pages and holds that storage until the ticket is done.
-        let (key, t) = py.detach(move || unsafe { s.write_from(address as *const u8, nbytes) }).py_err(py)?;
+        let owner: core::Owner = Box::new(owner);
+        // Safety: the Python layer passes the page-aligned start of a live CPU storage's pages,
+        // kept alive by `owner`, which the ticket holds until the write is done.
+        let (key, t) =
+            py.detach(move || unsafe { s.write_from(address as *const u8, nbytes, Some(owner)) }).py_err(py)?;
         Ok((key, Ticket { inner: t }))
     }
 
@@ -162,21 +199,35 @@ impl Store {
         self.inner.release(key).py_err(py)
     }
 
-    /// Read an entry into host memory at `address` (the entry's length in bytes).
-    fn read_direct(&self, py: Python<'_>, key: u64, address: usize) -> PyResult<()> {
+    /// Read an entry into host memory at `address` (its length), which `owner` keeps alive;
+    /// copied out with the GIL held.
+    fn read_staged(&self, py: Python<'_>, key: u64, address: usize, owner: Py<PyAny>) -> PyResult<()> {
         let s = self.inner.clone();
-        // Safety: the Python layer passes the data pointer of a live, writable,
-        // contiguous CPU tensor of the entry's length.
-        py.detach(move || unsafe { s.read_direct(key, address as *mut u8) }).py_err(py)
+        check_address(address, s.len_of(key).py_err(py)?)?;
+        let _keep = owner;
+        py.detach(move || {
+            s.read_staged_with(key, &mut |off, src| {
+                Python::attach(|_| {
+                    // Safety: the caller's buffer holds the entry's length (checked non-null above) and
+                    // `owner` keeps it alive; the GIL keeps Python from freeing or resizing it meanwhile.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src.as_ptr(), (address as *mut u8).add(off as usize), src.len())
+                    }
+                })
+            })
+        })
+        .map_err(|e| to_py(py, e))
     }
 
-    /// Read an entry into page-aligned host memory at `address` (room for the
-    /// length rounded up to 4096), bypassing the arena; returns a Ticket.
-    fn read_into(&self, py: Python<'_>, key: u64, address: usize) -> PyResult<Ticket> {
+    /// Read an entry into page-aligned host memory at `address` (room for the length rounded
+    /// up to 4096), bypassing the arena; returns a Ticket, which holds `owner` until the read
+    /// has landed.
+    fn read_into(&self, py: Python<'_>, key: u64, address: usize, owner: Py<PyAny>) -> PyResult<Ticket> {
         let s = self.inner.clone();
-        // Safety: the Python layer passes a page-aligned buffer of the rounded
-        // length that it keeps alive until the ticket is done.
-        let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8) }).py_err(py)?;
+        let owner: core::Owner = Box::new(owner);
+        // Safety: the Python layer passes a page-aligned buffer of the rounded length that
+        // `owner` keeps alive, and the ticket holds `owner` until the read has landed.
+        let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8, Some(owner)) }).py_err(py)?;
         Ok(Ticket { inner: t })
     }
 
@@ -190,6 +241,11 @@ impl Store {
     fn evict(&self, py: Python<'_>, key: u64) -> PyResult<()> {
         let s = self.inner.clone();
         py.detach(move || s.evict(key)).py_err(py)
+    }
+
+    /// Wait for a ticket of this store (interruptible, as Ticket.wait).
+    fn wait(&self, py: Python<'_>, ticket: &Ticket) -> PyResult<()> {
+        ticket.wait(py)
     }
 
     fn free(&self, py: Python<'_>, key: u64) -> PyResult<()> {
@@ -256,7 +312,7 @@ impl Store {
     /// Whether each device's file uses O_DIRECT.
     #[getter]
     fn direct(&self) -> Vec<bool> {
-        self.inner.direct()
+        self.inner.o_direct()
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -270,8 +326,8 @@ impl Store {
         d.set_item("nvme_bytes_read", s.nvme_bytes_read)?;
         d.set_item("nvme_write_ops", s.nvme_write_ops)?;
         d.set_item("nvme_read_ops", s.nvme_read_ops)?;
-        d.set_item("direct_puts", s.direct_puts)?;
-        d.set_item("direct_gets", s.direct_gets)?;
+        d.set_item("staged_puts", s.staged_puts)?;
+        d.set_item("staged_gets", s.staged_gets)?;
         d.set_item("zero_copy_puts", s.zero_copy_puts)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("prefetches", s.prefetches)?;
@@ -290,6 +346,9 @@ impl Store {
         d.set_item("device_bytes_written", s.device_bytes_written)?;
         d.set_item("device_bytes_read", s.device_bytes_read)?;
         d.set_item("device_file_size", s.device_file_size)?;
+        d.set_item("device_high_water", s.device_high_water)?;
+        d.set_item("quarantined_bytes", s.quarantined_bytes)?;
+        d.set_item("failure", s.failure)?;
         Ok(d)
     }
 }

@@ -1,0 +1,137 @@
+//! The state of one entry. Every change goes through `Inner::take` and
+//! `Inner::put_back` (store/mod.rs), which keep the eviction index, the list
+//! of transfers in flight and the byte counters in step with the states.
+
+use super::placement::Placement;
+use crate::alloc::Range;
+use crate::ticket::Ticket;
+use std::sync::Arc;
+
+pub(crate) enum State {
+    /// Zero bytes: nothing stored anywhere.
+    Empty,
+    /// Reserved with an arena slot that the caller is filling (until `commit`).
+    Filling { slot: Range },
+    /// No bytes yet: reserved without a slot (for `write_staged`), or its write from
+    /// caller memory failed.
+    NoBytes,
+    /// In the arena only.
+    Host { slot: Range },
+    /// Being written to NVMe.
+    Writing { src: WriteSrc, disk: Placement, io: Arc<Ticket> },
+    /// In the arena and on NVMe.
+    Clean { slot: Range, disk: Placement },
+    /// On NVMe only.
+    Disk { disk: Placement },
+    /// Being read from NVMe.
+    Reading { dst: ReadDst, disk: Placement, io: Arc<Ticket> },
+}
+
+pub(crate) enum WriteSrc {
+    /// Its arena slot, which it gives up once written if `evict`.
+    Slot { slot: Range, evict: bool },
+    /// Caller memory (`write_from`); counts against the bytes that may wait for NVMe.
+    Caller,
+    /// Caller memory copied through staging by the calling thread, which finishes it.
+    Staged,
+}
+
+pub(crate) enum ReadDst {
+    /// An arena slot, which the entry keeps.
+    Slot(Range),
+    /// Caller memory (`read_into`).
+    Caller,
+    /// Caller memory through staging, by the calling thread, which finishes it.
+    Staged,
+}
+
+pub(crate) struct Entry {
+    pub len: u64,
+    pub state: State,
+    /// Callers holding its slot (`acquire` .. `release`).
+    pub pins: u32,
+    /// Read ahead and not used yet: evicted only when nothing else can go.
+    pub prefetched: bool,
+    pub put_seq: u64,
+    pub host_seq: u64,
+    pub access_seq: u64,
+}
+
+impl Entry {
+    pub fn new(len: u64, state: State, seq: u64) -> Self {
+        Entry { len, state, pins: 0, prefetched: false, put_seq: seq, host_seq: seq, access_seq: seq }
+    }
+
+    /// The arena offset to serve a read from: its bytes are in the slot.
+    pub fn readable_slot(&self) -> Option<u64> {
+        match &self.state {
+            State::Host { slot }
+            | State::Clean { slot, .. }
+            | State::Writing { src: WriteSrc::Slot { slot, .. }, .. } => Some(slot.off()),
+            _ => None,
+        }
+    }
+
+    /// Whether it holds an arena slot (filled or not).
+    pub fn has_slot(&self) -> bool {
+        matches!(
+            self.state,
+            State::Filling { .. }
+                | State::Host { .. }
+                | State::Clean { .. }
+                | State::Writing { src: WriteSrc::Slot { .. }, .. }
+                | State::Reading { dst: ReadDst::Slot(_), .. }
+        )
+    }
+
+    /// Its NVMe copy holds the bytes (written, or being read back; none are needed for zero bytes).
+    pub fn on_nvme(&self) -> bool {
+        matches!(self.state, State::Empty | State::Clean { .. } | State::Disk { .. } | State::Reading { .. })
+    }
+
+    /// The transfer in flight, if any.
+    pub fn io(&self) -> Option<&Arc<Ticket>> {
+        match &self.state {
+            State::Writing { io, .. } | State::Reading { io, .. } => Some(io),
+            _ => None,
+        }
+    }
+
+    /// In flight and finished by `reap` (not by a thread streaming through staging).
+    pub fn reaped(&self) -> bool {
+        matches!(
+            self.state,
+            State::Writing { src: WriteSrc::Slot { .. } | WriteSrc::Caller, .. }
+                | State::Reading { dst: ReadDst::Slot(_) | ReadDst::Caller, .. }
+        )
+    }
+
+    /// The key of this entry in the eviction index, if it may give up its slot now.
+    pub fn evict_key(&self, policy: super::Eviction, key: u64) -> Option<(bool, u64, u64)> {
+        if self.pins > 0 || self.len == 0 || !matches!(self.state, State::Host { .. } | State::Clean { .. }) {
+            return None;
+        }
+        let prio = match policy {
+            super::Eviction::Lifetime => self.put_seq,
+            super::Eviction::Lru => self.access_seq,
+            super::Eviction::Fifo => self.host_seq,
+        };
+        Some((self.prefetched, prio, key))
+    }
+
+    /// Bytes of its slot on the way out (an eviction write in flight).
+    pub fn leaving(&self) -> u64 {
+        match &self.state {
+            State::Writing { src: WriteSrc::Slot { slot, evict: true }, .. } => slot.len(),
+            _ => 0,
+        }
+    }
+
+    /// Bytes of caller memory its write from caller memory holds.
+    pub fn caller_held(&self) -> u64 {
+        match self.state {
+            State::Writing { src: WriteSrc::Caller, .. } => self.len.div_ceil(crate::ALIGN) * crate::ALIGN,
+            _ => 0,
+        }
+    }
+}

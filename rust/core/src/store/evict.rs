@@ -1,0 +1,149 @@
+//! Room in the host arena: slots found by evicting entries in policy order,
+//! their bytes written to NVMe first when they are not there yet.
+
+use super::entry::{Entry, ReadDst, State, WriteSrc};
+use super::inner::Inner;
+use super::placement::Placement;
+use super::transfer::Mem;
+use super::Store;
+use crate::alloc::Range;
+use crate::engine::Dir;
+use crate::error::Result;
+use std::sync::MutexGuard;
+
+impl Store {
+    /// Find a host slot of `len` bytes, evicting by policy. With `wait`, waits for eviction
+    /// writes; without, takes only what is free or clean. Entries read ahead and not used yet
+    /// go only with `last_resort`, when nothing else is leaving. None when the entry cannot
+    /// get a slot (bigger than the arena, or everything else pinned or read ahead).
+    ///
+    /// The lock may be released meanwhile: callers check their entry's state again.
+    pub(crate) fn make_room<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Inner>,
+        len: u64,
+        wait: bool,
+        last_resort: bool,
+    ) -> Result<(MutexGuard<'a, Inner>, Option<Range>)> {
+        let Some(need) = g.host.round(len).filter(|&n| n > 0 && n <= g.host.capacity()) else {
+            return Ok((g, None));
+        };
+        // Keep a quarter of the arena free or on its way out, so the disk stays busy while the
+        // caller fills the next slot.
+        let headroom = g.host.capacity() / 4;
+        loop {
+            g.reap();
+            if let Some(slot) = g.host.alloc(need) {
+                if wait {
+                    self.start_evictions(&mut g, 0, headroom, false);
+                }
+                return Ok((g, Some(slot)));
+            }
+            // No NVMe room is not an error here: without a slot the caller streams through
+            // staging, which reports it if it applies.
+            self.start_evictions(&mut g, need, headroom, false);
+            if let Some(slot) = g.host.alloc(need) {
+                return Ok((g, Some(slot)));
+            }
+            if !wait {
+                return Ok((g, None));
+            }
+            if g.leaving == 0 && last_resort {
+                self.start_evictions(&mut g, need, 0, true);
+                if let Some(slot) = g.host.alloc(need) {
+                    return Ok((g, Some(slot)));
+                }
+            }
+            let Some(t) = g.oldest_write(|e| e.leaving() > 0) else { return Ok((g, None)) };
+            let (g2, _) = self.wait_unlocked(g, &t)?;
+            g = g2;
+            if let Some(err) = g.deferred.take() {
+                if err.errno() != Some(libc::ENOSPC) {
+                    return Err(err);
+                }
+            }
+        }
+    }
+
+    /// Start evictions until free + leaving ≥ `need + headroom`. Clean entries give up their
+    /// slot at once; dirty ones are written first, until NVMe has no room for them. Entries
+    /// read ahead and not used yet go only with `take_prefetched`: evicting them would mean
+    /// reading them again.
+    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool) {
+        let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving);
+        let mut nvme_full = false;
+        let mut after: Option<(bool, u64, u64)> = None;
+        while budget > 0 {
+            let next = match after {
+                None => g.index.iter().next(),
+                Some(a) => g.index.range((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)).next(),
+            };
+            let Some(&cand) = next else { break };
+            after = Some(cand);
+            let (prefetched, _, key) = cand;
+            if prefetched && !take_prefetched {
+                break; // the index puts read-ahead entries last
+            }
+            let Ok(mut e) = g.take(key) else { continue };
+            match std::mem::replace(&mut e.state, State::Empty) {
+                State::Clean { slot, disk } => {
+                    budget = budget.saturating_sub(slot.len());
+                    g.free_slot(slot);
+                    g.stats.evictions += 1;
+                    e.prefetched = false;
+                    e.state = State::Disk { disk };
+                }
+                State::Host { slot } if !nvme_full => {
+                    let size = slot.len();
+                    match self.start_write(g, &mut e, slot, true) {
+                        Ok(()) => budget = budget.saturating_sub(size),
+                        Err(_) => nvme_full = true,
+                    }
+                }
+                other => e.state = other,
+            }
+            g.put_back(key, e);
+        }
+    }
+
+    /// Write an entry's slot to NVMe (its state becomes `Writing`); without NVMe room it
+    /// stays in the host tier and the error says why.
+    pub(crate) fn start_write(&self, g: &mut Inner, e: &mut Entry, slot: Range, evict: bool) -> Result<()> {
+        let disk = match self.alloc_disk(g, e.len) {
+            Ok(d) => d,
+            Err(err) => {
+                e.state = State::Host { slot };
+                return Err(err);
+            }
+        };
+        // Safety: the slot is the entry's and stays allocated to it until the write is reaped
+        // (or quarantined if the write is abandoned).
+        let io = unsafe { self.submit_pieces(g, &disk.pieces, Dir::Write, Mem::Arena(slot.off()), None) };
+        e.state = State::Writing { src: WriteSrc::Slot { slot, evict }, disk, io };
+        Ok(())
+    }
+
+    /// Read an entry on NVMe into `slot`.
+    pub(crate) fn start_read(&self, g: &mut Inner, e: &mut Entry, disk: Placement, slot: Range) {
+        let seq = g.next_seq();
+        e.host_seq = seq;
+        e.access_seq = seq;
+        // Safety: as in start_write: the slot is the entry's until the read is reaped.
+        let io = unsafe { self.submit_pieces(g, &disk.pieces, Dir::Read, Mem::Arena(slot.off()), None) };
+        e.state = State::Reading { dst: ReadDst::Slot(slot), disk, io };
+    }
+
+    /// NVMe space for `len` bytes, growing the files ahead of use.
+    pub(crate) fn alloc_disk(&self, g: &mut Inner, len: u64) -> Result<Placement> {
+        let fds: Vec<Option<std::os::fd::RawFd>> = {
+            let devices = self.devices.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            devices.iter().map(|d| d.file.as_ref().map(|f| f.raw_fd())).collect()
+        };
+        let mut notices = Vec::new();
+        let res = g.space.alloc(len, self.cfg.block_size, &fds, &mut notices);
+        if !notices.is_empty() {
+            self.notices.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(notices);
+        }
+        res
+    }
+}

@@ -1,0 +1,270 @@
+//! The books of a store, behind its lock: entries and their states, the
+//! eviction index, transfers in flight, free space, and whether the store
+//! still takes work.
+
+use super::entry::{Entry, ReadDst, State, WriteSrc};
+use super::placement::{Placement, Space};
+use super::stats::Stats;
+use super::Eviction;
+use crate::alloc::{Range, RangeAllocator};
+use crate::error::{Error, Result};
+use std::collections::{BTreeSet, HashMap};
+
+/// Whether the store takes work.
+pub(crate) enum Status {
+    Open,
+    /// An engine failed, or the books went wrong: new work is refused with this reason.
+    Failed(String),
+    Closed,
+}
+
+pub(crate) struct Inner {
+    entries: HashMap<u64, Entry>,
+    /// Entries that may give up their slot now, in eviction order: (prefetched, priority, key).
+    pub index: BTreeSet<(bool, u64, u64)>,
+    /// Entries with a transfer in flight that `reap` finishes.
+    inflight: BTreeSet<u64>,
+    /// Bytes of caller memory held by writes from it (`write_from`).
+    pub caller_bytes: u64,
+    /// Bytes of slots on their way out (eviction writes in flight).
+    pub leaving: u64,
+    pub next_key: u64,
+    pub seq: u64,
+    pub host: RangeAllocator,
+    host_quarantine: Vec<Range>,
+    pub space: Space,
+    pub stats: Stats,
+    /// An error of a background write that nobody waited on yet.
+    pub deferred: Option<Error>,
+    pub status: Status,
+    policy: Eviction,
+}
+
+impl Inner {
+    pub fn new(host: RangeAllocator, space: Space, stats: Stats, policy: Eviction) -> Self {
+        Inner {
+            entries: HashMap::new(),
+            index: BTreeSet::new(),
+            inflight: BTreeSet::new(),
+            caller_bytes: 0,
+            leaving: 0,
+            next_key: 1,
+            seq: 0,
+            host,
+            host_quarantine: Vec::new(),
+            space,
+            stats,
+            deferred: None,
+            status: Status::Open,
+            policy,
+        }
+    }
+
+    /// Refuse new work from now on (the first reason is kept).
+    pub fn fail(&mut self, why: String) {
+        if matches!(self.status, Status::Open) {
+            self.status = Status::Failed(why);
+        }
+    }
+
+    pub fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    pub fn get(&self, key: u64) -> Result<&Entry> {
+        self.entries.get(&key).ok_or(Error::UnknownKey(key))
+    }
+
+    /// A new entry under a fresh key.
+    pub fn insert(&mut self, e: Entry) -> u64 {
+        let key = self.next_key;
+        self.next_key += 1;
+        self.put_back(key, e);
+        key
+    }
+
+    /// Take an entry out to change it; give it back with `put_back`.
+    pub fn take(&mut self, key: u64) -> Result<Entry> {
+        let e = self.entries.remove(&key).ok_or(Error::UnknownKey(key))?;
+        if let Some(k) = e.evict_key(self.policy, key) {
+            self.index.remove(&k);
+        }
+        if e.reaped() {
+            self.inflight.remove(&key);
+        }
+        self.caller_bytes -= e.caller_held();
+        self.leaving -= e.leaving();
+        Ok(e)
+    }
+
+    pub fn put_back(&mut self, key: u64, e: Entry) {
+        if let Some(k) = e.evict_key(self.policy, key) {
+            self.index.insert(k);
+        }
+        if e.reaped() {
+            self.inflight.insert(key);
+        }
+        self.caller_bytes += e.caller_held();
+        self.leaving += e.leaving();
+        self.entries.insert(key, e);
+    }
+
+    /// Every entry's key, for close.
+    pub fn keys(&self) -> Vec<u64> {
+        self.entries.keys().copied().collect()
+    }
+
+    /// The oldest write in flight matching `pred`, to wait on.
+    pub fn oldest_write(&self, pred: impl Fn(&Entry) -> bool) -> Option<std::sync::Arc<crate::Ticket>> {
+        self.inflight
+            .iter()
+            .filter_map(|k| self.entries.get(k))
+            .find(|e| matches!(e.state, State::Writing { .. }) && pred(e))
+            .and_then(|e| e.io().cloned())
+    }
+
+    // ------------------------------------------------------------ space
+
+    pub fn free_slot(&mut self, slot: Range) {
+        if let Err(e) = self.host.free(slot) {
+            self.fail(format!(
+                "the host arena's books are wrong (slot at {} of {} bytes given back twice)",
+                e.off, e.len
+            ));
+        }
+    }
+
+    pub fn free_disk(&mut self, pl: Placement) {
+        if let Err(e) = self.space.release(pl) {
+            self.fail(format!(
+                "the NVMe space's books are wrong (range at {} of {} bytes given back twice)",
+                e.off, e.len
+            ));
+        }
+    }
+
+    /// Space of a transfer abandoned in the kernel: never handed out again.
+    fn lose_slot(&mut self, slot: Range) {
+        self.host_quarantine.push(slot);
+    }
+
+    pub fn quarantined_bytes(&self) -> u64 {
+        self.host_quarantine.iter().map(Range::len).sum::<u64>() + self.space.quarantined_bytes()
+    }
+
+    // ------------------------------------------------------------ completions
+
+    /// Finish the transfers whose tickets are done.
+    pub fn reap(&mut self) {
+        let done: Vec<u64> = self
+            .inflight
+            .iter()
+            .copied()
+            .filter(|k| self.entries.get(k).and_then(Entry::io).is_some_and(|t| t.is_done()))
+            .collect();
+        for key in done {
+            let Ok(mut e) = self.take(key) else { continue };
+            let io = e.io().cloned().expect("in flight");
+            let res = io.poll().expect("done");
+            let abandoned = io.abandoned();
+            e.state = match std::mem::replace(&mut e.state, State::Empty) {
+                State::Writing { src, disk, .. } => self.end_write(&mut e, src, disk, res, abandoned),
+                State::Reading { dst, disk, .. } => self.end_read(&mut e, dst, disk, res, abandoned),
+                other => other,
+            };
+            self.put_back(key, e);
+        }
+    }
+
+    fn end_write(&mut self, e: &mut Entry, src: WriteSrc, disk: Placement, res: Result<()>, abandoned: bool) -> State {
+        match (src, res) {
+            (WriteSrc::Slot { slot, evict }, Ok(())) if evict && e.pins == 0 => {
+                self.free_slot(slot);
+                self.stats.evictions += 1;
+                e.prefetched = false;
+                State::Disk { disk }
+            }
+            (WriteSrc::Slot { slot, .. }, Ok(())) => State::Clean { slot, disk },
+            (WriteSrc::Caller | WriteSrc::Staged, Ok(())) => State::Disk { disk },
+            (src, Err(err)) => {
+                // The file's range may still be written by the kernel if abandoned: keep it out of use.
+                if abandoned {
+                    self.space.quarantine(disk);
+                } else {
+                    self.free_disk(disk);
+                }
+                self.note_error(&err);
+                match src {
+                    // From the arena the bytes stay in the slot; the error waits for `flush`.
+                    WriteSrc::Slot { slot, .. } => {
+                        self.deferred.get_or_insert(err);
+                        State::Host { slot }
+                    }
+                    // From caller memory the caller has the bytes and learns of it from its ticket.
+                    WriteSrc::Caller | WriteSrc::Staged => State::NoBytes,
+                }
+            }
+        }
+    }
+
+    fn end_read(&mut self, e: &mut Entry, dst: ReadDst, disk: Placement, res: Result<()>, abandoned: bool) -> State {
+        match (dst, res) {
+            (ReadDst::Slot(slot), Ok(())) => State::Clean { slot, disk },
+            (ReadDst::Slot(slot), Err(err)) => {
+                // The NVMe copy is still there: the next acquire reads it again.
+                if abandoned {
+                    self.lose_slot(slot);
+                } else {
+                    self.free_slot(slot);
+                }
+                e.prefetched = false;
+                self.note_error(&err);
+                State::Disk { disk }
+            }
+            (ReadDst::Caller | ReadDst::Staged, res) => {
+                if let Err(err) = res {
+                    self.note_error(&err);
+                }
+                State::Disk { disk }
+            }
+        }
+    }
+
+    /// What an error of a transfer says about the store: a failed engine stops it; a full
+    /// file system takes its device out of use until space is freed.
+    pub fn note_error(&mut self, err: &Error) {
+        match err {
+            Error::EngineFailed { .. } => self.fail(err.to_string()),
+            Error::Io { path, errno, .. } if *errno == libc::ENOSPC => self.space.mark_full(path),
+            _ => {}
+        }
+    }
+
+    /// Counters and space, as of now.
+    pub fn snapshot(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.host_used = self.host.used();
+        s.host_peak = self.host.peak_used();
+        s.nvme_used = self.space.used();
+        s.nvme_peak = self.space.peak();
+        s.quarantined_bytes = self.quarantined_bytes();
+        s.entries = self.entries.len() as u64;
+        s.device_used = self.space.device_used();
+        s.device_high_water = self.space.device_high_water();
+        s.failure = match &self.status {
+            Status::Failed(why) => Some(why.clone()),
+            _ => None,
+        };
+        s
+    }
+
+    /// Forget everything (close): the space goes with the store.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.index.clear();
+        self.inflight.clear();
+        self.caller_bytes = 0;
+        self.leaving = 0;
+    }
+}
