@@ -390,3 +390,24 @@ def test_torch_compile_traces_the_hooks_without_a_graph_break(store_dir, recwarn
         assert off.stats().tensors_offloaded > 0
     assert len(graphs) == 1
     assert not [w for w in recwarn if "Dynamo" in str(w.message)]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(store_dir, backend):
+    """fullgraph=True refuses any graph break: the model's hooks (which push saved-tensor
+    hooks, something Dynamo cannot trace) run outside the compiled frame, as save_on_cpu's
+    context does, and the compiled graph's saved tensors still go through ssdtier."""
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # inductor's CPU reductions: a fixed order, so twins match bitwise
+    try:
+        ref, model = _twins(4)
+        compiled_ref = torch.compile(ref, fullgraph=True, backend=backend)
+        with ssdtier.attach(model, offload_config(store_dir)) as off:
+            run = torch.compile(model, fullgraph=True, backend=backend)
+            for _ in range(2):
+                _same(_step(compiled_ref, X), _step(run, X))
+            assert off.stats().tensors_offloaded > 0 and off.stats().bytes_read_nvme > 0
+        assert _no_hooks_left()
+    finally:
+        torch.set_num_threads(threads)

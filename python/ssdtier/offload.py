@@ -45,6 +45,9 @@ _ATTR = "_ssdtier_offloader"
 _AHEAD_MAX = 4  # prefetch_layers = "auto" reads 1.._AHEAD_MAX layers ahead
 _PAGE = 4096
 
+# Run as Python, never traced by torch.compile.
+_eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
+
 
 def _aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
     """A CPU storage with room for ``nbytes`` rounded up to whole pages (O_DIRECT moves whole
@@ -105,6 +108,15 @@ class _Hook:
 
 def _inert_hook() -> Any:
     return _inert
+
+
+class _ModelHook(_Hook):
+    """The model's own hooks, which push and pop the saved-tensor hooks: Dynamo cannot trace
+    that, so under torch.compile they run outside the compiled frame (as a ``save_on_cpu``
+    around the call would), and ``fullgraph=True`` works."""
+
+    __slots__ = ()
+    __call__ = _eager(_Hook.__call__)
 
 
 def _detached() -> None:
@@ -259,18 +271,10 @@ def _pushed() -> list[_Fwd]:
     return stack
 
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
-# Run as Python, not traced by torch.compile (which cannot trace frames or the hooks' stack);
-# used on the rare paths only, as each call is a break in the compiled graph.
-_eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
-
-
 def _saving_possible() -> str | None:
     """Why saved-tensor hooks cannot or need not be pushed now, or None if they can."""
     if not torch.is_grad_enabled():
         return ""  # no_grad, inference_mode: nothing is saved
-    if _is_compiling():
-        return None  # traced by torch.compile, which cannot call the checks below
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     if active is not None and active():
         return "a torch.func transform is active, and those do not support saved-tensor hooks"
@@ -285,7 +289,6 @@ def _top_hooks() -> Any:
     return top(False) if top is not None else None
 
 
-@_eager
 def _forwards_under_way(module: nn.Module) -> int:
     """How many calls of ``module`` are on this thread's Python stack (asked only when the
     model is entered with its hooks still pushed: a call inside its own forward, or a
@@ -299,7 +302,6 @@ def _forwards_under_way(module: nn.Module) -> int:
     return n
 
 
-@_eager
 def _drop_interrupted(f: _Fwd, what: str) -> None:
     """Pop the hooks that an interrupted forward left pushed on this thread (KeyboardInterrupt,
     not an Exception, skips the forward hooks that pop them), with those of the attached
@@ -559,8 +561,8 @@ class Offloader:
             if self._adaptive:
                 self._bw = self._calibrate()
             self._handles += [
-                model.register_forward_pre_hook(_Hook(self._enter)),
-                model.register_forward_hook(_Hook(self._exit), always_call=True),
+                model.register_forward_pre_hook(_ModelHook(self._enter)),
+                model.register_forward_hook(_ModelHook(self._exit), always_call=True),
             ]
             if found:
                 for i, block in enumerate(found[1]):
