@@ -8,6 +8,8 @@ import contextlib
 import copy
 import logging
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -356,6 +358,8 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
     off = ssdtier.attach(m, offload_config(store_dir))
     with pytest.raises(ssdtier.SsdtierError, match="already attached"):
         ssdtier.attach(m, offload_config(store_dir))
+    with pytest.raises(TypeError, match="attach\\(\\) needs a torch.nn.Module, got function"):
+        ssdtier.attach(m.forward.__func__, offload_config(store_dir))
     off.detach()
     off.detach()  # idempotent
     after = {
@@ -364,6 +368,33 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
     }
     assert before == after
     ssdtier.attach(m, offload_config(store_dir)).detach()
+
+
+LOAD_WITHOUT_SSDTIER = """
+import sys, torch
+sys.modules["ssdtier"] = None  # import ssdtier now fails
+model, x, want = torch.load(sys.argv[1], weights_only=False)
+model(x).square().sum().backward()
+assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+print("loaded and trained")
+"""
+
+
+def test_a_saved_attached_model_loads_without_ssdtier(store_dir, tmp_path):
+    """torch.save(model) while attached keeps no trace of ssdtier that loading would need."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(4, 16)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    path = tmp_path / "model.pt"
+    with ssdtier.attach(model, offload_config(store_dir)):
+        torch.save((model, x, want), path)
+    r = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_SSDTIER, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "loaded and trained" in r.stdout, r.stderr
 
 
 def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
@@ -394,7 +425,7 @@ def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
         loaded = torch.load(path, weights_only=False)
         packs = off.stats().packs
         for other in (twin, loaded):
-            assert getattr(other, "_ssdtier_offloader", None) is None
+            assert ssdtier.offload.attached(other) is None
             same(grads_of(other), want)
         with torch.no_grad():
             ema(*batch)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import math
@@ -37,11 +38,10 @@ from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError
 from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
 
-__all__ = ["OffloadStats", "Offloader", "attach", "find_layers"]
+__all__ = ["OffloadStats", "Offloader", "attach", "attached", "find_layers"]
 
 log = logging.getLogger("ssdtier")
 
-_ATTR = "_ssdtier_offloader"
 _AHEAD_MAX = 4  # prefetch_layers = "auto" reads 1.._AHEAD_MAX layers ahead
 _PAGE = 4096
 
@@ -82,14 +82,11 @@ def _clear_cuda_error() -> None:
     log.warning("ssdtier: could not clear the CUDA error (%s); torch may report it at its next kernel", err)
 
 
-def _inert(*args: Any) -> None:
-    """What a copy of an attached model has in place of ssdtier's hooks: nothing."""
-
-
 class _Hook:
     """A module hook of the offloader. A copy of the model (``copy.deepcopy``, as EMA and
-    ``AveragedModel`` make; ``torch.save(model)``) is not attached: its copies of these hooks do
-    nothing, and the copy shares nothing with the offloader or its store."""
+    ``AveragedModel`` make; ``torch.save(model)``) is not attached: its copies of these hooks
+    are ``sys.audit`` calls that do nothing, so the copy shares nothing with the offloader and
+    loads where ssdtier is not installed."""
 
     __slots__ = ("fn",)
 
@@ -99,15 +96,8 @@ class _Hook:
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _inert
-
     def __reduce__(self) -> tuple:
-        return (_inert_hook, ())
-
-
-def _inert_hook() -> Any:
-    return _inert
+        return (functools.partial, (sys.audit, "ssdtier.detached_hook"))
 
 
 class _ModelHook(_Hook):
@@ -117,10 +107,6 @@ class _ModelHook(_Hook):
 
     __slots__ = ()
     __call__ = _eager(_Hook.__call__)
-
-
-def _detached() -> None:
-    return None
 
 
 def _storage_objects_preserved() -> bool:
@@ -457,7 +443,9 @@ class Offloader:
     """
 
     def __init__(self, model: nn.Module, config: Config) -> None:
-        if getattr(model, _ATTR, None) is not None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+        if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         pol = config.policy
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
@@ -568,7 +556,7 @@ class Offloader:
                 for i, block in enumerate(found[1]):
                     self._handles.append(block.register_forward_pre_hook(_Hook(self._block_enter(i + 1))))
                     self._handles.append(block.register_forward_hook(_Hook(self._block_exit(i + 1)), always_call=True))
-            setattr(model, _ATTR, self)
+            _ATTACHED[model] = weakref.ref(self)
         except BaseException:
             # Nothing left behind: no hook on the model, and the store closed.
             for h in self._handles:
@@ -1377,8 +1365,8 @@ class Offloader:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if getattr(self.model, _ATTR, None) is self:
-            delattr(self.model, _ATTR)
+        if attached(self.model) is self:
+            del _ATTACHED[self.model]
         if any(self._tls.fwd.pushed):
             _drop_interrupted(self._tls.fwd, "was not finished at detach()")
         self._closed = True
@@ -1411,17 +1399,21 @@ class Offloader:
     def __enter__(self) -> Offloader:
         return self
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # the model's reference to it, in a copy of the model: not attached
-
-    def __reduce__(self) -> tuple:
-        return (_detached, ())
-
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
     def __repr__(self) -> str:
         return f"<Offloader {type(self.model).__name__} layers={self.layers_path!r} store={self.store!r}>"
+
+
+# Each model's offloader, weakly both ways: nothing of ssdtier's is stored in the model.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Offloader]] = weakref.WeakKeyDictionary()
+
+
+def attached(model: nn.Module) -> Offloader | None:
+    """The offloader attached to ``model``, or None."""
+    ref = _ATTACHED.get(model)
+    return ref() if ref is not None else None
 
 
 def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
@@ -1436,6 +1428,7 @@ def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
         The :class:`Offloader`; use it as a context manager or call ``detach()``.
 
     Raises:
+        TypeError: ``model`` is not a module.
         SsdtierError: already attached to this module.
         ConfigError: bad configuration.
 
