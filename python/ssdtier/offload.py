@@ -25,6 +25,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from .config import Config, resolve_config
-from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError
+from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError, SsdtierWarning
 from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
 
@@ -47,6 +48,11 @@ _PAGE = 4096
 
 # Run as Python, never traced by torch.compile.
 _eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
+
+
+def _warn(msg: str) -> None:
+    """What the user must see (activations left in memory, hooks removed); the rest is logged."""
+    warnings.warn(f"ssdtier: {msg}", SsdtierWarning, stacklevel=3)
 
 
 def _aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
@@ -79,7 +85,7 @@ def _clear_cuda_error() -> None:
         err: object = "no libcudart.so is loaded (a static build?)"
     except OSError as e:
         err = e
-    log.warning("ssdtier: could not clear the CUDA error (%s); torch may report it at its next kernel", err)
+    _warn(f"could not clear the CUDA error ({err}); torch may report it at its next kernel")
 
 
 class _Hook:
@@ -306,13 +312,10 @@ def _drop_interrupted(f: _Fwd, what: str) -> None:
         g.pushed.clear()
     del stack[inner:]
     f.pushed.clear()
-    log.warning(
-        "ssdtier: a forward of %s on this thread %s (interrupted, as by KeyboardInterrupt, which "
-        "skips forward hooks); %d of the saved-tensor hooks left on were removed%s",
-        type(f.off.model).__name__,
-        what,
-        popped,
-        "" if popped == len(left) else " (others were pushed above them and stay)",
+    _warn(
+        f"a forward of {type(f.off.model).__name__} on this thread {what} (interrupted, as by "
+        f"KeyboardInterrupt, which skips forward hooks); {popped} of the saved-tensor hooks left on "
+        f"were removed{'' if popped == len(left) else ' (others were pushed above them and stay)'}"
     )
 
 
@@ -587,9 +590,7 @@ class Offloader:
         if why is not None:
             if why and not getattr(self, "_warned_off", False):
                 self._warned_off = True
-                log.warning(
-                    "ssdtier: %s: activations of such forwards of %s stay in memory", why, type(module).__name__
-                )
+                _warn(f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             return
         if self._adaptive:
             self._replan()
@@ -1100,7 +1101,7 @@ class Offloader:
         self._registered = _cuda_ok(rc)
         if not self._registered:
             _clear_cuda_error()
-            log.warning("ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc)
+            _warn(f"cudaHostRegister of the host arena failed ({rc}); copies will be synchronous")
 
     def _offload_cuda(self, whole: torch.Tensor, nbytes: int, f: _Fwd) -> _Entry:
         native = self.store._native
@@ -1335,12 +1336,12 @@ class Offloader:
     def _warn_write(self, err: Exception) -> None:
         if not getattr(self, "_warned_write", False):
             self._warned_write = True
-            log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+            _warn(f"writing an activation to NVMe failed ({err}); it stays in memory")
 
     def _warn_full(self, e: Exception) -> None:
         if not getattr(self, "_warned_full", False):
             self._warned_full = True
-            log.warning("ssdtier: %s; activations stay in memory until space frees up", e)
+            _warn(f"{e}; activations stay in memory until space frees up")
 
     def stats(self) -> OffloadStats:
         """Counters so far; see :class:`OffloadStats`."""
@@ -1383,7 +1384,7 @@ class Offloader:
             rc = torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
             if not _cuda_ok(rc):
                 _clear_cuda_error()
-                log.warning("ssdtier: cudaHostUnregister of the host arena failed (%s)", rc)
+                _warn(f"cudaHostUnregister of the host arena failed ({rc})")
             self._registered = False
         try:
             self.store.close()  # waits for every write, so the sources still held can go
