@@ -396,6 +396,29 @@ def test_a_saved_attached_model_loads_without_ssdtier(store_dir, tmp_path):
     assert r.returncode == 0 and "loaded and trained" in r.stdout, r.stderr
 
 
+def test_a_first_forward_that_offloads_nothing_says_why_once(store_dir, warned):
+    """A small model under the default policy moves nothing: the user is told why, once."""
+
+    def run(**policy):
+        torch.manual_seed(0)
+        m = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)))
+        with ssdtier.attach(m, {**store_config(store_dir), "policy": policy}) as off:
+            for _ in range(2):
+                m(torch.randn(32, 64)).sum().backward()  # 6 saved tensors of 8 KiB a forward
+            return off.stats().tensors_offloaded
+
+    assert run() == 0  # the defaults: a 1 MiB floor
+    (msg,) = warned("offloaded nothing")
+    assert (
+        "of its saved activations, 6 were smaller than policy.min_tensor_bytes (1MiB; the largest 8KiB: "
+        'policy__min_tensor_bytes="8KiB" would offload it)'
+    ) in msg
+    assert run(min_tensor_bytes=0, keep_last_layers=3) == 0
+    assert "6 were in the 3 kept last layer(s)" in warned("offloaded nothing")[1]
+    assert run(min_tensor_bytes="8KiB") > 0
+    assert len(warned("offloaded nothing")) == 2
+
+
 def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
     """copy.deepcopy (EMA, AveragedModel) and torch.save of an attached model work; the copy
     is not attached and shares nothing with the offloader; the original goes on offloading."""

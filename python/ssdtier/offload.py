@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import Config, resolve_config
+from .config import Config, PolicyConfig, format_size, resolve_config
 from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError, SsdtierWarning
 from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
@@ -50,9 +51,16 @@ _PAGE = 4096
 _eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
 
 
+_INTERNAL = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (sys.modules[__package__], torch))
+
+
 def _warn(msg: str) -> None:
-    """What the user must see (activations left in memory, hooks removed); the rest is logged."""
-    warnings.warn(f"ssdtier: {msg}", SsdtierWarning, stacklevel=3)
+    """What the user must see (activations left in memory, hooks removed), shown at the user's
+    line that led to it (a forward, a backward); the rest is logged."""
+    level, f = 1, sys._getframe(0)
+    while f is not None and f.f_code.co_filename.startswith(_INTERNAL):
+        level, f = level + 1, f.f_back
+    warnings.warn(f"ssdtier: {msg}", SsdtierWarning, stacklevel=level)
 
 
 def _aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
@@ -415,6 +423,37 @@ class _Entry:
         self.wanted = False
 
 
+class _FirstForward:
+    """Why the first forward held its saved activations in memory (when it offloaded none,
+    a user is told why once: a small model with the defaults moves nothing)."""
+
+    __slots__ = ("largest", "layer", "small")
+
+    def __init__(self) -> None:
+        self.small = self.layer = self.largest = 0
+
+    def held(self, nbytes: int, small: bool) -> None:
+        if small:
+            self.small += 1
+            self.largest = max(self.largest, nbytes)
+        else:
+            self.layer += 1
+
+    def why_nothing(self, model: nn.Module, pol: PolicyConfig, kept: int) -> str:
+        parts = []
+        if self.small:
+            floor = 1 << max(self.largest.bit_length() - 1, 0)  # offloads the largest of them
+            parts.append(
+                f"{self.small} were smaller than policy.min_tensor_bytes ({format_size(pol.min_tensor_bytes)}; "
+                f'the largest {format_size(self.largest)}: policy__min_tensor_bytes="{format_size(floor)}" '
+                "would offload it)"
+            )
+        if self.layer:
+            parts.append(f"{self.layer} were in the {kept} kept last layer(s) (policy.keep_last_layers)")
+        why = " and ".join(parts) or "it saved none but parameters, buffers and tensors ssdtier leaves alone"
+        return f"the first forward of {type(model).__name__} offloaded nothing: of its saved activations, {why}"
+
+
 class _Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
@@ -534,6 +573,8 @@ class Offloader:
         self._trig: dict[tuple[int, int], float] = {}  # (forward, layer): when its backward began
         self._reads: dict[tuple[int, int], list[tuple[float, Any]]] = {}  # read-aheads: (start, ticket)
         self._handles: list[Any] = []
+        # What the first forward held in memory, to say why if it offloaded nothing.
+        self._first: _FirstForward | None = None if pol.mode == "none" else _FirstForward()
         # Adaptive mode: profile of the iteration in progress, and the plan.
         self._adaptive = pol.mode == "adaptive" and n > 0
         self._budget = pol.device_budget
@@ -640,6 +681,11 @@ class Offloader:
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 self._poll_pending()
                 self._poll_writes()
+            if self._first is not None:
+                first, self._first = self._first, None
+                c = self._counts
+                if c["packs"] and not c["tensors_offloaded"] and not c["failed_writes"]:
+                    _warn(first.why_nothing(module, self.config.policy, self._layers_kept))
 
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
@@ -710,10 +756,13 @@ class Offloader:
         tag = f.tag
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
             self._prof_bytes[tag] = self._prof_bytes.get(tag, 0) + nbytes
-        keep = nbytes < self.config.policy.min_tensor_bytes or tag >= self._keep_from
+        small = nbytes < self.config.policy.min_tensor_bytes
+        keep = small or tag >= self._keep_from
         if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         if keep:
+            if self._first is not None:
+                self._first.held(nbytes, small)
             return self._keep(t, nbytes, f, (dev, ptr))
         with self._lock:
             if self._closed:
