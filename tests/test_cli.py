@@ -54,6 +54,14 @@ def test_info_reports_the_backend(store_dir):
     assert "O_DIRECT        yes" in r.stdout
 
 
+def test_info_does_not_create_the_directory(store_dir):
+    r = ssdtier("info", str(store_dir / "new" / "dir"))
+    assert r.returncode == 0, r.stderr
+    assert f"does not exist: checked in {store_dir}, where it would be created" in r.stdout
+    assert "O_DIRECT        yes" in r.stdout
+    assert os.listdir(store_dir) == []
+
+
 def test_demo_trains_with_and_without_and_compares(store_dir):
     # The README's first command, on a tiny model: both runs, the comparison, the same
     # first-step loss, and no warning among the progress lines on stderr.

@@ -26,6 +26,7 @@ from ssdtier.config import (
     NvmeConfig,
     PolicyConfig,
     TiB,
+    check_paths,
     default_nvme_dir,
     format_size,
     is_tmpfs,
@@ -891,6 +892,34 @@ linux_only = pytest.mark.skipif(
 
 
 @linux_only
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/proc/ssdtier-nope/a", "the directory cannot be created in /proc"),
+        ("/proc/self", "the directory cannot hold a file"),
+    ],
+)
+def test_check_paths_tries_what_a_store_will_do(path, why):
+    # Permission bits say yes to root; only trying says no: /proc takes no new directory or file.
+    cfg = Config.from_dict({"nvme": [{"path": path}]}, source="t.toml")
+    with pytest.raises(ConfigError, match=re.escape(f"t.toml: nvme[0].path = {path!r}: {why}")):
+        check_paths(cfg)
+
+
+def test_check_paths_leaves_nothing_behind(store_dir):
+    new = store_dir / "a" / "b"
+    cfg = Config.from_dict({"nvme": [{"path": str(new)}, {"path": str(store_dir)}]})
+    assert check_paths(cfg) == [str(new), str(store_dir)]
+    assert os.listdir(store_dir) == []
+
+
+def test_a_relative_nvme_path_is_relative_to_its_file(store_dir, monkeypatch):
+    f = store_dir / "ssdtier.toml"
+    f.write_text('[[nvme]]\npath = "spill"\n[[nvme]]\npath = "/abs/x"\n')
+    monkeypatch.chdir("/")
+    assert [n.path for n in load_config(f).nvme] == [str(store_dir / "spill"), "/abs/x"]
+
+
 def test_is_tmpfs_dev_shm():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

@@ -39,10 +39,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     path = os.path.abspath(args.dir or default_nvme_dir())
     print(f"ssdtier {__version__}")
     print(f"directory       {path}{'  (tmpfs: no O_DIRECT)' if is_tmpfs(path) else ''}")
+    probe = path
+    while not os.path.exists(probe):  # a store would create the directory: not for a look
+        probe = os.path.dirname(probe)
+    if probe != path:
+        print(f"                does not exist: checked in {probe}, where it would be created")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            store = _store(argparse.Namespace(dir=path), 16 << 20)
+            store = _store(argparse.Namespace(dir=probe), 16 << 20)
         except Exception as e:  # report, don't crash: this command is for diagnosis
             print(f"store           cannot open: {e}")
             return 1

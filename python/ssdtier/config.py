@@ -26,6 +26,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -426,7 +427,8 @@ class NvmeConfig:
     """One NVMe directory that holds spill files.
 
     Attributes:
-        path: Directory for spill files (``~`` is expanded).
+        path: Directory for spill files (``~`` is expanded; in a TOML file, a relative path
+            is relative to the file).
         capacity: Maximum bytes to use in that directory (> 0).
     """
 
@@ -816,7 +818,18 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = toml.loads(text)
     except toml.TOMLDecodeError as e:
         raise ConfigError(f"{name}: invalid TOML: {e}") from e
+    _relative_to(data.get("nvme"), os.path.dirname(os.path.abspath(name)))
     return Config.from_dict(data, source=name)
+
+
+def _relative_to(nvme: Any, base: str) -> None:
+    """A relative ``[[nvme]].path`` in a file means relative to the file, not to the current
+    directory of whoever loads it."""
+    for table in nvme if isinstance(nvme, list) else [nvme]:
+        if isinstance(table, dict) and isinstance(table.get("path"), str) and table["path"]:
+            path = os.path.expanduser(table["path"])
+            if not os.path.isabs(path):
+                table["path"] = os.path.join(base, path)
 
 
 def resolve_config(config: Any = None, **overrides: Any) -> Config:
@@ -933,9 +946,10 @@ def is_tmpfs(path: str | os.PathLike[str]) -> bool:
 def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
     """Check that every NVMe directory can be used; returns the absolute paths.
 
-    A directory must exist or be creatable (its nearest existing ancestor is a
-    writable directory) and be writable; with ``io.direct`` on it must not be on
-    tmpfs, which refuses ``O_DIRECT``. Nothing is created.
+    Checked by doing, as root passes any permission check: a file is made (and removed) in a
+    directory that exists, a directory (and removed) in the nearest existing ancestor of one
+    that does not. With ``io.direct`` on it must not be on tmpfs, which refuses ``O_DIRECT``.
+    Nothing is left behind.
 
     Raises:
         ConfigError: naming the source, the key and the path.
@@ -953,9 +967,14 @@ def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
         where = f"{config.source}: {key} = {path!r}"
         if not os.path.isdir(probe):
             raise ConfigError(f"{where}: {probe} is not a directory")
-        if not os.access(probe, os.W_OK | os.X_OK):
-            what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
-            raise ConfigError(f"{where}: the directory {what}")
+        try:
+            if probe == path:
+                tempfile.TemporaryFile(dir=path).close()
+            else:
+                os.rmdir(tempfile.mkdtemp(prefix=".ssdtier-probe-", dir=probe))
+        except OSError as e:
+            what = "cannot hold a file" if probe == path else f"cannot be created in {probe}"
+            raise ConfigError(f"{where}: the directory {what} ({e.strerror or e})") from None
         if config.io.direct and is_tmpfs(probe):
             raise ConfigError(
                 f"{where}: the directory is on tmpfs, which does not support O_DIRECT; "
