@@ -738,7 +738,7 @@ def test_replace_positional_mapping_and_objects():
     [
         (
             {"policy__prefetch_layer": 3},
-            r"unknown key 'policy__prefetch_layer'; did you mean 'policy\.prefetch_layers'\?",
+            r"unknown key 'policy__prefetch_layer'; did you mean 'policy__prefetch_layers'\?",
         ),
         (
             {"io.queue_dept": 3},
@@ -746,11 +746,11 @@ def test_replace_positional_mapping_and_objects():
         ),
         (
             {"polcy__mode": "none"},
-            r"unknown key 'polcy__mode'; did you mean 'policy\.mode'\?",
+            r"unknown key 'polcy__mode'; did you mean 'policy__mode'\?",
         ),
         (
             {"prefetch_layers": 3},
-            r"unknown key 'prefetch_layers'; did you mean 'policy\.prefetch_layers'",
+            r"unknown key 'prefetch_layers'; did you mean 'policy__prefetch_layers'",
         ),
         (
             {"io__block__size": 4096},
@@ -785,6 +785,38 @@ def test_replace_positional_mapping_and_objects():
 def test_replace_errors(overrides, pattern):
     with pytest.raises(ConfigError, match="^<overrides>: " + pattern):
         Config().replace(**overrides)
+
+
+def test_replace_suggests_keys_in_the_form_they_were_given():
+    # Keyword arguments need policy__mode; a mapping takes the dotted form too.
+    with pytest.raises(ConfigError, match=r"did you mean 'policy\.prefetch_layers' \(key"):
+        Config().replace({"prefetch_layers": 3})
+    with pytest.raises(ConfigError, match=r"did you mean 'io\.queue_depth'\?"):
+        Config().replace({"io.queue_dept": 3})
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text(
+        '[host]\ncapacity = "big"\n[io]\nqueue_dept = 8\nbackend = "uring"\nthreads = 0\n'
+        '[[nvme]]\ncapacty = "1GiB"\n[polcy]\n'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{f}: 7 problems:"
+    for want in (
+        "unknown table [polcy]; did you mean 'policy'?",
+        "host.capacity: expected a non-negative size",
+        "io.queue_dept: unknown key; did you mean 'queue_depth'?",
+        "io.backend: expected one of",
+        "io.threads: expected an integer in 1..64, got 0",
+        "nvme[0].capacty: unknown key; did you mean 'capacity'?",
+        "nvme[0]: missing required key 'path'",
+    ):
+        assert sum(line.startswith(f"  {want}") for line in lines[1:]) == 1, (want, lines)
+    with pytest.raises(ConfigError, match=r"^<overrides>: 2 problems:\n  unknown key 'io__depth'.*\n  io\.threads"):
+        Config().replace(io__depth=1, io__threads=0)
 
 
 # ---------------------------------------------------------------------------

@@ -377,26 +377,56 @@ _ALL_KEYS = tuple(f"{t}.{k}" for t, keys in _TABLE_FIELDS.items() for k in keys)
 _OVERRIDE_KEYS = tuple(k for k in _ALL_KEYS if not k.startswith("nvme."))
 
 
+class _Problems:
+    """Every problem of a config, so that a file's are reported at once, not one per run."""
+
+    def __init__(self, source: str | None) -> None:
+        self.source, self.messages = source, []
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as e:
+            self.messages += getattr(e, "problems", [str(e)])
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def raise_any(self) -> None:
+        msgs = self.messages
+        if len(msgs) == 1:
+            raise ConfigError(msgs[0])
+        if msgs:
+            head = f"{self.source}: " if self.source else ""
+            lines = [m.removeprefix(head) for m in msgs]
+            err = ConfigError(f"{head}{len(msgs)} problems:\n" + "\n".join(f"  {m}" for m in lines))
+            err.problems = msgs  # type: ignore[attr-defined]
+            raise err
+
+
 def _validate(obj: Any) -> None:
     """Check and normalise every field of a table dataclass in place."""
     source, prefix = _LOCATION.get()
     prefix = prefix or obj._TABLE
+    problems = _Problems(source)
     for name, check in _TABLE_FIELDS[obj._TABLE].items():
-        value = check(getattr(obj, name), f"{prefix}.{name}", source)
-        object.__setattr__(obj, name, value)
+        with problems.check():
+            object.__setattr__(obj, name, check(getattr(obj, name), f"{prefix}.{name}", source))
+    problems.raise_any()
 
 
-def _suggest(word: str, options: tuple[str, ...] | list[str]) -> str:
+def _suggest(word: str, options: tuple[str, ...] | list[str], sep: str = ".") -> str:
     close = difflib.get_close_matches(word, options, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f"; did you mean {close[0].replace('.', sep)!r}?" if close else ""
 
 
-def _suggest_qualified(name: str) -> str:
-    """Suggest ``table.key`` for a bare key name (e.g. ``queue_depth``)."""
+def _suggest_qualified(name: str, sep: str = ".") -> str:
+    """Suggest ``table.key`` (or ``table__key``, the keyword form) for a bare key name."""
     owners = [t for t, keys in _TABLE_FIELDS.items() if name in keys]
     if len(owners) == 1:
-        return f"; did you mean '{owners[0]}.{name}' (key {name!r} of [{owners[0]}])?"
-    return _suggest(name, _ALL_KEYS)
+        return f"; did you mean '{owners[0]}{sep}{name}' (key {name!r} of [{owners[0]}])?"
+    return _suggest(name, _ALL_KEYS, sep)
 
 
 # ---------------------------------------------------------------------------
@@ -533,17 +563,21 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
         _fail(source, prefix, data, "a table", show_type=True)
     table = cls._TABLE  # type: ignore[attr-defined]
     allowed = list(_TABLE_FIELDS[table])
+    problems = _Problems(source)
     for key in data:
         if not isinstance(key, str) or key not in _TABLE_FIELDS[table]:
             hint = _suggest(key, allowed) if isinstance(key, str) else ""
-            raise ConfigError(
+            problems.add(
                 f"{_where(source, f'{prefix}.{key}')}: unknown key{hint or '.'} "
                 f"Allowed keys in [{table}]: {', '.join(allowed)}"
             )
     if table == "nvme" and "path" not in data:
-        raise ConfigError(f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)")
-    with _located(source, prefix):
-        return cls(**data)
+        problems.add(f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)")
+    else:
+        with problems.check(), _located(source, prefix):
+            built = cls(**{k: v for k, v in data.items() if k in allowed})
+    problems.raise_any()
+    return built
 
 
 @dataclass(frozen=True)
@@ -609,6 +643,7 @@ class Config:
         """
         if not isinstance(d, Mapping):
             _fail(source, "<config>", d, "a mapping of tables", show_type=True)
+        problems = _Problems(source)
         for name, value in d.items():
             if isinstance(name, str) and name in _TABLE_FIELDS:
                 continue
@@ -619,24 +654,25 @@ class Config:
                 isinstance(value, list) and value and isinstance(value[0], Mapping)
             )
             what = f"unknown table [{name}]" if is_table else f"unknown top-level key {name!r}"
-            raise ConfigError(f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}")
+            problems.add(f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}")
         nvme_data = d.get("nvme", [])
         if isinstance(nvme_data, (Mapping, NvmeConfig)):
             nvme_data = [nvme_data]
         if not isinstance(nvme_data, (list, tuple)):
-            _fail(
-                source,
-                "nvme",
-                nvme_data,
-                "an array of tables ([[nvme]])",
-                show_type=True,
-            )
-        host = _build_table(HostConfig, d.get("host", {}), source, "host")
-        nvme = tuple(_build_table(NvmeConfig, entry, source, f"nvme[{i}]") for i, entry in enumerate(nvme_data))
-        io = _build_table(IoConfig, d.get("io", {}), source, "io")
-        policy = _build_table(PolicyConfig, d.get("policy", {}), source, "policy")
+            with problems.check():
+                _fail(source, "nvme", nvme_data, "an array of tables ([[nvme]])", show_type=True)
+            nvme_data = []
+        tables: dict[str, Any] = {}
+        for name, data in (("host", d.get("host", {})), ("io", d.get("io", {})), ("policy", d.get("policy", {}))):
+            with problems.check():
+                tables[name] = _build_table(_TABLE_CLASSES[name], data, source, name)
+        nvme = []
+        for i, entry in enumerate(nvme_data):
+            with problems.check():
+                nvme.append(_build_table(NvmeConfig, entry, source, f"nvme[{i}]"))
+        problems.raise_any()
         with _located(source, None):
-            return cls(host=host, nvme=nvme, io=io, policy=policy, source=source)
+            return cls(nvme=tuple(nvme), source=source, **tables)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the configuration as plain dicts (sizes as strings).
@@ -681,7 +717,8 @@ class Config:
         Raises:
             ConfigError: Unknown key or invalid value.
         """
-        items = list((overrides or {}).items()) + list(kwargs.items())
+        # A bare key given as a keyword is suggested in keyword form (policy__mode), else dotted.
+        items = [(k, v, False) for k, v in (overrides or {}).items()] + [(k, v, True) for k, v in kwargs.items()]
         if not items:
             return self
         src = "<overrides>"
@@ -691,18 +728,21 @@ class Config:
             "io": _table_dict(self.io, human=False),
             "policy": _table_dict(self.policy, human=False),
         }
-        for key, value in items:
+        problems = _Problems(src)
+        for key, value, keyword in items:
             if not isinstance(key, str):
-                raise ConfigError(f"{src}: override keys must be strings, got {key!r}")
+                problems.add(f"{src}: override keys must be strings, got {key!r}")
+                continue
+            sep = "__" if "__" in key or (keyword and "." not in key) else "."
             parts = key.split("__") if "__" in key else key.split(".")
             if len(parts) == 1:
                 if key not in _TABLE_FIELDS:
-                    hint = _suggest(key, _TABLES) or _suggest_qualified(key)
-                    raise ConfigError(
+                    hint = _suggest(key, _TABLES) or _suggest_qualified(key, sep)
+                    problems.add(
                         f"{src}: unknown key {key!r}{hint or '.'} Allowed keys: "
-                        f"{', '.join(_OVERRIDE_KEYS)}, or a table: {', '.join(_TABLES)}"
+                        f"{', '.join(k.replace('.', sep) for k in _OVERRIDE_KEYS)}, or a table: {', '.join(_TABLES)}"
                     )
-                if key == "nvme":
+                elif key == "nvme":
                     data["nvme"] = value
                 elif isinstance(value, _TABLE_CLASSES[key]):
                     data[key] = _table_dict(value, human=False)
@@ -710,20 +750,25 @@ class Config:
                     data[key] = {**data[key], **value}
                 else:
                     cls_name = _TABLE_CLASSES[key].__name__
-                    _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
+                    with problems.check():
+                        _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
                 continue
             dotted = ".".join(parts)
             if parts[0] == "nvme" and len(parts) == 2 and parts[1] in _TABLE_FIELDS["nvme"]:
-                raise ConfigError(
+                problems.add(
                     f"{src}: cannot override {dotted!r}: nvme is a list of tables; "
                     "replace it as a whole, e.g. nvme=[{'path': ..., 'capacity': ...}]"
                 )
-            if len(parts) != 2 or dotted not in _OVERRIDE_KEYS:
-                raise ConfigError(
-                    f"{src}: unknown key {key!r}{_suggest(dotted, _OVERRIDE_KEYS) or '.'} "
-                    f"Allowed keys: {', '.join(_OVERRIDE_KEYS)}"
+            elif len(parts) != 2 or dotted not in _OVERRIDE_KEYS:
+                problems.add(
+                    f"{src}: unknown key {key!r}{_suggest(dotted, _OVERRIDE_KEYS, sep) or '.'} "
+                    f"Allowed keys: {', '.join(k.replace('.', sep) for k in _OVERRIDE_KEYS)}"
                 )
-            data[parts[0]][parts[1]] = value
+            else:
+                data[parts[0]][parts[1]] = value
+        with problems.check():
+            Config.from_dict(data, source=src)
+        problems.raise_any()
         cfg = Config.from_dict(data, source=src)
         with _located(src, None):
             return Config(
