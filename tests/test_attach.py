@@ -625,6 +625,36 @@ def test_layers_found_and_overridden(store_dir):
     assert got[2].layers_offloaded == 2
 
 
+class _DictNet(nn.Module):
+    """Blocks in a ModuleDict (as some models keep named stages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleDict({name: nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for name in "abc"})
+
+    def forward(self, x):
+        for stage in self.stages.values():
+            x = stage(x)
+        return x.square().mean()
+
+
+def test_layers_in_a_module_dict_are_found(store_dir):
+    torch.manual_seed(0)
+    ref, model = _DictNet(), _DictNet()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 64)
+    ref(x).backward()
+    with ssdtier.attach(model, offload_config(store_dir, keep_last_layers=1)) as off:
+        model(x).backward()
+        stats = off.stats()
+    assert off.layers_path == "stages" and stats.layers_kept == 1
+    # What the last stage and the loss save (its input, its output twice) is kept; what the
+    # first two save is offloaded (three storages, one saved twice).
+    assert stats.tensors_kept == 3 and stats.tensors_offloaded == 3 and stats.dedup_hits == 1
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 # ------------------------------------------------------------------ views of one storage
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]

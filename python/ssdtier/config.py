@@ -516,7 +516,7 @@ class PolicyConfig:
             (1..4) as keep every read finished before its layer's backward needs it.
         eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
         dedup: Store tensors that share storage only once.
-        layers: Dotted path of the module list holding the layers
+        layers: Dotted path of the ModuleList, Sequential or ModuleDict holding the layers
             (``"model.layers"``), or None to detect it.
         mode: ``"all"``, ``"adaptive"`` or ``"none"``.
         device_budget: Most bytes of activations kept in memory (in every mode: beyond

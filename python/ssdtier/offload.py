@@ -169,32 +169,41 @@ class OffloadStats:
     store: StoreStats
 
 
-def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
-    """The model's repeated blocks: the largest ModuleList/Sequential whose children share one class.
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _children(mod: nn.Module) -> list[nn.Module]:
+    return list(mod.values()) if isinstance(mod, nn.ModuleDict) else list(mod)
+
+
+def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, list[nn.Module]] | None:
+    """The model's repeated blocks: the largest ModuleList, Sequential or ModuleDict whose
+    children share one class (a ModuleDict's in insertion order, the order of its forward).
 
     Args:
         model: the model.
         path: a dotted path (``"transformer.h"``) that names the container instead.
 
     Returns:
-        (path, container), or None when the model has no such container.
+        (path, blocks), or None when the model has no such container.
     """
     if path is not None:
         try:
             mod = model.get_submodule(path)
         except AttributeError as e:
             raise ConfigError(f"policy.layers = {path!r}: the model has no submodule {path!r}") from e
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) == 0:
+        if not isinstance(mod, _CONTAINERS) or len(mod) == 0:
             raise ConfigError(
-                f"policy.layers = {path!r} is a {type(mod).__name__}, not a non-empty ModuleList/Sequential"
+                f"policy.layers = {path!r} is a {type(mod).__name__}, not a non-empty ModuleList, "
+                "Sequential or ModuleDict"
             )
-        return path, mod
-    best: tuple[str, Any] | None = None
+        return path, _children(mod)
+    best: tuple[str, list[nn.Module]] | None = None
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kinds = {type(m) for m in mod}
-            if len(kinds) == 1 and (best is None or len(mod) > len(best[1])):
-                best = (name, mod)
+        if isinstance(mod, _CONTAINERS) and len(mod) >= 2:
+            blocks = _children(mod)
+            if len({type(m) for m in blocks}) == 1 and (best is None or len(blocks) > len(best[1])):
+                best = (name, blocks)
     return best
 
 
