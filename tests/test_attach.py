@@ -773,6 +773,14 @@ def test_adaptive_mode_plans_and_stays_exact(store_dir):
     assert "keep the last" in s.plan.table()
 
 
+def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
+    model = build_model(CONFIGS["gpt"])
+    with ssdtier.attach(model, offload_config(store_dir, mode="adaptive")) as off:
+        s = off.stats()
+        assert off._bw is not None and min(off._bw) > 0  # measured
+        assert s.bytes_written_nvme == s.bytes_read_nvme == s.store.host_peak == s.store.nvme_peak == 0
+
+
 def test_device_budget_caps_what_is_kept(store_dir):
     # mode "none" would keep everything; a zero budget forces all of it out.
     got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none", device_budget=0))

@@ -1298,24 +1298,31 @@ class Offloader:
     # ---------------------------------------------------------------- adaptive plan
 
     def _calibrate(self) -> tuple[float, float]:
-        """The store's write and read bandwidth, measured at attach on a few blocks."""
+        """The store's write and read bandwidth, measured at attach on a few blocks, through a
+        store of its own on the same directories: stats() counts activations only."""
         chunk = 8 << 20
         n = 4
-        src = torch.zeros(chunk, dtype=torch.uint8)
-        store, native = self.store, self.store._native
-        t0 = time.perf_counter()
-        keys = [store.put(src) for _ in range(n)]
-        for k in keys:
-            store.evict(k)
-        write = n * chunk / max(time.perf_counter() - t0, 1e-9)
-        bufs = [_aligned_storage(chunk) for _ in keys]
-        t0 = time.perf_counter()
-        tickets = [native.read_into(k, b.data_ptr() + pad) for k, (b, pad) in zip(keys, bufs, strict=True)]
-        for t in tickets:
-            t.wait()
-        read = n * chunk / max(time.perf_counter() - t0, 1e-9)
-        for k in keys:
-            store.free(k)
+        cfg = self.config.replace(
+            host__capacity=min(self.config.host.capacity, 2 * chunk),
+            nvme=[{"path": path, "capacity": n * chunk} for path, _ in self.store._devices],
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SsdtierWarning)  # said already, by the main store
+            store = TieredStore(cfg)
+        with store:
+            native = store._native
+            src = torch.zeros(chunk, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            keys = [store.put(src) for _ in range(n)]
+            for k in keys:
+                store.evict(k)
+            write = n * chunk / max(time.perf_counter() - t0, 1e-9)
+            bufs = [_aligned_storage(chunk) for _ in keys]
+            t0 = time.perf_counter()
+            tickets = [native.read_into(k, b.data_ptr() + pad) for k, (b, pad) in zip(keys, bufs, strict=True)]
+            for t in tickets:
+                t.wait()
+            read = n * chunk / max(time.perf_counter() - t0, 1e-9)
         log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
         return write, read
 
