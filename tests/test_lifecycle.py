@@ -258,15 +258,21 @@ def test_buffers_swapped_by_to_are_still_recognised(store_dir):
 
 
 def test_a_failed_attach_leaves_nothing_behind(store_dir):
-    """Adaptive mode measures the store at attach; with no room for that, attach raises, and
-    the model has no hook of ssdtier's, so it trains as before and can be attached again."""
-    cfg = offload_config(store_dir, mode="adaptive")
-    cfg["nvme"][0]["capacity"] = "16MiB"  # the measurement writes 32 MiB
+    """attach() fails half-way (here a block refuses its hook, after the model's and another
+    block's were added): the model has no hook of ssdtier's, so it trains as before and can
+    be attached again."""
     ref, model = _twins()
     hooks = [(m._forward_pre_hooks.copy(), m._forward_hooks.copy()) for m in model.modules()]
-    with pytest.raises(SsdtierError):
-        ssdtier.attach(model, cfg)
+
+    def refuse(*args, **kwargs):
+        raise SsdtierError("no hook here")
+
+    model.blocks[1].register_forward_hook = refuse
+    with pytest.raises(SsdtierError, match="no hook here"):
+        ssdtier.attach(model, offload_config(store_dir, mode="adaptive"))
+    del model.blocks[1].register_forward_hook
     assert [(m._forward_pre_hooks, m._forward_hooks) for m in model.modules()] == hooks
+    assert ssdtier.offload.attached(model) is None
     _same(_step(ref, X), _step(model, X))
     with ssdtier.attach(model, offload_config(store_dir)) as off:
         _same(_step(ref, X), _step(model, X))
