@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -779,6 +781,17 @@ def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
         s = off.stats()
         assert off._bw is not None and min(off._bw) > 0  # measured
         assert s.bytes_written_nvme == s.bytes_read_nvme == s.store.host_peak == s.store.nvme_peak == 0
+
+
+def test_stats_read_as_a_few_lines_and_as_plain_data(store_dir):
+    s = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive"))[2]
+    text = str(s)
+    assert len(text.splitlines()) == 4, text  # with the plan's line
+    assert f"in {s.tensors_offloaded} tensors" in text and f"{s.forwarded} of {s.unpacks} unpacks" in text
+    assert f"adaptive plan: keep the last {s.plan.keep_last}: " in text
+    d = s.as_dict()
+    assert json.loads(json.dumps(d))["store"] == d["store"] == dataclasses.asdict(s.store)
+    assert d["store"]["nvme_bytes_written"] == s.bytes_written_nvme and d["plan"]["keep_last"] == s.plan.keep_last
 
 
 def test_device_budget_caps_what_is_kept(store_dir):

@@ -29,7 +29,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -167,6 +167,26 @@ class OffloadStats:
     unpacks: int
     plan: Plan | None
     store: StoreStats
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain data: dicts, lists, tuples, numbers (``json.dumps`` takes it)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"offloaded {format_size(self.bytes_offloaded)} in {self.tensors_offloaded} tensors "
+            f"({self.dedup_hits} more shared a storage); kept {format_size(self.bytes_kept)} in "
+            f"{self.tensors_kept} tensors",
+            f"NVMe: wrote {format_size(self.bytes_written_nvme)}, read {format_size(self.bytes_read_nvme)}; "
+            f"{self.forwarded} of {self.unpacks} unpacks served from memory",
+            f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s; "
+            f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, {self.prefetch_layers} read ahead",
+        ]
+        if self.failed_writes or self.failed_reads:
+            lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
+        if self.plan is not None:
+            lines.append(f"adaptive plan: keep the last {self.plan.keep_last}: {self.plan.reason}")
+        return "\n".join(lines)
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
