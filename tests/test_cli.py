@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -78,3 +79,48 @@ def test_roundtrip_reports_bandwidth(store_dir):
     r = ssdtier("roundtrip", "--dir", str(store_dir), "--size", "8MiB", "--tensor", "1MiB", "--arena", "4MiB")
     assert r.returncode == 0, r.stderr
     assert "MB/s" in r.stdout or "GB/s" in r.stdout, r.stdout
+
+
+def test_demo_with_one_step(store_dir):
+    r = ssdtier("demo", "--dir", str(store_dir), "--steps", "1", "--layers", "1", "--d-model", "64", "--seq", "32")
+    assert r.returncode == 0, r.stderr
+    assert "median step time" in r.stdout and "first-step loss identical: yes" in r.stdout
+
+
+def test_bad_arguments_are_refused_before_any_work(store_dir):
+    r = ssdtier("demo", "--batch", "0")
+    assert r.returncode == 2 and "argument --batch: must be a positive integer, got '0'" in r.stderr
+    r = ssdtier("demo", "--d-model", "60")
+    assert r.returncode == 1 and "--d-model must be a multiple of 8" in r.stderr
+    if os.path.isdir("/dev/shm"):
+        r = ssdtier("demo", "--dir", "/dev/shm/ssdtier-test")
+        assert r.returncode == 1 and "tmpfs" in r.stderr
+        assert "step 1/" not in r.stderr, "refused after the baseline run"
+    r = ssdtier("roundtrip", "--dir", str(store_dir), "--arena", "5XB")
+    assert r.returncode == 1 and r.stderr.startswith("ssdtier: error: command line: --arena: expected")
+
+
+def test_roundtrip_names_itself(store_dir):
+    r = ssdtier("roundtrip", "--dir", str(store_dir), "--size", "2MiB", "--tensor", "1MiB", "--arena", "1MiB")
+    assert r.returncode == 0 and r.stderr.startswith("ssdtier roundtrip: 2 tensors"), r.stderr
+
+
+def test_a_closed_pipe_is_no_error(store_dir):
+    r = subprocess.run(
+        f"{sys.executable} -m ssdtier info {store_dir} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert r.stdout.startswith("ssdtier ") and r.stderr == ""
+
+
+def test_help_is_plain_text_and_documents_every_option():
+    for cmd in ((), ("check",), ("info",), ("demo",), ("roundtrip",)):
+        r = ssdtier(*cmd, "--help")
+        assert r.returncode == 0 and "``" not in r.stdout, r.stdout
+        options = re.findall(r"^  (--[a-z-]+)(?: [A-Z_]+)?(.*)$", r.stdout, re.M)
+        assert all(text.strip() for _, text in options), options
