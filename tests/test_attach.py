@@ -657,6 +657,50 @@ def test_layers_in_a_module_dict_are_found(store_dir):
         assert torch.equal(p.grad, q.grad)
 
 
+class _Exclusions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(64, 64)
+        self.quiet = False  # the middle block runs under no_offload()
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        with ssdtier.no_offload() if self.quiet else contextlib.nullcontext():
+            x = self.blocks[1](x)
+        return self.head(self.blocks[2](x)).square().mean()
+
+
+@pytest.mark.parametrize(
+    ("exclude", "quiet", "kept"),
+    [(["blocks.1"], False, 2), ([], True, 2), (["blocks.*"], False, 6), (["blocks.?.1", "head"], False, 4)],
+    ids=["by-name", "no_offload", "glob", "two-patterns"],
+)
+def test_excluded_modules_keep_their_saved_tensors(store_dir, exclude, quiet, kept):
+    """What an excluded module (or a no_offload() block) saves stays in memory, even over the
+    device budget; the rest is offloaded; gradients are exact."""
+    torch.manual_seed(0)
+    ref, model = _Exclusions(), _Exclusions()
+    model.load_state_dict(ref.state_dict())
+    model.quiet = quiet
+    x = torch.randn(32, 64)
+    ref(x).backward()
+    with ssdtier.attach(model, offload_config(store_dir, exclude=exclude, device_budget=0)) as off:
+        model(x).backward()
+        stats = off.stats()
+    # Each Linear saves its input, each Tanh its output (a Linear's input is the Tanh output before it).
+    assert stats.tensors_kept == kept and stats.tensors_offloaded > 0
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_an_exclusion_that_names_no_module_is_an_error(store_dir):
+    model = _Exclusions()
+    with pytest.raises(ssdtier.ConfigError, match=r"policy.exclude: 'blocks.9', 'tail' names no module of the _Excl"):
+        ssdtier.attach(model, offload_config(store_dir, exclude=["blocks.0", "blocks.9", "tail"]))
+    assert ssdtier.offload.attached(model) is None
+
+
 # ------------------------------------------------------------------ views of one storage
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]

@@ -642,6 +642,7 @@ def test_to_dict():
             "layers": "model.layers",
             "mode": "adaptive",
             "device_budget": "20GiB",
+            "exclude": [],
         },
     }
     assert Config.from_dict(d) == FULL_CONFIG
@@ -785,6 +786,19 @@ def test_replace_positional_mapping_and_objects():
 def test_replace_errors(overrides, pattern):
     with pytest.raises(ConfigError, match="^<overrides>: " + pattern):
         Config().replace(**overrides)
+
+
+def test_policy_exclude(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text('[policy]\nexclude = ["lm_head", "model.layers.*.mlp"]\n')
+    cfg = load_config(f)
+    assert cfg.policy.exclude == ("lm_head", "model.layers.*.mlp")
+    assert 'exclude = ["lm_head", "model.layers.*.mlp"]' in cfg.to_toml()
+    assert Config.from_dict(tomllib.loads(cfg.to_toml())) == cfg
+    assert Config().replace(policy__exclude=["head"]).policy.exclude == ("head",)
+    for bad in ("lm_head", ["ok", 3], ["a b"]):
+        with pytest.raises(ConfigError, match=r"policy\.exclude: expected a list of module names or glob patterns"):
+            Config().replace(policy__exclude=bad)
 
 
 def test_replace_suggests_keys_in_the_form_they_were_given():

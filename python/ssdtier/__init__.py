@@ -20,7 +20,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .offload import Offloader, OffloadStats, attach
+    from .offload import Offloader, OffloadStats, attach, no_offload
     from .store import StoreStats, TieredStore
 
 __version__ = "0.1.0"
@@ -40,6 +40,7 @@ __all__ = [
     "UnknownKeyError",
     "attach",
     "load_config",
+    "no_offload",
 ]
 
 _LAZY = {
@@ -48,6 +49,7 @@ _LAZY = {
     "attach": "offload",
     "Offloader": "offload",
     "OffloadStats": "offload",
+    "no_offload": "offload",
 }
 
 

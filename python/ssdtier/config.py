@@ -340,6 +340,19 @@ def _module_path(value: Any, key: str, source: str | None) -> str | None:
     return value
 
 
+_PATTERN_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+", re.ASCII)
+
+
+def _module_patterns(value: Any, key: str, source: str | None) -> tuple[str, ...]:
+    expected = "a list of module names or glob patterns, such as ['lm_head', 'model.layers.*.mlp']"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        _fail(source, key, value, expected, show_type=True)
+    for item in value:
+        if not isinstance(item, str) or not _PATTERN_RE.fullmatch(item):
+            _fail(source, key, value, expected, hint=f" (bad item {item!r})")
+    return tuple(value)
+
+
 _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
     "host": {"capacity": _size_range(0, TiB)},
     "nvme": {"path": _path, "capacity": _size_range(1)},
@@ -362,6 +375,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
         "layers": _module_path,
         "mode": _choice("all", "adaptive", "none"),
         "device_budget": _size_range(0, optional=True),
+        "exclude": _module_patterns,
     },
 }
 _SIZE_KEYS = {
@@ -521,6 +535,8 @@ class PolicyConfig:
         mode: ``"all"``, ``"adaptive"`` or ``"none"``.
         device_budget: Most bytes of activations kept in memory (in every mode: beyond
             it, even what the policy would keep is offloaded), or None.
+        exclude: Modules whose saved tensors stay in memory, by qualified name
+            (``"lm_head"``) or glob pattern (``"model.layers.*.mlp"``); each must match one.
     """
 
     _TABLE: ClassVar[str] = "policy"
@@ -533,6 +549,7 @@ class PolicyConfig:
     layers: str | None = None
     mode: str = "all"
     device_budget: int | None = None
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -552,6 +569,8 @@ def _table_dict(obj: Any, *, human: bool) -> dict[str, Any]:
         value = getattr(obj, name)
         if human and value is not None and (obj._TABLE, name) in _SIZE_KEYS:
             value = _exact_size(value)
+        elif human and isinstance(value, tuple):
+            value = list(value)
         out[name] = value
     return out
 
@@ -789,6 +808,8 @@ _TOML_ESCAPES.update({"\f": "\\f", "\r": "\\r"})
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fnmatch
 import functools
 import itertools
 import logging
@@ -29,6 +30,7 @@ import time
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -40,7 +42,7 @@ from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError, 
 from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
 
-__all__ = ["OffloadStats", "Offloader", "attach", "attached", "find_layers"]
+__all__ = ["OffloadStats", "Offloader", "attach", "attached", "find_layers", "no_offload"]
 
 log = logging.getLogger("ssdtier")
 
@@ -275,13 +277,14 @@ class _Fwd:
     A plain object: autograd's engine threads get a copy of the hooks (not of this state)
     and pack with the state of the last forward that pushed them."""
 
-    __slots__ = ("forward", "off", "pushed", "tag")
+    __slots__ = ("excluded", "forward", "off", "pushed", "tag")
 
     def __init__(self, off: Offloader) -> None:
         self.off = off
         self.pushed: list[bool] = []  # calls of the model under way on this thread: hooks pushed?
         self.forward = 0  # the number of this thread's outermost forward
         self.tag = 0  # the layer that forward is in
+        self.excluded = 0  # calls of policy.exclude's modules that forward is in
 
 
 class _PerThread(threading.local):
@@ -456,17 +459,15 @@ class _FirstForward:
     """Why the first forward held its saved activations in memory (when it offloaded none,
     a user is told why once: a small model with the defaults moves nothing)."""
 
-    __slots__ = ("largest", "layer", "small")
+    __slots__ = ("excluded", "largest", "layer", "small")
 
     def __init__(self) -> None:
-        self.small = self.layer = self.largest = 0
+        self.small = self.layer = self.excluded = self.largest = 0
 
-    def held(self, nbytes: int, small: bool) -> None:
-        if small:
-            self.small += 1
+    def held(self, nbytes: int, why: str) -> None:
+        setattr(self, why, getattr(self, why) + 1)
+        if why == "small":
             self.largest = max(self.largest, nbytes)
-        else:
-            self.layer += 1
 
     def why_nothing(self, model: nn.Module, pol: PolicyConfig, kept: int) -> str:
         parts = []
@@ -479,6 +480,8 @@ class _FirstForward:
             )
         if self.layer:
             parts.append(f"{self.layer} were in the {kept} kept last layer(s) (policy.keep_last_layers)")
+        if self.excluded:
+            parts.append(f"{self.excluded} were in excluded modules (policy.exclude or no_offload())")
         why = " and ".join(parts) or "it saved none but parameters, buffers and tensors ssdtier leaves alone"
         return f"the first forward of {type(model).__name__} offloaded nothing: of its saved activations, {why}"
 
@@ -629,6 +632,9 @@ class Offloader:
                 for i, block in enumerate(found[1]):
                     self._handles.append(block.register_forward_pre_hook(_Hook(self._block_enter(i + 1))))
                     self._handles.append(block.register_forward_hook(_Hook(self._block_exit(i + 1)), always_call=True))
+            for mod in _excluded_modules(model, pol.exclude):
+                self._handles.append(mod.register_forward_pre_hook(_Hook(self._exclude_enter)))
+                self._handles.append(mod.register_forward_hook(_Hook(self._exclude_exit), always_call=True))
             _ATTACHED[model] = weakref.ref(self)
         except BaseException:
             # Nothing left behind: no hook on the model, and the store closed.
@@ -677,7 +683,7 @@ class Offloader:
             # like may have swapped them).
             self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
         self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
-        f.tag = 0
+        f.tag = f.excluded = 0
         self._hooks.__enter__()
         f.pushed[-1] = True
         _pushed().append(f)
@@ -737,6 +743,13 @@ class Offloader:
 
         return hook
 
+    def _exclude_enter(self, module: nn.Module, args: Any) -> None:
+        self._tls.fwd.excluded += 1
+
+    def _exclude_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        f = self._tls.fwd
+        f.excluded = max(f.excluded - 1, 0)  # 0 already if its enter ran before the forward's
+
     def _store_wait(self) -> float:
         return self.store._native.wait_seconds
 
@@ -786,12 +799,13 @@ class Offloader:
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
             self._prof_bytes[tag] = self._prof_bytes.get(tag, 0) + nbytes
         small = nbytes < self.config.policy.min_tensor_bytes
+        excluded = f.excluded or _NO_OFFLOAD.depth  # asked for: the budget does not overrule it
         keep = small or tag >= self._keep_from
         if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
-        if keep:
+        if keep or excluded:
             if self._first is not None:
-                self._first.held(nbytes, small)
+                self._first.held(nbytes, "small" if small else "excluded" if excluded else "layer")
             return self._keep(t, nbytes, f, (dev, ptr))
         with self._lock:
             if self._closed:
@@ -1490,6 +1504,44 @@ class Offloader:
 
     def __repr__(self) -> str:
         return f"<Offloader {type(self.model).__name__} layers={self.layers_path!r} store={self.store!r}>"
+
+
+class _NoOffload(threading.local):
+    depth = 0  # no_offload() blocks this thread is in
+
+
+_NO_OFFLOAD = _NoOffload()
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Saved tensors made inside the block (on this thread) stay in memory, for every attached
+    model: for a region of a forward that is cheap to keep and costly to move.
+
+    Example:
+        >>> with ssdtier.no_offload():
+        ...     logits = self.lm_head(h)
+    """
+    _NO_OFFLOAD.depth += 1
+    try:
+        yield
+    finally:
+        _NO_OFFLOAD.depth -= 1
+
+
+def _excluded_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Module]:
+    """The modules that ``policy.exclude`` names (by qualified name or glob pattern)."""
+    if not patterns:
+        return []
+    names = dict(model.named_modules(remove_duplicate=False))
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ConfigError(
+            f"policy.exclude: {', '.join(map(repr, unmatched))} names no module of the "
+            f"{type(model).__name__} (qualified names such as {next(iter(n for n in names if n), '?')!r})"
+        )
+    found = {id(m): m for n, m in names.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    return list(found.values())
 
 
 # Each model's offloader, weakly both ways: nothing of ssdtier's is stored in the model.
