@@ -410,3 +410,30 @@ def test_torch_compile_fullgraph(store_dir, backend):
         assert _no_hooks_left()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_scope_offloads_a_step_that_does_not_call_the_model(store_dir, warned):
+    """A step that runs the model's blocks itself (as a LightningModule's training_step may)
+    gets nothing offloaded by the model's hooks; inside offload.scope() it does, and a call
+    of the model inside the scope is not taken for an interrupted forward."""
+    ref, model = _twins()
+
+    def parts(m, x):
+        for b in m.blocks:
+            x = b(x)
+        return x.square().mean()
+
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        for use_model in (False, True):
+            before = off.stats().tensors_offloaded
+            ref.zero_grad()
+            want = parts(ref, X)
+            want.backward()
+            model.zero_grad()
+            with off.scope():
+                loss = model(X) if use_model else parts(model, X)
+            assert _no_hooks_left()
+            loss.backward()
+            _same((want.detach(), _grads(ref)), (loss.detach(), _grads(model)))
+            assert off.stats().tensors_offloaded > before
+    assert not warned("did not finish")

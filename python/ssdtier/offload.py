@@ -277,7 +277,7 @@ class _Fwd:
     A plain object: autograd's engine threads get a copy of the hooks (not of this state)
     and pack with the state of the last forward that pushed them."""
 
-    __slots__ = ("excluded", "forward", "off", "pushed", "tag")
+    __slots__ = ("excluded", "forward", "off", "pushed", "scopes", "tag")
 
     def __init__(self, off: Offloader) -> None:
         self.off = off
@@ -285,6 +285,7 @@ class _Fwd:
         self.forward = 0  # the number of this thread's outermost forward
         self.tag = 0  # the layer that forward is in
         self.excluded = 0  # calls of policy.exclude's modules that forward is in
+        self.scopes = 0  # Offloader.scope() blocks under way (each counts as a call of the model)
 
 
 class _PerThread(threading.local):
@@ -657,7 +658,7 @@ class Offloader:
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         f = self._tls.fwd
-        if f.pushed and _forwards_under_way(module) < 2:
+        if f.pushed and _forwards_under_way(module) + f.scopes < 2:
             _drop_interrupted(f, "did not finish")
         f.pushed.append(False)
         if len(f.pushed) > 1:
@@ -1457,6 +1458,26 @@ class Offloader:
             store=st,
             **self._counts,
         )
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Saved tensors made inside the block go through the offloader, as in a call of the
+        model: for a training step that uses the model's parts without calling the model
+        itself (a LightningModule's ``training_step``). Calls of the model inside are fine.
+
+        Example:
+            >>> with offload.scope():
+            ...     loss = module.training_step(batch, 0)
+            >>> loss.backward()
+        """
+        self._enter(self.model, ())
+        f = self._tls.fwd
+        f.scopes += 1
+        try:
+            yield
+        finally:
+            f.scopes -= 1
+            self._exit(self.model, (), None)
 
     def detach(self) -> None:
         """Remove every hook and restore the module; the store closes once no graph holds an entry."""
