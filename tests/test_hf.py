@@ -70,8 +70,9 @@ def train(name, cfg=None):
     torch.manual_seed(0)
     model = MODELS[name]()
     if name.endswith("checkpointing"):
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from ssdtier.integrations.hf import checkpointing
+
+        checkpointing(model)
     model.train()
     off = ssdtier.attach(model, cfg) if cfg is not None else None
     losses = []

@@ -9,31 +9,14 @@ import time
 import warnings
 
 from . import __version__
-from .config import Config, check_paths, default_nvme_dir, format_size, is_tmpfs, parse_size
+from ._cli import CLI, Help, positive
+from .config import Config, check_paths, default_nvme_dir, format_size, is_tmpfs
 from .errors import ConfigError, SsdtierError
 
 DESCRIPTION = """\
 Offload PyTorch training activations to pinned host memory and NVMe SSDs.
 In a training script: `with ssdtier.attach(model): ...`. This command checks
 configs, tells what a machine supports, and shows ssdtier at work."""
-CLI = "command line"  # the source named in errors of what was typed
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default, where it has one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
 
 
 def _store(args: argparse.Namespace, host: int):
@@ -204,49 +187,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def cmd_roundtrip(args: argparse.Namespace) -> int:
-    """Round-trip tensors through the store with a small arena, so they go to NVMe."""
-    import torch
-
-    total = parse_size(args.size, key="--size", source=CLI)
-    tensor = parse_size(args.tensor, key="--tensor", source=CLI)
-    if tensor == 0:
-        raise ConfigError(f"{CLI}: --tensor must be at least 1 byte")
-    n = max(1, total // tensor)
-    src = torch.arange(tensor // 4, dtype=torch.int32)
-    with _store(args, parse_size(args.arena, key="--arena", source=CLI)) as store:
-        print(
-            f"ssdtier roundtrip: {n} tensors of {format_size(tensor)} through a {args.arena} arena "
-            f"({store.backend}, O_DIRECT {'on' if store.direct else 'off'})",
-            file=sys.stderr,
-        )
-        t0 = time.perf_counter()
-        keys = []
-        for i in range(n):
-            keys.append(store.put(src))
-            if (i + 1) % max(1, n // 4) == 0:
-                print(f"  put {i + 1}/{n}", file=sys.stderr)
-        for k in keys:
-            store.evict(k)
-        t_write = time.perf_counter() - t0
-        written = store.stats().nvme_bytes_written
-        t0 = time.perf_counter()
-        ok = True
-        for i, k in enumerate(keys):
-            if i + 2 < n:
-                store.prefetch(keys[i + 2])
-            out = store.get(k)
-            ok = ok and torch.equal(out, src)
-        t_read = time.perf_counter() - t0
-        read = store.stats().nvme_bytes_read
-        print(f"wrote {format_size(written)} to NVMe at {written / t_write / 1e6:8.1f} MB/s")
-        print(f"read  {format_size(read)} back  at {read / t_read / 1e6:8.1f} MB/s")
-        print(f"data intact: {'yes' if ok else 'NO'}")
-        return 0 if ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
-    fmt = _Help
+    fmt = Help
     parser = argparse.ArgumentParser(prog="ssdtier", description=DESCRIPTION, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"ssdtier {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -263,17 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", nargs="?", help=f"the directory (default: {default_dir}); not created")
     p = command("demo", cmd_demo, "train a small GPT with and without ssdtier; compare memory and step time")
     p.add_argument("--dir", help=f"NVMe directory (default: {default_dir})")
-    p.add_argument("--steps", type=_positive, default=5, help="training steps of each run")
-    p.add_argument("--layers", type=_positive, default=6, help="GPT blocks")
-    p.add_argument("--d-model", type=_positive, default=256, help="model width (a multiple of 8)")
-    p.add_argument("--seq", type=_positive, default=256, help="sequence length")
-    p.add_argument("--batch", type=_positive, default=8, help="batch size")
+    p.add_argument("--steps", type=positive, default=5, help="training steps of each run")
+    p.add_argument("--layers", type=positive, default=6, help="GPT blocks")
+    p.add_argument("--d-model", type=positive, default=256, help="model width (a multiple of 8)")
+    p.add_argument("--seq", type=positive, default=256, help="sequence length")
+    p.add_argument("--batch", type=positive, default=8, help="batch size")
     p.add_argument("--arena", default="64MiB", help="host arena (host.capacity)")
-    p = command("roundtrip", cmd_roundtrip, "round-trip tensors through NVMe and print the bandwidth")
-    p.add_argument("--dir", help=f"NVMe directory (default: {default_dir})")
-    p.add_argument("--size", default="1GiB", help="bytes in all")
-    p.add_argument("--tensor", default="32MiB", help="bytes per tensor")
-    p.add_argument("--arena", default="128MiB", help="host arena (host.capacity)")
+    from .bench import add_parser
+
+    add_parser(sub)
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)

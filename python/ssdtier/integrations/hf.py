@@ -11,7 +11,7 @@ from ..config import resolve_config
 from ..offload import Offloader, OffloadStats, attach
 from . import summary, unwrap
 
-__all__ = ["SsdtierCallback"]
+__all__ = ["SsdtierCallback", "checkpointing"]
 
 log = logging.getLogger("ssdtier")
 
@@ -60,3 +60,13 @@ class SsdtierCallback(TrainerCallback):
             self.offloader.detach()
             self.offloader = None
             log.info("ssdtier: training ended:\n%s", self.stats)
+
+
+def checkpointing(model: Any) -> None:
+    """Recompute the model's layers in backward (non-reentrant ``torch.utils.checkpoint``),
+    by the name this transformers version has for it."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
