@@ -24,7 +24,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import _keep_last, _malloc_trim, _proc_status_kib, gpt_config, parse_args, ssdtier_config  # noqa: E402
+from train_step import _keep_last, gpt_config, parse_args, ssdtier_config  # noqa: E402
+
+from ssdtier.bench.memory import malloc_trim, proc_status  # noqa: E402
 
 
 class _MallInfo2(ctypes.Structure):
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def note(tag: str) -> None:
         m = mallinfo2()
-        rows.append((tag, m.arena, m.uordblks, _proc_status_kib("VmRSS")["VmRSS"]))
+        rows.append((tag, m.arena, m.uordblks, proc_status("VmRSS")["VmRSS"]))
 
     blocks: Any = model.blocks  # type: ignore[attr-defined]
     for i, b in enumerate(blocks):
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for _ in range(args.warmup):
         step()
-    _malloc_trim()
+    malloc_trim()
     rows.clear()
     note("start")
     for _ in range(args.steps):

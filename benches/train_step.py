@@ -88,7 +88,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -97,12 +96,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from _machine import cpu_busy_seconds, cpu_model, hostname, kernel, loadavg, mem_total, mount_of, nproc
+
+from ssdtier.bench.memory import CpuPeak, CudaPeak, mapping_rss, proc_status
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "target" / "bench-train"
@@ -146,105 +146,6 @@ def machine_info(directory: Path) -> dict[str, Any]:
         "mount": mount_of(directory),
     }
     return info
-
-
-# ---------------------------------------------------------------- memory probes
-
-
-def _proc_status_kib(*keys: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in keys:
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def mapping_rss(address: int) -> int:
-    """Resident bytes of this process's mapping that starts at ``address`` (from /proc/self/smaps)."""
-    found = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                found = int(head.split("-", 1)[0], 16) == address
-            elif found and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _malloc_trim() -> bool:
-    try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
-
-class CpuPeak:
-    """Peak RSS over a region: VmHWM after it minus VmRSS at its start.
-
-    ``/proc/self/clear_refs`` = 5 resets VmHWM to the current RSS. Where the kernel
-    refuses that, a thread samples VmRSS every millisecond instead (and says so).
-    """
-
-    def __init__(self) -> None:
-        self.method = "VmHWM after clear_refs=5"
-        self.baseline = 0
-        self._sampler: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._sampled = 0
-
-    def start(self) -> None:
-        gc.collect()
-        _malloc_trim()
-        self.baseline = _proc_status_kib("VmRSS")["VmRSS"]
-        try:
-            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-                f.write("5")
-            hwm = _proc_status_kib("VmHWM")["VmHWM"]
-            if hwm > self.baseline + (16 << 20):
-                raise OSError("VmHWM was not reset")
-        except OSError as e:
-            self.method = f"VmRSS sampled every 1 ms (clear_refs unusable: {e})"
-            self._sampled = self.baseline
-            self._stop.clear()
-            self._sampler = threading.Thread(target=self._sample, daemon=True)
-            self._sampler.start()
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._sampled = max(self._sampled, _proc_status_kib("VmRSS")["VmRSS"])
-            time.sleep(0.001)
-
-    def stop(self) -> tuple[int, int]:
-        """(peak RSS in the region, baseline RSS), bytes."""
-        if self._sampler is not None:
-            self._stop.set()
-            self._sampler.join()
-            return self._sampled, self.baseline
-        return _proc_status_kib("VmHWM")["VmHWM"], self.baseline
-
-
-class CudaPeak:
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.method = "torch.cuda.max_memory_allocated delta"
-        self.baseline = 0
-
-    def start(self) -> None:
-        import torch
-
-        gc.collect()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.baseline = torch.cuda.memory_allocated(self.device)
-
-    def stop(self) -> tuple[int, int]:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device), self.baseline
 
 
 # ---------------------------------------------------------------- one mode
@@ -398,10 +299,10 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
             log(f"  [{mode}] {label} {i + 1}/{n}: {times[-1]:.3f} s, loss {losses[-1]:.6f}{note}")
         return times
 
-    rss_start = 0 if cuda else _proc_status_kib("VmRSS")["VmRSS"]
+    rss_start = 0 if cuda else proc_status("VmRSS")["VmRSS"]
     warm_times = run_steps(args.warmup, "warmup", kept_warmup, stall_warmup)
     # The high-water mark since the process started (the warmup's), before the probe resets it.
-    hwm_warmup = 0 if cuda else _proc_status_kib("VmHWM")["VmHWM"]
+    hwm_warmup = 0 if cuda else proc_status("VmHWM")["VmHWM"]
 
     before = stats_dict(off.stats()) if off is not None else None
     probe: Any = CudaPeak(device) if cuda else CpuPeak()

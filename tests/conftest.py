@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 # cuBLAS is deterministic only with a fixed workspace; it must be set before CUDA starts.
@@ -13,6 +14,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 
 from ssdtier.config import is_tmpfs  # noqa: E402
+from ssdtier.errors import SsdtierWarning  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_ROOT = REPO / "target" / "pytest-stores"
@@ -38,3 +40,16 @@ def store_config(path: Path, host: str = "64MiB", nvme: str = "4GiB", **io: obje
         "nvme": [{"path": str(path), "capacity": nvme}],
         "io": {"block_size": "256KiB", "queue_depth": 16, **io},
     }
+
+
+@pytest.fixture
+def warned():
+    """``warned(text)``: the messages of the SsdtierWarnings raised so far in the test that
+    contain ``text``, repeats included (no filter drops them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def matching(text: str) -> list[str]:
+            return [str(w.message) for w in caught if issubclass(w.category, SsdtierWarning) and text in str(w.message)]
+
+        yield matching

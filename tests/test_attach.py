@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
+import dataclasses
+import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -356,6 +359,8 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
     off = ssdtier.attach(m, offload_config(store_dir))
     with pytest.raises(ssdtier.SsdtierError, match="already attached"):
         ssdtier.attach(m, offload_config(store_dir))
+    with pytest.raises(TypeError, match="attach\\(\\) needs a torch.nn.Module, got function"):
+        ssdtier.attach(m.forward.__func__, offload_config(store_dir))
     off.detach()
     off.detach()  # idempotent
     after = {
@@ -364,6 +369,56 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
     }
     assert before == after
     ssdtier.attach(m, offload_config(store_dir)).detach()
+
+
+LOAD_WITHOUT_SSDTIER = """
+import sys, torch
+sys.modules["ssdtier"] = None  # import ssdtier now fails
+model, x, want = torch.load(sys.argv[1], weights_only=False)
+model(x).square().sum().backward()
+assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+print("loaded and trained")
+"""
+
+
+def test_a_saved_attached_model_loads_without_ssdtier(store_dir, tmp_path):
+    """torch.save(model) while attached keeps no trace of ssdtier that loading would need."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(4, 16)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    path = tmp_path / "model.pt"
+    with ssdtier.attach(model, offload_config(store_dir)):
+        torch.save((model, x, want), path)
+    r = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_SSDTIER, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "loaded and trained" in r.stdout, r.stderr
+
+
+def test_a_first_forward_that_offloads_nothing_says_why_once(store_dir, warned):
+    """A small model under the default policy moves nothing: the user is told why, once."""
+
+    def run(**policy):
+        torch.manual_seed(0)
+        m = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)))
+        with ssdtier.attach(m, {**store_config(store_dir), "policy": policy}) as off:
+            for _ in range(2):
+                m(torch.randn(32, 64)).sum().backward()  # 6 saved tensors of 8 KiB a forward
+            return off.stats().tensors_offloaded
+
+    assert run() == 0  # the defaults: a 1 MiB floor
+    (msg,) = warned("offloaded nothing")
+    assert (
+        "of its saved activations, 6 were smaller than policy.min_tensor_bytes (1MiB; the largest 8KiB: "
+        'policy__min_tensor_bytes="8KiB" would offload it)'
+    ) in msg
+    assert run(min_tensor_bytes=0, keep_last_layers=3) == 0
+    assert "6 were in the 3 kept last layer(s)" in warned("offloaded nothing")[1]
+    assert run(min_tensor_bytes="8KiB") > 0
+    assert len(warned("offloaded nothing")) == 2
 
 
 def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
@@ -394,7 +449,7 @@ def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
         loaded = torch.load(path, weights_only=False)
         packs = off.stats().packs
         for other in (twin, loaded):
-            assert getattr(other, "_ssdtier_offloader", None) is None
+            assert ssdtier.offload.attached(other) is None
             same(grads_of(other), want)
         with torch.no_grad():
             ema(*batch)
@@ -408,14 +463,13 @@ def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
         off.detach()
 
 
-def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir, caplog):
+def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir, warned):
     cfg = offload_config(store_dir, host="8KiB")
     cfg["nvme"][0]["capacity"] = "16KiB"
-    with caplog.at_level(logging.WARNING, logger="ssdtier"):
-        got = train(CONFIGS["gpt"], cfg)
+    got = train(CONFIGS["gpt"], cfg)
     assert_same(train(CONFIGS["gpt"]), got)
     assert got[2].tensors_kept > 0 and got[2].failed_writes > 0
-    assert sum("stay in memory" in r.message for r in caplog.records) == 1
+    assert len(warned("stay in memory")) == 1
 
 
 class _Resizer(nn.Module):
@@ -466,7 +520,7 @@ def wait_copies(off) -> None:
     assert not off._writing and not off._pending
 
 
-def check_storage_freed_while_copied_out(store_dir, caplog, device):
+def check_storage_freed_while_copied_out(store_dir, warned, device):
     """Without ssdtier, the backward reads whatever the storage holds then. A copy (a zero-copy
     write from a CPU storage, a device-to-host copy from a GPU one) of a storage that is freed
     before the copy is seen to be done may have copied other bytes: it is not used, and the
@@ -489,16 +543,15 @@ def check_storage_freed_while_copied_out(store_dir, caplog, device):
         return [x.grad] + [p.grad for p in m.parameters()], stats
 
     ref, _ = run(None)
-    with caplog.at_level(logging.WARNING, logger="ssdtier"):
-        got, stats = run(offload_config(store_dir, host="1MiB"))
+    got, stats = run(offload_config(store_dir, host="1MiB"))
     assert stats.tensors_offloaded >= 2 and stats.failed_writes >= 1
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
-    assert sum("freed or resized while it was being copied out" in r.message for r in caplog.records) == 1
+    assert len(warned("freed or resized while it was being copied out")) == 1
 
 
-def test_a_storage_freed_while_written_is_served_as_autograd_would(store_dir, caplog):
-    check_storage_freed_while_copied_out(store_dir, caplog, "cpu")
+def test_a_storage_freed_while_written_is_served_as_autograd_would(store_dir, warned):
+    check_storage_freed_while_copied_out(store_dir, warned, "cpu")
 
 
 class _InPlace(nn.Module):
@@ -572,6 +625,80 @@ def test_layers_found_and_overridden(store_dir):
         find_layers(t5, "nope")
     got = train(CONFIGS["t5"], offload_config(store_dir, layers="decoder_blocks"))
     assert got[2].layers_offloaded == 2
+
+
+class _DictNet(nn.Module):
+    """Blocks in a ModuleDict (as some models keep named stages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleDict({name: nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for name in "abc"})
+
+    def forward(self, x):
+        for stage in self.stages.values():
+            x = stage(x)
+        return x.square().mean()
+
+
+def test_layers_in_a_module_dict_are_found(store_dir):
+    torch.manual_seed(0)
+    ref, model = _DictNet(), _DictNet()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 64)
+    ref(x).backward()
+    with ssdtier.attach(model, offload_config(store_dir, keep_last_layers=1)) as off:
+        model(x).backward()
+        stats = off.stats()
+    assert off.layers_path == "stages" and stats.layers_kept == 1
+    # What the last stage and the loss save (its input, its output twice) is kept; what the
+    # first two save is offloaded (three storages, one saved twice).
+    assert stats.tensors_kept == 3 and stats.tensors_offloaded == 3 and stats.dedup_hits == 1
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _Exclusions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(64, 64)
+        self.quiet = False  # the middle block runs under no_offload()
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        with ssdtier.no_offload() if self.quiet else contextlib.nullcontext():
+            x = self.blocks[1](x)
+        return self.head(self.blocks[2](x)).square().mean()
+
+
+@pytest.mark.parametrize(
+    ("exclude", "quiet", "kept"),
+    [(["blocks.1"], False, 2), ([], True, 2), (["blocks.*"], False, 6), (["blocks.?.1", "head"], False, 4)],
+    ids=["by-name", "no_offload", "glob", "two-patterns"],
+)
+def test_excluded_modules_keep_their_saved_tensors(store_dir, exclude, quiet, kept):
+    """What an excluded module (or a no_offload() block) saves stays in memory, even over the
+    device budget; the rest is offloaded; gradients are exact."""
+    torch.manual_seed(0)
+    ref, model = _Exclusions(), _Exclusions()
+    model.load_state_dict(ref.state_dict())
+    model.quiet = quiet
+    x = torch.randn(32, 64)
+    ref(x).backward()
+    with ssdtier.attach(model, offload_config(store_dir, exclude=exclude, device_budget=0)) as off:
+        model(x).backward()
+        stats = off.stats()
+    # Each Linear saves its input, each Tanh its output (a Linear's input is the Tanh output before it).
+    assert stats.tensors_kept == kept and stats.tensors_offloaded > 0
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_an_exclusion_that_names_no_module_is_an_error(store_dir):
+    model = _Exclusions()
+    with pytest.raises(ssdtier.ConfigError, match=r"policy.exclude: 'blocks.9', 'tail' names no module of the _Excl"):
+        ssdtier.attach(model, offload_config(store_dir, exclude=["blocks.0", "blocks.9", "tail"]))
+    assert ssdtier.offload.attached(model) is None
 
 
 # ------------------------------------------------------------------ views of one storage
@@ -690,6 +817,25 @@ def test_adaptive_mode_plans_and_stays_exact(store_dir):
     assert len(s.plan.layers) == 3
     assert s.plan.keep_last == s.layers_kept
     assert "keep the last" in s.plan.table()
+
+
+def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
+    model = build_model(CONFIGS["gpt"])
+    with ssdtier.attach(model, offload_config(store_dir, mode="adaptive")) as off:
+        s = off.stats()
+        assert off._bw is not None and min(off._bw) > 0  # measured
+        assert s.bytes_written_nvme == s.bytes_read_nvme == s.store.host_peak == s.store.nvme_peak == 0
+
+
+def test_stats_read_as_a_few_lines_and_as_plain_data(store_dir):
+    s = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive"))[2]
+    text = str(s)
+    assert len(text.splitlines()) == 4, text  # with the plan's line
+    assert f"in {s.tensors_offloaded} tensors" in text and f"{s.forwarded} of {s.unpacks} unpacks" in text
+    assert f"adaptive plan: keep the last {s.plan.keep_last}: " in text
+    d = s.as_dict()
+    assert json.loads(json.dumps(d))["store"] == d["store"] == dataclasses.asdict(s.store)
+    assert d["store"]["nvme_bytes_written"] == s.bytes_written_nvme and d["plan"]["keep_last"] == s.plan.keep_last
 
 
 def test_device_budget_caps_what_is_kept(store_dir):

@@ -1,8 +1,9 @@
-"""The command line: ssdtier check / info / demo / roundtrip (as python -m ssdtier)."""
+"""The command line: ssdtier check / info / demo (as python -m ssdtier); bench in test_bench_cli."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,14 @@ def test_info_reports_the_backend(store_dir):
     assert "O_DIRECT        yes" in r.stdout
 
 
+def test_info_does_not_create_the_directory(store_dir):
+    r = ssdtier("info", str(store_dir / "new" / "dir"))
+    assert r.returncode == 0, r.stderr
+    assert f"does not exist: checked in {store_dir}, where it would be created" in r.stdout
+    assert "O_DIRECT        yes" in r.stdout
+    assert os.listdir(store_dir) == []
+
+
 def test_demo_trains_with_and_without_and_compares(store_dir):
     # The README's first command, on a tiny model: both runs, the comparison, the same
     # first-step loss, and no warning among the progress lines on stderr.
@@ -66,7 +75,54 @@ def test_demo_trains_with_and_without_and_compares(store_dir):
     assert "first-step loss identical: yes" in r.stdout
 
 
-def test_roundtrip_reports_bandwidth(store_dir):
-    r = ssdtier("roundtrip", "--dir", str(store_dir), "--size", "8MiB", "--tensor", "1MiB", "--arena", "4MiB")
+def test_demo_with_one_step(store_dir):
+    r = ssdtier("demo", "--dir", str(store_dir), "--steps", "1", "--layers", "1", "--d-model", "64", "--seq", "32")
     assert r.returncode == 0, r.stderr
-    assert "MB/s" in r.stdout or "GB/s" in r.stdout, r.stdout
+    assert "median step time" in r.stdout and "first-step loss identical: yes" in r.stdout
+
+
+def test_bad_arguments_are_refused_before_any_work(store_dir):
+    r = ssdtier("demo", "--batch", "0")
+    assert r.returncode == 2 and "argument --batch: must be a positive integer, got '0'" in r.stderr
+    r = ssdtier("demo", "--d-model", "60")
+    assert r.returncode == 1 and "--d-model must be a multiple of 8" in r.stderr
+    if os.path.isdir("/dev/shm"):
+        r = ssdtier("demo", "--dir", "/dev/shm/ssdtier-test")
+        assert r.returncode == 1 and "tmpfs" in r.stderr
+        assert "step 1/" not in r.stderr, "refused after the baseline run"
+    r = ssdtier("bench", "disk", str(store_dir), "--size", "5XB")
+    assert r.returncode == 1 and r.stderr.startswith("ssdtier: error: command line: --size: expected")
+
+
+def test_a_closed_pipe_is_no_error(store_dir):
+    r = subprocess.run(
+        f"{sys.executable} -m ssdtier info {store_dir} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert r.stdout.startswith("ssdtier ") and r.stderr == ""
+
+
+def test_help_is_plain_text_and_documents_every_option():
+    for cmd in (
+        (),
+        ("check",),
+        ("info",),
+        ("demo",),
+        ("bench",),
+        ("bench", "disk"),
+        ("bench", "train"),
+        ("bench", "rok"),
+    ):
+        r = ssdtier(*cmd, "--help")
+        assert r.returncode == 0 and "``" not in r.stdout, r.stdout
+        lines = r.stdout.splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"  (--[a-z-]+)(?: [A-Z_{},]+)?(.*)$", line)
+            if m:  # its help is on this line, or on the next (indented) when the option is long
+                follows = lines[i + 1] if i + 1 < len(lines) else ""
+                assert m[2].strip() or re.match(r" {10,}\S", follows), (cmd, line)

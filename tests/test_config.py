@@ -26,6 +26,7 @@ from ssdtier.config import (
     NvmeConfig,
     PolicyConfig,
     TiB,
+    check_paths,
     default_nvme_dir,
     format_size,
     is_tmpfs,
@@ -641,6 +642,7 @@ def test_to_dict():
             "layers": "model.layers",
             "mode": "adaptive",
             "device_budget": "20GiB",
+            "exclude": [],
         },
     }
     assert Config.from_dict(d) == FULL_CONFIG
@@ -737,7 +739,7 @@ def test_replace_positional_mapping_and_objects():
     [
         (
             {"policy__prefetch_layer": 3},
-            r"unknown key 'policy__prefetch_layer'; did you mean 'policy\.prefetch_layers'\?",
+            r"unknown key 'policy__prefetch_layer'; did you mean 'policy__prefetch_layers'\?",
         ),
         (
             {"io.queue_dept": 3},
@@ -745,11 +747,11 @@ def test_replace_positional_mapping_and_objects():
         ),
         (
             {"polcy__mode": "none"},
-            r"unknown key 'polcy__mode'; did you mean 'policy\.mode'\?",
+            r"unknown key 'polcy__mode'; did you mean 'policy__mode'\?",
         ),
         (
             {"prefetch_layers": 3},
-            r"unknown key 'prefetch_layers'; did you mean 'policy\.prefetch_layers'",
+            r"unknown key 'prefetch_layers'; did you mean 'policy__prefetch_layers'",
         ),
         (
             {"io__block__size": 4096},
@@ -784,6 +786,51 @@ def test_replace_positional_mapping_and_objects():
 def test_replace_errors(overrides, pattern):
     with pytest.raises(ConfigError, match="^<overrides>: " + pattern):
         Config().replace(**overrides)
+
+
+def test_policy_exclude(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text('[policy]\nexclude = ["lm_head", "model.layers.*.mlp"]\n')
+    cfg = load_config(f)
+    assert cfg.policy.exclude == ("lm_head", "model.layers.*.mlp")
+    assert 'exclude = ["lm_head", "model.layers.*.mlp"]' in cfg.to_toml()
+    assert Config.from_dict(tomllib.loads(cfg.to_toml())) == cfg
+    assert Config().replace(policy__exclude=["head"]).policy.exclude == ("head",)
+    for bad in ("lm_head", ["ok", 3], ["a b"]):
+        with pytest.raises(ConfigError, match=r"policy\.exclude: expected a list of module names or glob patterns"):
+            Config().replace(policy__exclude=bad)
+
+
+def test_replace_suggests_keys_in_the_form_they_were_given():
+    # Keyword arguments need policy__mode; a mapping takes the dotted form too.
+    with pytest.raises(ConfigError, match=r"did you mean 'policy\.prefetch_layers' \(key"):
+        Config().replace({"prefetch_layers": 3})
+    with pytest.raises(ConfigError, match=r"did you mean 'io\.queue_depth'\?"):
+        Config().replace({"io.queue_dept": 3})
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text(
+        '[host]\ncapacity = "big"\n[io]\nqueue_dept = 8\nbackend = "uring"\nthreads = 0\n'
+        '[[nvme]]\ncapacty = "1GiB"\n[polcy]\n'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{f}: 7 problems:"
+    for want in (
+        "unknown table [polcy]; did you mean 'policy'?",
+        "host.capacity: expected a non-negative size",
+        "io.queue_dept: unknown key; did you mean 'queue_depth'?",
+        "io.backend: expected one of",
+        "io.threads: expected an integer in 1..64, got 0",
+        "nvme[0].capacty: unknown key; did you mean 'capacity'?",
+        "nvme[0]: missing required key 'path'",
+    ):
+        assert sum(line.startswith(f"  {want}") for line in lines[1:]) == 1, (want, lines)
+    with pytest.raises(ConfigError, match=r"^<overrides>: 2 problems:\n  unknown key 'io__depth'.*\n  io\.threads"):
+        Config().replace(io__depth=1, io__threads=0)
 
 
 # ---------------------------------------------------------------------------
@@ -891,6 +938,34 @@ linux_only = pytest.mark.skipif(
 
 
 @linux_only
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/proc/ssdtier-nope/a", "the directory cannot be created in /proc"),
+        ("/proc/self", "the directory cannot hold a file"),
+    ],
+)
+def test_check_paths_tries_what_a_store_will_do(path, why):
+    # Permission bits say yes to root; only trying says no: /proc takes no new directory or file.
+    cfg = Config.from_dict({"nvme": [{"path": path}]}, source="t.toml")
+    with pytest.raises(ConfigError, match=re.escape(f"t.toml: nvme[0].path = {path!r}: {why}")):
+        check_paths(cfg)
+
+
+def test_check_paths_leaves_nothing_behind(store_dir):
+    new = store_dir / "a" / "b"
+    cfg = Config.from_dict({"nvme": [{"path": str(new)}, {"path": str(store_dir)}]})
+    assert check_paths(cfg) == [str(new), str(store_dir)]
+    assert os.listdir(store_dir) == []
+
+
+def test_a_relative_nvme_path_is_relative_to_its_file(store_dir, monkeypatch):
+    f = store_dir / "ssdtier.toml"
+    f.write_text('[[nvme]]\npath = "spill"\n[[nvme]]\npath = "/abs/x"\n')
+    monkeypatch.chdir("/")
+    assert [n.path for n in load_config(f).nvme] == [str(store_dir / "spill"), "/abs/x"]
+
+
 def test_is_tmpfs_dev_shm():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

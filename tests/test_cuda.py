@@ -54,8 +54,8 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0):
 CFG = GPTConfig(n_layers=3, **TINY)
 
 
-def test_a_storage_freed_while_copied_out_is_served_as_autograd_would(store_dir, caplog):
-    check_storage_freed_while_copied_out(store_dir, caplog, "cuda")
+def test_a_storage_freed_while_copied_out_is_served_as_autograd_would(store_dir, warned):
+    check_storage_freed_while_copied_out(store_dir, warned, "cuda")
 
 
 @pytest.mark.parametrize("host", ["64KiB", "64MiB"])
@@ -192,12 +192,10 @@ def test_store_round_trip_of_cuda_tensors(store_dir):
         assert out.device == x.device and torch.equal(out, x.t())
 
 
-def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_dir, caplog):
+def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_dir, warned):
     """The arena registered by someone else first: ssdtier's cudaHostRegister fails. That
     failure is left in the CUDA runtime for the thread's next error check, which torch makes
     after its next kernel: it is cleared, so training goes on (copies are synchronous)."""
-    import logging
-
     ref = train_cuda(CFG)
     torch.use_deterministic_algorithms(True)
     try:
@@ -212,11 +210,10 @@ def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_d
         try:
             torch.manual_seed(1)
             losses = []
-            with caplog.at_level(logging.WARNING, logger="ssdtier"):
-                for b in batches:
-                    loss = batch_loss(model, b)
-                    loss.backward()
-                    losses.append(loss.detach())
+            for b in batches:
+                loss = batch_loss(model, b)
+                loss.backward()
+                losses.append(loss.detach())
             torch.cuda.synchronize()
         finally:
             assert int(cudart.cudaHostUnregister(arena.data_ptr())) == 0
@@ -225,6 +222,6 @@ def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_d
         off.detach()
     finally:
         torch.use_deterministic_algorithms(False)
-    assert any("cudaHostRegister of the host arena failed" in r.message for r in caplog.records)
+    assert warned("cudaHostRegister of the host arena failed")
     assert stats.tensors_offloaded > 0
     assert_same(ref, (losses, grads, stats))

@@ -23,7 +23,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .offload import Offloader, OffloadStats, attach
+    from .offload import Offloader, OffloadStats, attach, no_offload
     from .store import StoreStats, TieredStore
 
 __version__ = "0.1.0"
@@ -46,6 +46,7 @@ __all__ = [
     "UnknownKeyError",
     "attach",
     "load_config",
+    "no_offload",
 ]
 
 _LAZY = {
@@ -54,6 +55,7 @@ _LAZY = {
     "attach": "offload",
     "Offloader": "offload",
     "OffloadStats": "offload",
+    "no_offload": "offload",
 }
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``ssdtier check``, ``info``, ``demo`` and ``roundtrip`` (also ``python -m ssdtier``)."""
+"""The ssdtier command line (also ``python -m ssdtier``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import time
 import warnings
 
 from . import __version__
-from .config import default_nvme_dir, format_size, is_tmpfs, parse_size
+from ._cli import CLI, Help, positive
+from .config import Config, check_paths, default_nvme_dir, format_size, is_tmpfs
+from .errors import ConfigError, SsdtierError
+
+DESCRIPTION = """\
+Offload PyTorch training activations to pinned host memory and NVMe SSDs.
+In a training script: `with ssdtier.attach(model): ...`. This command checks
+configs, tells what a machine supports, and shows ssdtier at work."""
 
 
 def _store(args: argparse.Namespace, host: int):
@@ -18,12 +25,12 @@ def _store(args: argparse.Namespace, host: int):
     cfg: dict = {"host": {"capacity": host}}
     if args.dir:
         cfg["nvme"] = [{"path": args.dir, "capacity": "1TiB"}]
-    return TieredStore(cfg)
+    return TieredStore(Config.from_dict(cfg, source=CLI))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate a config file and print the effective config, defaults filled in."""
-    from .config import check_paths, load_config
+    from .config import load_config
 
     cfg = load_config(args.file)
     paths = check_paths(cfg)
@@ -39,10 +46,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     path = os.path.abspath(args.dir or default_nvme_dir())
     print(f"ssdtier {__version__}")
     print(f"directory       {path}{'  (tmpfs: no O_DIRECT)' if is_tmpfs(path) else ''}")
+    probe = path
+    while not os.path.exists(probe):  # a store would create the directory: not for a look
+        probe = os.path.dirname(probe)
+    if probe != path:
+        print(f"                does not exist: checked in {probe}, where it would be created")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            store = _store(argparse.Namespace(dir=path), 16 << 20)
+            store = _store(argparse.Namespace(dir=probe), 16 << 20)
         except Exception as e:  # report, don't crash: this command is for diagnosis
             print(f"store           cannot open: {e}")
             return 1
@@ -95,6 +107,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .models import GPTConfig, batch_loss, build_model, make_batch
     from .offload import attach
 
+    if args.d_model % 8:
+        raise ConfigError(f"{CLI}: --d-model must be a multiple of 8 (the attention heads), got {args.d_model}")
+    store: dict = {"host": {"capacity": args.arena}, "policy": {"min_tensor_bytes": "64KiB"}}
+    if args.dir:
+        store["nvme"] = [{"path": args.dir, "capacity": "64GiB"}]
+    store_cfg = Config.from_dict(store, source=CLI)
+    check_paths(store_cfg)  # before the baseline run, not after it
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GPTConfig(vocab_size=1024, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=8)
     batch = make_batch(cfg, args.batch, torch.Generator().manual_seed(0), device=device)
@@ -103,12 +122,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         torch.manual_seed(0)
         model = build_model(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        off = None
-        if offload:
-            store: dict = {"host": {"capacity": args.arena}, "policy": {"min_tensor_bytes": "64KiB"}}
-            if args.dir:
-                store["nvme"] = [{"path": args.dir, "capacity": "64GiB"}]
-            off = attach(model, store)
+        off = attach(model, store_cfg) if offload else None
         times, loss0 = [], 0.0
 
         def step(count_only: bool = False) -> float:
@@ -153,8 +167,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     t_keep, m_keep, l_keep, _ = run(False)
     t_ssd, m_ssd, l_ssd, st = run(True)
-    med_keep = statistics.median(t_keep[1:])
-    med_ssd = statistics.median(t_ssd[1:])
+    # The first step warms up (allocator, caches): left out when there are others.
+    med_keep = statistics.median(t_keep[1:] or t_keep)
+    med_ssd = statistics.median(t_ssd[1:] or t_ssd)
     what = "peak GPU memory of the step" if device.type == "cuda" else "activation bytes held in memory"
     print(
         f"{what:36s} keep {format_size(m_keep):>9s}   ssdtier {format_size(m_ssd):>9s}   "
@@ -172,80 +187,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def cmd_roundtrip(args: argparse.Namespace) -> int:
-    """Round-trip tensors through the store with a small arena, so they go to NVMe."""
-    import torch
-
-    total = parse_size(args.size, key="--size")
-    tensor = parse_size(args.tensor, key="--tensor")
-    n = max(1, total // tensor)
-    src = torch.arange(tensor // 4, dtype=torch.int32)
-    with _store(args, parse_size(args.arena, key="--arena")) as store:
-        print(
-            f"ssdtier demo: {n} tensors of {format_size(tensor)} through a {args.arena} arena "
-            f"({store.backend}, O_DIRECT {'on' if store.direct else 'off'})",
-            file=sys.stderr,
-        )
-        t0 = time.perf_counter()
-        keys = []
-        for i in range(n):
-            keys.append(store.put(src))
-            if (i + 1) % max(1, n // 4) == 0:
-                print(f"  put {i + 1}/{n}", file=sys.stderr)
-        for k in keys:
-            store.evict(k)
-        t_write = time.perf_counter() - t0
-        written = store.stats().nvme_bytes_written
-        t0 = time.perf_counter()
-        ok = True
-        for i, k in enumerate(keys):
-            if i + 2 < n:
-                store.prefetch(keys[i + 2])
-            out = store.get(k)
-            ok = ok and torch.equal(out, src)
-        t_read = time.perf_counter() - t0
-        read = store.stats().nvme_bytes_read
-        print(f"wrote {format_size(written)} to NVMe at {written / t_write / 1e6:8.1f} MB/s")
-        print(f"read  {format_size(read)} back  at {read / t_read / 1e6:8.1f} MB/s")
-        print(f"data intact: {'yes' if ok else 'NO'}")
-        return 0 if ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ssdtier", description=__doc__)
+    fmt = Help
+    parser = argparse.ArgumentParser(prog="ssdtier", description=DESCRIPTION, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"ssdtier {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("check", help="validate a TOML config file and print the effective config")
-    p.add_argument("file", help="path of the TOML file")
-    p.set_defaults(func=cmd_check)
-    p = sub.add_parser("info", help="what this machine supports (io_uring, O_DIRECT, CUDA)")
-    p.add_argument("dir", nargs="?", help="directory to check (default: SSDTIER_DIR or ~/.cache/ssdtier)")
-    p.set_defaults(func=cmd_info)
-    p = sub.add_parser("demo", help="train a small GPT with and without ssdtier; compare memory and time")
-    p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR or ~/.cache/ssdtier)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--arena", default="64MiB", help="host arena (default 64MiB)")
-    p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("roundtrip", help="round-trip tensors through NVMe and print the bandwidth")
-    p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR or ~/.cache/ssdtier)")
-    p.add_argument("--size", default="1GiB", help="bytes in all (default 1GiB)")
-    p.add_argument("--tensor", default="32MiB", help="bytes per tensor (default 32MiB)")
-    p.add_argument("--arena", default="128MiB", help="host arena (default 128MiB)")
-    p.set_defaults(func=cmd_roundtrip)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    default_dir = "SSDTIER_DIR, else ~/.cache/ssdtier"
+
+    def command(name: str, func, help: str):
+        p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=fmt)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("check", cmd_check, "validate a TOML config file and print the effective config")
+    p.add_argument("file", help="the TOML file")
+    p = command("info", cmd_info, "what this machine supports in a directory: io_uring, O_DIRECT, CUDA")
+    p.add_argument("dir", nargs="?", help=f"the directory (default: {default_dir}); not created")
+    p = command("demo", cmd_demo, "train a small GPT with and without ssdtier; compare memory and step time")
+    p.add_argument("--dir", help=f"NVMe directory (default: {default_dir})")
+    p.add_argument("--steps", type=positive, default=5, help="training steps of each run")
+    p.add_argument("--layers", type=positive, default=6, help="GPT blocks")
+    p.add_argument("--d-model", type=positive, default=256, help="model width (a multiple of 8)")
+    p.add_argument("--seq", type=positive, default=256, help="sequence length")
+    p.add_argument("--batch", type=positive, default=8, help="batch size")
+    p.add_argument("--arena", default="64MiB", help="host arena (host.capacity)")
+    from .bench import add_parser
+
+    add_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
-    except Exception as e:
-        from .errors import SsdtierError
-
-        if isinstance(e, (SsdtierError, OSError)):
-            print(f"ssdtier: error: {e}", file=sys.stderr)
-            return 1
-        raise
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe (`| head`) shows here, not at exit
+        return rc
+    except BrokenPipeError:
+        # The reader is gone: nothing more to say, and nothing to say it with.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (SsdtierError, OSError) as e:
+        print(f"ssdtier: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

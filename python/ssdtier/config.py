@@ -26,6 +26,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -339,6 +340,19 @@ def _module_path(value: Any, key: str, source: str | None) -> str | None:
     return value
 
 
+_PATTERN_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+", re.ASCII)
+
+
+def _module_patterns(value: Any, key: str, source: str | None) -> tuple[str, ...]:
+    expected = "a list of module names or glob patterns, such as ['lm_head', 'model.layers.*.mlp']"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        _fail(source, key, value, expected, show_type=True)
+    for item in value:
+        if not isinstance(item, str) or not _PATTERN_RE.fullmatch(item):
+            _fail(source, key, value, expected, hint=f" (bad item {item!r})")
+    return tuple(value)
+
+
 _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
     "host": {"capacity": _size_range(0, TiB)},
     "nvme": {"path": _path, "capacity": _size_range(1)},
@@ -361,6 +375,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
         "layers": _module_path,
         "mode": _choice("all", "adaptive", "none"),
         "device_budget": _size_range(0, optional=True),
+        "exclude": _module_patterns,
     },
 }
 _SIZE_KEYS = {
@@ -376,26 +391,56 @@ _ALL_KEYS = tuple(f"{t}.{k}" for t, keys in _TABLE_FIELDS.items() for k in keys)
 _OVERRIDE_KEYS = tuple(k for k in _ALL_KEYS if not k.startswith("nvme."))
 
 
+class _Problems:
+    """Every problem of a config, so that a file's are reported at once, not one per run."""
+
+    def __init__(self, source: str | None) -> None:
+        self.source, self.messages = source, []
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as e:
+            self.messages += getattr(e, "problems", [str(e)])
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def raise_any(self) -> None:
+        msgs = self.messages
+        if len(msgs) == 1:
+            raise ConfigError(msgs[0])
+        if msgs:
+            head = f"{self.source}: " if self.source else ""
+            lines = [m.removeprefix(head) for m in msgs]
+            err = ConfigError(f"{head}{len(msgs)} problems:\n" + "\n".join(f"  {m}" for m in lines))
+            err.problems = msgs  # type: ignore[attr-defined]
+            raise err
+
+
 def _validate(obj: Any) -> None:
     """Check and normalise every field of a table dataclass in place."""
     source, prefix = _LOCATION.get()
     prefix = prefix or obj._TABLE
+    problems = _Problems(source)
     for name, check in _TABLE_FIELDS[obj._TABLE].items():
-        value = check(getattr(obj, name), f"{prefix}.{name}", source)
-        object.__setattr__(obj, name, value)
+        with problems.check():
+            object.__setattr__(obj, name, check(getattr(obj, name), f"{prefix}.{name}", source))
+    problems.raise_any()
 
 
-def _suggest(word: str, options: tuple[str, ...] | list[str]) -> str:
+def _suggest(word: str, options: tuple[str, ...] | list[str], sep: str = ".") -> str:
     close = difflib.get_close_matches(word, options, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f"; did you mean {close[0].replace('.', sep)!r}?" if close else ""
 
 
-def _suggest_qualified(name: str) -> str:
-    """Suggest ``table.key`` for a bare key name (e.g. ``queue_depth``)."""
+def _suggest_qualified(name: str, sep: str = ".") -> str:
+    """Suggest ``table.key`` (or ``table__key``, the keyword form) for a bare key name."""
     owners = [t for t, keys in _TABLE_FIELDS.items() if name in keys]
     if len(owners) == 1:
-        return f"; did you mean '{owners[0]}.{name}' (key {name!r} of [{owners[0]}])?"
-    return _suggest(name, _ALL_KEYS)
+        return f"; did you mean '{owners[0]}{sep}{name}' (key {name!r} of [{owners[0]}])?"
+    return _suggest(name, _ALL_KEYS, sep)
 
 
 # ---------------------------------------------------------------------------
@@ -426,7 +471,8 @@ class NvmeConfig:
     """One NVMe directory that holds spill files.
 
     Attributes:
-        path: Directory for spill files (``~`` is expanded).
+        path: Directory for spill files (``~`` is expanded; in a TOML file, a relative path
+            is relative to the file).
         capacity: Maximum bytes to use in that directory (> 0).
     """
 
@@ -484,11 +530,13 @@ class PolicyConfig:
             (1..4) as keep every read finished before its layer's backward needs it.
         eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
         dedup: Store tensors that share storage only once.
-        layers: Dotted path of the module list holding the layers
+        layers: Dotted path of the ModuleList, Sequential or ModuleDict holding the layers
             (``"model.layers"``), or None to detect it.
         mode: ``"all"``, ``"adaptive"`` or ``"none"``.
         device_budget: Most bytes of activations kept in memory (in every mode: beyond
             it, even what the policy would keep is offloaded), or None.
+        exclude: Modules whose saved tensors stay in memory, by qualified name
+            (``"lm_head"``) or glob pattern (``"model.layers.*.mlp"``); each must match one.
     """
 
     _TABLE: ClassVar[str] = "policy"
@@ -501,6 +549,7 @@ class PolicyConfig:
     layers: str | None = None
     mode: str = "all"
     device_budget: int | None = None
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -520,6 +569,8 @@ def _table_dict(obj: Any, *, human: bool) -> dict[str, Any]:
         value = getattr(obj, name)
         if human and value is not None and (obj._TABLE, name) in _SIZE_KEYS:
             value = _exact_size(value)
+        elif human and isinstance(value, tuple):
+            value = list(value)
         out[name] = value
     return out
 
@@ -531,17 +582,21 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
         _fail(source, prefix, data, "a table", show_type=True)
     table = cls._TABLE  # type: ignore[attr-defined]
     allowed = list(_TABLE_FIELDS[table])
+    problems = _Problems(source)
     for key in data:
         if not isinstance(key, str) or key not in _TABLE_FIELDS[table]:
             hint = _suggest(key, allowed) if isinstance(key, str) else ""
-            raise ConfigError(
+            problems.add(
                 f"{_where(source, f'{prefix}.{key}')}: unknown key{hint or '.'} "
                 f"Allowed keys in [{table}]: {', '.join(allowed)}"
             )
     if table == "nvme" and "path" not in data:
-        raise ConfigError(f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)")
-    with _located(source, prefix):
-        return cls(**data)
+        problems.add(f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)")
+    else:
+        with problems.check(), _located(source, prefix):
+            built = cls(**{k: v for k, v in data.items() if k in allowed})
+    problems.raise_any()
+    return built
 
 
 @dataclass(frozen=True)
@@ -607,6 +662,7 @@ class Config:
         """
         if not isinstance(d, Mapping):
             _fail(source, "<config>", d, "a mapping of tables", show_type=True)
+        problems = _Problems(source)
         for name, value in d.items():
             if isinstance(name, str) and name in _TABLE_FIELDS:
                 continue
@@ -617,24 +673,25 @@ class Config:
                 isinstance(value, list) and value and isinstance(value[0], Mapping)
             )
             what = f"unknown table [{name}]" if is_table else f"unknown top-level key {name!r}"
-            raise ConfigError(f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}")
+            problems.add(f"{source}: {what}{hint or '.'} Allowed tables: {', '.join(_TABLES)}")
         nvme_data = d.get("nvme", [])
         if isinstance(nvme_data, (Mapping, NvmeConfig)):
             nvme_data = [nvme_data]
         if not isinstance(nvme_data, (list, tuple)):
-            _fail(
-                source,
-                "nvme",
-                nvme_data,
-                "an array of tables ([[nvme]])",
-                show_type=True,
-            )
-        host = _build_table(HostConfig, d.get("host", {}), source, "host")
-        nvme = tuple(_build_table(NvmeConfig, entry, source, f"nvme[{i}]") for i, entry in enumerate(nvme_data))
-        io = _build_table(IoConfig, d.get("io", {}), source, "io")
-        policy = _build_table(PolicyConfig, d.get("policy", {}), source, "policy")
+            with problems.check():
+                _fail(source, "nvme", nvme_data, "an array of tables ([[nvme]])", show_type=True)
+            nvme_data = []
+        tables: dict[str, Any] = {}
+        for name, data in (("host", d.get("host", {})), ("io", d.get("io", {})), ("policy", d.get("policy", {}))):
+            with problems.check():
+                tables[name] = _build_table(_TABLE_CLASSES[name], data, source, name)
+        nvme = []
+        for i, entry in enumerate(nvme_data):
+            with problems.check():
+                nvme.append(_build_table(NvmeConfig, entry, source, f"nvme[{i}]"))
+        problems.raise_any()
         with _located(source, None):
-            return cls(host=host, nvme=nvme, io=io, policy=policy, source=source)
+            return cls(nvme=tuple(nvme), source=source, **tables)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the configuration as plain dicts (sizes as strings).
@@ -679,7 +736,8 @@ class Config:
         Raises:
             ConfigError: Unknown key or invalid value.
         """
-        items = list((overrides or {}).items()) + list(kwargs.items())
+        # A bare key given as a keyword is suggested in keyword form (policy__mode), else dotted.
+        items = [(k, v, False) for k, v in (overrides or {}).items()] + [(k, v, True) for k, v in kwargs.items()]
         if not items:
             return self
         src = "<overrides>"
@@ -689,18 +747,21 @@ class Config:
             "io": _table_dict(self.io, human=False),
             "policy": _table_dict(self.policy, human=False),
         }
-        for key, value in items:
+        problems = _Problems(src)
+        for key, value, keyword in items:
             if not isinstance(key, str):
-                raise ConfigError(f"{src}: override keys must be strings, got {key!r}")
+                problems.add(f"{src}: override keys must be strings, got {key!r}")
+                continue
+            sep = "__" if "__" in key or (keyword and "." not in key) else "."
             parts = key.split("__") if "__" in key else key.split(".")
             if len(parts) == 1:
                 if key not in _TABLE_FIELDS:
-                    hint = _suggest(key, _TABLES) or _suggest_qualified(key)
-                    raise ConfigError(
+                    hint = _suggest(key, _TABLES) or _suggest_qualified(key, sep)
+                    problems.add(
                         f"{src}: unknown key {key!r}{hint or '.'} Allowed keys: "
-                        f"{', '.join(_OVERRIDE_KEYS)}, or a table: {', '.join(_TABLES)}"
+                        f"{', '.join(k.replace('.', sep) for k in _OVERRIDE_KEYS)}, or a table: {', '.join(_TABLES)}"
                     )
-                if key == "nvme":
+                elif key == "nvme":
                     data["nvme"] = value
                 elif isinstance(value, _TABLE_CLASSES[key]):
                     data[key] = _table_dict(value, human=False)
@@ -708,20 +769,25 @@ class Config:
                     data[key] = {**data[key], **value}
                 else:
                     cls_name = _TABLE_CLASSES[key].__name__
-                    _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
+                    with problems.check():
+                        _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
                 continue
             dotted = ".".join(parts)
             if parts[0] == "nvme" and len(parts) == 2 and parts[1] in _TABLE_FIELDS["nvme"]:
-                raise ConfigError(
+                problems.add(
                     f"{src}: cannot override {dotted!r}: nvme is a list of tables; "
                     "replace it as a whole, e.g. nvme=[{'path': ..., 'capacity': ...}]"
                 )
-            if len(parts) != 2 or dotted not in _OVERRIDE_KEYS:
-                raise ConfigError(
-                    f"{src}: unknown key {key!r}{_suggest(dotted, _OVERRIDE_KEYS) or '.'} "
-                    f"Allowed keys: {', '.join(_OVERRIDE_KEYS)}"
+            elif len(parts) != 2 or dotted not in _OVERRIDE_KEYS:
+                problems.add(
+                    f"{src}: unknown key {key!r}{_suggest(dotted, _OVERRIDE_KEYS, sep) or '.'} "
+                    f"Allowed keys: {', '.join(k.replace('.', sep) for k in _OVERRIDE_KEYS)}"
                 )
-            data[parts[0]][parts[1]] = value
+            else:
+                data[parts[0]][parts[1]] = value
+        with problems.check():
+            Config.from_dict(data, source=src)
+        problems.raise_any()
         cfg = Config.from_dict(data, source=src)
         with _located(src, None):
             return Config(
@@ -742,6 +808,8 @@ _TOML_ESCAPES.update({"\f": "\\f", "\r": "\\r"})
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -816,7 +884,18 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = toml.loads(text)
     except toml.TOMLDecodeError as e:
         raise ConfigError(f"{name}: invalid TOML: {e}") from e
+    _relative_to(data.get("nvme"), os.path.dirname(os.path.abspath(name)))
     return Config.from_dict(data, source=name)
+
+
+def _relative_to(nvme: Any, base: str) -> None:
+    """A relative ``[[nvme]].path`` in a file means relative to the file, not to the current
+    directory of whoever loads it."""
+    for table in nvme if isinstance(nvme, list) else [nvme]:
+        if isinstance(table, dict) and isinstance(table.get("path"), str) and table["path"]:
+            path = os.path.expanduser(table["path"])
+            if not os.path.isabs(path):
+                table["path"] = os.path.join(base, path)
 
 
 def resolve_config(config: Any = None, **overrides: Any) -> Config:
@@ -933,9 +1012,10 @@ def is_tmpfs(path: str | os.PathLike[str]) -> bool:
 def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
     """Check that every NVMe directory can be used; returns the absolute paths.
 
-    A directory must exist or be creatable (its nearest existing ancestor is a
-    writable directory) and be writable; with ``io.direct`` on it must not be on
-    tmpfs, which refuses ``O_DIRECT``. Nothing is created.
+    Checked by doing, as root passes any permission check: a file is made (and removed) in a
+    directory that exists, a directory (and removed) in the nearest existing ancestor of one
+    that does not. With ``io.direct`` on it must not be on tmpfs, which refuses ``O_DIRECT``.
+    Nothing is left behind.
 
     Raises:
         ConfigError: naming the source, the key and the path.
@@ -953,9 +1033,14 @@ def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
         where = f"{config.source}: {key} = {path!r}"
         if not os.path.isdir(probe):
             raise ConfigError(f"{where}: {probe} is not a directory")
-        if not os.access(probe, os.W_OK | os.X_OK):
-            what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
-            raise ConfigError(f"{where}: the directory {what}")
+        try:
+            if probe == path:
+                tempfile.TemporaryFile(dir=path).close()
+            else:
+                os.rmdir(tempfile.mkdtemp(prefix=".ssdtier-probe-", dir=probe))
+        except OSError as e:
+            what = "cannot hold a file" if probe == path else f"cannot be created in {probe}"
+            raise ConfigError(f"{where}: the directory {what} ({e.strerror or e})") from None
         if config.io.direct and is_tmpfs(probe):
             raise ConfigError(
                 f"{where}: the directory is on tmpfs, which does not support O_DIRECT; "

@@ -18,32 +18,51 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fnmatch
+import functools
 import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import Config, resolve_config
-from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError
+from .config import Config, PolicyConfig, format_size, resolve_config
+from .errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError, SsdtierWarning
 from .plan import LayerProfile, Plan, make_plan
 from .store import StoreStats, TieredStore
 
-__all__ = ["OffloadStats", "Offloader", "attach", "find_layers"]
+__all__ = ["OffloadStats", "Offloader", "attach", "attached", "find_layers", "no_offload"]
 
 log = logging.getLogger("ssdtier")
 
-_ATTR = "_ssdtier_offloader"
 _AHEAD_MAX = 4  # prefetch_layers = "auto" reads 1.._AHEAD_MAX layers ahead
 _PAGE = 4096
+
+# Run as Python, never traced by torch.compile.
+_eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
+
+
+_INTERNAL = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (sys.modules[__package__], torch))
+
+
+def _warn(msg: str) -> None:
+    """What the user must see (activations left in memory, hooks removed), shown at the user's
+    line that led to it (a forward, a backward); the rest is logged."""
+    level, f = 1, sys._getframe(0)
+    while f is not None and f.f_code.co_filename.startswith(_INTERNAL):
+        level, f = level + 1, f.f_back
+    warnings.warn(f"ssdtier: {msg}", SsdtierWarning, stacklevel=level)
 
 
 def _aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
@@ -76,17 +95,14 @@ def _clear_cuda_error() -> None:
         err: object = "no libcudart.so is loaded (a static build?)"
     except OSError as e:
         err = e
-    log.warning("ssdtier: could not clear the CUDA error (%s); torch may report it at its next kernel", err)
-
-
-def _inert(*args: Any) -> None:
-    """What a copy of an attached model has in place of ssdtier's hooks: nothing."""
+    _warn(f"could not clear the CUDA error ({err}); torch may report it at its next kernel")
 
 
 class _Hook:
     """A module hook of the offloader. A copy of the model (``copy.deepcopy``, as EMA and
-    ``AveragedModel`` make; ``torch.save(model)``) is not attached: its copies of these hooks do
-    nothing, and the copy shares nothing with the offloader or its store."""
+    ``AveragedModel`` make; ``torch.save(model)``) is not attached: its copies of these hooks
+    are ``sys.audit`` calls that do nothing, so the copy shares nothing with the offloader and
+    loads where ssdtier is not installed."""
 
     __slots__ = ("fn",)
 
@@ -96,19 +112,17 @@ class _Hook:
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _inert
-
     def __reduce__(self) -> tuple:
-        return (_inert_hook, ())
+        return (functools.partial, (sys.audit, "ssdtier.detached_hook"))
 
 
-def _inert_hook() -> Any:
-    return _inert
+class _ModelHook(_Hook):
+    """The model's own hooks, which push and pop the saved-tensor hooks: Dynamo cannot trace
+    that, so under torch.compile they run outside the compiled frame (as a ``save_on_cpu``
+    around the call would), and ``fullgraph=True`` works."""
 
-
-def _detached() -> None:
-    return None
+    __slots__ = ()
+    __call__ = _eager(_Hook.__call__)
 
 
 def _storage_objects_preserved() -> bool:
@@ -156,33 +170,62 @@ class OffloadStats:
     plan: Plan | None
     store: StoreStats
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain data: dicts, lists, tuples, numbers (``json.dumps`` takes it)."""
+        return asdict(self)
 
-def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
-    """The model's repeated blocks: the largest ModuleList/Sequential whose children share one class.
+    def __str__(self) -> str:
+        lines = [
+            f"offloaded {format_size(self.bytes_offloaded)} in {self.tensors_offloaded} tensors "
+            f"({self.dedup_hits} more shared a storage); kept {format_size(self.bytes_kept)} in "
+            f"{self.tensors_kept} tensors",
+            f"NVMe: wrote {format_size(self.bytes_written_nvme)}, read {format_size(self.bytes_read_nvme)}; "
+            f"{self.forwarded} of {self.unpacks} unpacks served from memory",
+            f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s; "
+            f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, {self.prefetch_layers} read ahead",
+        ]
+        if self.failed_writes or self.failed_reads:
+            lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
+        if self.plan is not None:
+            lines.append(f"adaptive plan: keep the last {self.plan.keep_last}: {self.plan.reason}")
+        return "\n".join(lines)
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _children(mod: nn.Module) -> list[nn.Module]:
+    return list(mod.values()) if isinstance(mod, nn.ModuleDict) else list(mod)
+
+
+def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, list[nn.Module]] | None:
+    """The model's repeated blocks: the largest ModuleList, Sequential or ModuleDict whose
+    children share one class (a ModuleDict's in insertion order, the order of its forward).
 
     Args:
         model: the model.
         path: a dotted path (``"transformer.h"``) that names the container instead.
 
     Returns:
-        (path, container), or None when the model has no such container.
+        (path, blocks), or None when the model has no such container.
     """
     if path is not None:
         try:
             mod = model.get_submodule(path)
         except AttributeError as e:
             raise ConfigError(f"policy.layers = {path!r}: the model has no submodule {path!r}") from e
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) == 0:
+        if not isinstance(mod, _CONTAINERS) or len(mod) == 0:
             raise ConfigError(
-                f"policy.layers = {path!r} is a {type(mod).__name__}, not a non-empty ModuleList/Sequential"
+                f"policy.layers = {path!r} is a {type(mod).__name__}, not a non-empty ModuleList, "
+                "Sequential or ModuleDict"
             )
-        return path, mod
-    best: tuple[str, Any] | None = None
+        return path, _children(mod)
+    best: tuple[str, list[nn.Module]] | None = None
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            kinds = {type(m) for m in mod}
-            if len(kinds) == 1 and (best is None or len(mod) > len(best[1])):
-                best = (name, mod)
+        if isinstance(mod, _CONTAINERS) and len(mod) >= 2:
+            blocks = _children(mod)
+            if len({type(m) for m in blocks}) == 1 and (best is None or len(blocks) > len(best[1])):
+                best = (name, blocks)
     return best
 
 
@@ -234,13 +277,15 @@ class _Fwd:
     A plain object: autograd's engine threads get a copy of the hooks (not of this state)
     and pack with the state of the last forward that pushed them."""
 
-    __slots__ = ("forward", "off", "pushed", "tag")
+    __slots__ = ("excluded", "forward", "off", "pushed", "scopes", "tag")
 
     def __init__(self, off: Offloader) -> None:
         self.off = off
         self.pushed: list[bool] = []  # calls of the model under way on this thread: hooks pushed?
         self.forward = 0  # the number of this thread's outermost forward
         self.tag = 0  # the layer that forward is in
+        self.excluded = 0  # calls of policy.exclude's modules that forward is in
+        self.scopes = 0  # Offloader.scope() blocks under way (each counts as a call of the model)
 
 
 class _PerThread(threading.local):
@@ -259,18 +304,10 @@ def _pushed() -> list[_Fwd]:
     return stack
 
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
-# Run as Python, not traced by torch.compile (which cannot trace frames or the hooks' stack);
-# used on the rare paths only, as each call is a break in the compiled graph.
-_eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
-
-
 def _saving_possible() -> str | None:
     """Why saved-tensor hooks cannot or need not be pushed now, or None if they can."""
     if not torch.is_grad_enabled():
         return ""  # no_grad, inference_mode: nothing is saved
-    if _is_compiling():
-        return None  # traced by torch.compile, which cannot call the checks below
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     if active is not None and active():
         return "a torch.func transform is active, and those do not support saved-tensor hooks"
@@ -285,7 +322,6 @@ def _top_hooks() -> Any:
     return top(False) if top is not None else None
 
 
-@_eager
 def _forwards_under_way(module: nn.Module) -> int:
     """How many calls of ``module`` are on this thread's Python stack (asked only when the
     model is entered with its hooks still pushed: a call inside its own forward, or a
@@ -299,7 +335,6 @@ def _forwards_under_way(module: nn.Module) -> int:
     return n
 
 
-@_eager
 def _drop_interrupted(f: _Fwd, what: str) -> None:
     """Pop the hooks that an interrupted forward left pushed on this thread (KeyboardInterrupt,
     not an Exception, skips the forward hooks that pop them), with those of the attached
@@ -318,13 +353,10 @@ def _drop_interrupted(f: _Fwd, what: str) -> None:
         g.pushed.clear()
     del stack[inner:]
     f.pushed.clear()
-    log.warning(
-        "ssdtier: a forward of %s on this thread %s (interrupted, as by KeyboardInterrupt, which "
-        "skips forward hooks); %d of the saved-tensor hooks left on were removed%s",
-        type(f.off.model).__name__,
-        what,
-        popped,
-        "" if popped == len(left) else " (others were pushed above them and stay)",
+    _warn(
+        f"a forward of {type(f.off.model).__name__} on this thread {what} (interrupted, as by "
+        f"KeyboardInterrupt, which skips forward hooks); {popped} of the saved-tensor hooks left on "
+        f"were removed{'' if popped == len(left) else ' (others were pushed above them and stay)'}"
     )
 
 
@@ -424,6 +456,37 @@ class _Entry:
         self.wanted = False
 
 
+class _FirstForward:
+    """Why the first forward held its saved activations in memory (when it offloaded none,
+    a user is told why once: a small model with the defaults moves nothing)."""
+
+    __slots__ = ("excluded", "largest", "layer", "small")
+
+    def __init__(self) -> None:
+        self.small = self.layer = self.excluded = self.largest = 0
+
+    def held(self, nbytes: int, why: str) -> None:
+        setattr(self, why, getattr(self, why) + 1)
+        if why == "small":
+            self.largest = max(self.largest, nbytes)
+
+    def why_nothing(self, model: nn.Module, pol: PolicyConfig, kept: int) -> str:
+        parts = []
+        if self.small:
+            floor = 1 << max(self.largest.bit_length() - 1, 0)  # offloads the largest of them
+            parts.append(
+                f"{self.small} were smaller than policy.min_tensor_bytes ({format_size(pol.min_tensor_bytes)}; "
+                f'the largest {format_size(self.largest)}: policy__min_tensor_bytes="{format_size(floor)}" '
+                "would offload it)"
+            )
+        if self.layer:
+            parts.append(f"{self.layer} were in the {kept} kept last layer(s) (policy.keep_last_layers)")
+        if self.excluded:
+            parts.append(f"{self.excluded} were in excluded modules (policy.exclude or no_offload())")
+        why = " and ".join(parts) or "it saved none but parameters, buffers and tensors ssdtier leaves alone"
+        return f"the first forward of {type(model).__name__} offloaded nothing: of its saved activations, {why}"
+
+
 class _Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
@@ -455,7 +518,9 @@ class Offloader:
     """
 
     def __init__(self, model: nn.Module, config: Config) -> None:
-        if getattr(model, _ATTR, None) is not None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+        if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         pol = config.policy
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
@@ -541,6 +606,8 @@ class Offloader:
         self._trig: dict[tuple[int, int], float] = {}  # (forward, layer): when its backward began
         self._reads: dict[tuple[int, int], list[tuple[float, Any]]] = {}  # read-aheads: (start, ticket)
         self._handles: list[Any] = []
+        # What the first forward held in memory, to say why if it offloaded nothing.
+        self._first: _FirstForward | None = None if pol.mode == "none" else _FirstForward()
         # Adaptive mode: profile of the iteration in progress, and the plan.
         self._adaptive = pol.mode == "adaptive" and n > 0
         self._budget = pol.device_budget
@@ -559,14 +626,17 @@ class Offloader:
             if self._adaptive:
                 self._bw = self._calibrate()
             self._handles += [
-                model.register_forward_pre_hook(_Hook(self._enter)),
-                model.register_forward_hook(_Hook(self._exit), always_call=True),
+                model.register_forward_pre_hook(_ModelHook(self._enter)),
+                model.register_forward_hook(_ModelHook(self._exit), always_call=True),
             ]
             if found:
                 for i, block in enumerate(found[1]):
                     self._handles.append(block.register_forward_pre_hook(_Hook(self._block_enter(i + 1))))
                     self._handles.append(block.register_forward_hook(_Hook(self._block_exit(i + 1)), always_call=True))
-            setattr(model, _ATTR, self)
+            for mod in _excluded_modules(model, pol.exclude):
+                self._handles.append(mod.register_forward_pre_hook(_Hook(self._exclude_enter)))
+                self._handles.append(mod.register_forward_hook(_Hook(self._exclude_exit), always_call=True))
+            _ATTACHED[model] = weakref.ref(self)
         except BaseException:
             # Nothing left behind: no hook on the model, and the store closed.
             for h in self._handles:
@@ -588,7 +658,7 @@ class Offloader:
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         f = self._tls.fwd
-        if f.pushed and _forwards_under_way(module) < 2:
+        if f.pushed and _forwards_under_way(module) + f.scopes < 2:
             _drop_interrupted(f, "did not finish")
         f.pushed.append(False)
         if len(f.pushed) > 1:
@@ -597,9 +667,7 @@ class Offloader:
         if why is not None:
             if why and not getattr(self, "_warned_off", False):
                 self._warned_off = True
-                log.warning(
-                    "ssdtier: %s: activations of such forwards of %s stay in memory", why, type(module).__name__
-                )
+                _warn(f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             return
         if self._adaptive:
             self._replan()
@@ -616,7 +684,7 @@ class Offloader:
             # like may have swapped them).
             self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
         self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
-        f.tag = 0
+        f.tag = f.excluded = 0
         self._hooks.__enter__()
         f.pushed[-1] = True
         _pushed().append(f)
@@ -649,6 +717,11 @@ class Offloader:
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 self._poll_pending()
                 self._poll_writes()
+            if self._first is not None:
+                first, self._first = self._first, None
+                c = self._counts
+                if c["packs"] and not c["tensors_offloaded"] and not c["failed_writes"]:
+                    _warn(first.why_nothing(module, self.config.policy, self._layers_kept))
 
     def _block_enter(self, tag: int):
         def hook(module: nn.Module, args: Any) -> None:
@@ -670,6 +743,13 @@ class Offloader:
                 self._prof_fwd[tag] = self._prof_fwd.get(tag, 0.0) + max(spent, 0.0)
 
         return hook
+
+    def _exclude_enter(self, module: nn.Module, args: Any) -> None:
+        self._tls.fwd.excluded += 1
+
+    def _exclude_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        f = self._tls.fwd
+        f.excluded = max(f.excluded - 1, 0)  # 0 already if its enter ran before the forward's
 
     def _store_wait(self) -> float:
         return self.store._native.wait_seconds
@@ -719,10 +799,14 @@ class Offloader:
         tag = f.tag
         if self._adaptive and nbytes >= self.config.policy.min_tensor_bytes:
             self._prof_bytes[tag] = self._prof_bytes.get(tag, 0) + nbytes
-        keep = nbytes < self.config.policy.min_tensor_bytes or tag >= self._keep_from
+        small = nbytes < self.config.policy.min_tensor_bytes
+        excluded = f.excluded or _NO_OFFLOAD.depth  # asked for: the budget does not overrule it
+        keep = small or tag >= self._keep_from
         if keep and self._budget is not None and self._resident_kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
-        if keep:
+        if keep or excluded:
+            if self._first is not None:
+                self._first.held(nbytes, "small" if small else "excluded" if excluded else "layer")
             return self._keep(t, nbytes, f, (dev, ptr))
         with self._lock:
             if self._closed:
@@ -1110,7 +1194,7 @@ class Offloader:
         self._registered = _cuda_ok(rc)
         if not self._registered:
             _clear_cuda_error()
-            log.warning("ssdtier: cudaHostRegister of the host arena failed (%s); copies will be synchronous", rc)
+            _warn(f"cudaHostRegister of the host arena failed ({rc}); copies will be synchronous")
 
     def _offload_cuda(self, whole: torch.Tensor, nbytes: int, f: _Fwd) -> _Entry:
         native = self.store._native
@@ -1249,24 +1333,31 @@ class Offloader:
     # ---------------------------------------------------------------- adaptive plan
 
     def _calibrate(self) -> tuple[float, float]:
-        """The store's write and read bandwidth, measured at attach on a few blocks."""
+        """The store's write and read bandwidth, measured at attach on a few blocks, through a
+        store of its own on the same directories: stats() counts activations only."""
         chunk = 8 << 20
         n = 4
-        src = torch.zeros(chunk, dtype=torch.uint8)
-        store, native = self.store, self.store._native
-        t0 = time.perf_counter()
-        keys = [store.put(src) for _ in range(n)]
-        for k in keys:
-            store.evict(k)
-        write = n * chunk / max(time.perf_counter() - t0, 1e-9)
-        bufs = [_aligned_storage(chunk) for _ in keys]
-        t0 = time.perf_counter()
-        tickets = [native.read_into(k, b.data_ptr() + pad, b) for k, (b, pad) in zip(keys, bufs, strict=True)]
-        for t in tickets:
-            t.wait()
-        read = n * chunk / max(time.perf_counter() - t0, 1e-9)
-        for k in keys:
-            store.free(k)
+        cfg = self.config.replace(
+            host__capacity=min(self.config.host.capacity, 2 * chunk),
+            nvme=[{"path": path, "capacity": n * chunk} for path, _ in self.store._devices],
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SsdtierWarning)  # said already, by the main store
+            store = TieredStore(cfg)
+        with store:
+            native = store._native
+            src = torch.zeros(chunk, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            keys = [store.put(src) for _ in range(n)]
+            for k in keys:
+                store.evict(k)
+            write = n * chunk / max(time.perf_counter() - t0, 1e-9)
+            bufs = [_aligned_storage(chunk) for _ in keys]
+            t0 = time.perf_counter()
+            tickets = [native.read_into(k, b.data_ptr() + pad, b) for k, (b, pad) in zip(keys, bufs, strict=True)]
+            for t in tickets:
+                t.wait()
+            read = n * chunk / max(time.perf_counter() - t0, 1e-9)
         log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
         return write, read
 
@@ -1345,12 +1436,12 @@ class Offloader:
     def _warn_write(self, err: Exception) -> None:
         if not getattr(self, "_warned_write", False):
             self._warned_write = True
-            log.warning("ssdtier: writing an activation to NVMe failed (%s); it stays in memory", err)
+            _warn(f"writing an activation to NVMe failed ({err}); it stays in memory")
 
     def _warn_full(self, e: Exception) -> None:
         if not getattr(self, "_warned_full", False):
             self._warned_full = True
-            log.warning("ssdtier: %s; activations stay in memory until space frees up", e)
+            _warn(f"{e}; activations stay in memory until space frees up")
 
     def stats(self) -> OffloadStats:
         """Counters so far; see :class:`OffloadStats`."""
@@ -1368,6 +1459,26 @@ class Offloader:
             **self._counts,
         )
 
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Saved tensors made inside the block go through the offloader, as in a call of the
+        model: for a training step that uses the model's parts without calling the model
+        itself (a LightningModule's ``training_step``). Calls of the model inside are fine.
+
+        Example:
+            >>> with offload.scope():
+            ...     loss = module.training_step(batch, 0)
+            >>> loss.backward()
+        """
+        self._enter(self.model, ())
+        f = self._tls.fwd
+        f.scopes += 1
+        try:
+            yield
+        finally:
+            f.scopes -= 1
+            self._exit(self.model, (), None)
+
     def detach(self) -> None:
         """Remove every hook and restore the module; the store closes once no graph holds an entry."""
         if self._closed:
@@ -1375,8 +1486,8 @@ class Offloader:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if getattr(self.model, _ATTR, None) is self:
-            delattr(self.model, _ATTR)
+        if attached(self.model) is self:
+            del _ATTACHED[self.model]
         if any(self._tls.fwd.pushed):
             _drop_interrupted(self._tls.fwd, "was not finished at detach()")
         self._closed = True
@@ -1393,7 +1504,7 @@ class Offloader:
             rc = torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
             if not _cuda_ok(rc):
                 _clear_cuda_error()
-                log.warning("ssdtier: cudaHostUnregister of the host arena failed (%s)", rc)
+                _warn(f"cudaHostUnregister of the host arena failed ({rc})")
             self._registered = False
         try:
             self.store.close()  # waits for every write, so the sources still held can go
@@ -1409,17 +1520,59 @@ class Offloader:
     def __enter__(self) -> Offloader:
         return self
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # the model's reference to it, in a copy of the model: not attached
-
-    def __reduce__(self) -> tuple:
-        return (_detached, ())
-
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
     def __repr__(self) -> str:
         return f"<Offloader {type(self.model).__name__} layers={self.layers_path!r} store={self.store!r}>"
+
+
+class _NoOffload(threading.local):
+    depth = 0  # no_offload() blocks this thread is in
+
+
+_NO_OFFLOAD = _NoOffload()
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Saved tensors made inside the block (on this thread) stay in memory, for every attached
+    model: for a region of a forward that is cheap to keep and costly to move.
+
+    Example:
+        >>> with ssdtier.no_offload():
+        ...     logits = self.lm_head(h)
+    """
+    _NO_OFFLOAD.depth += 1
+    try:
+        yield
+    finally:
+        _NO_OFFLOAD.depth -= 1
+
+
+def _excluded_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Module]:
+    """The modules that ``policy.exclude`` names (by qualified name or glob pattern)."""
+    if not patterns:
+        return []
+    names = dict(model.named_modules(remove_duplicate=False))
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ConfigError(
+            f"policy.exclude: {', '.join(map(repr, unmatched))} names no module of the "
+            f"{type(model).__name__} (qualified names such as {next(iter(n for n in names if n), '?')!r})"
+        )
+    found = {id(m): m for n, m in names.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    return list(found.values())
+
+
+# Each model's offloader, weakly both ways: nothing of ssdtier's is stored in the model.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Offloader]] = weakref.WeakKeyDictionary()
+
+
+def attached(model: nn.Module) -> Offloader | None:
+    """The offloader attached to ``model``, or None."""
+    ref = _ATTACHED.get(model)
+    return ref() if ref is not None else None
 
 
 def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
@@ -1434,6 +1587,7 @@ def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
         The :class:`Offloader`; use it as a context manager or call ``detach()``.
 
     Raises:
+        TypeError: ``model`` is not a module.
         SsdtierError: already attached to this module.
         ConfigError: bad configuration.
 

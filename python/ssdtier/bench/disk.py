@@ -1,0 +1,121 @@
+"""``ssdtier bench disk [DIR]``: the store's NVMe write and read bandwidth, next to fio's on
+the same directory with the same block size and queue depth (io_uring, O_DIRECT)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from typing import Any
+
+from .._cli import CLI
+from ..config import Config, check_paths, default_nvme_dir, format_size, parse_size
+from ..errors import SsdtierError
+from ._report import Progress, emit, table
+
+__all__ = ["cmd_disk"]
+
+
+def _store_pass(cfg: Config, count: int, tensor: int, bar: Progress) -> dict[str, Any]:
+    """Write ``count`` tensors through the store until they are on NVMe, then read them back
+    (two ahead); returns bytes per second each way and whether every byte came back."""
+    import torch
+
+    from ..store import TieredStore
+
+    src = torch.arange(tensor, dtype=torch.int64).remainder(251).to(torch.uint8)
+    stamp = src[:8].view(torch.int64)  # each entry's index, so that entries differ
+    with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        keys = []
+        for i in range(count):
+            stamp.fill_(i)
+            keys.append(store.put(src))
+            bar.update(1, "store write")
+        store.flush()
+        for k in keys:
+            store.evict(k)
+        write = count * tensor / (time.perf_counter() - t0)
+        intact = True
+        t0 = time.perf_counter()
+        for i, k in enumerate(keys):
+            if i + 2 < count:
+                store.prefetch(keys[i + 2])
+            out = store.get(k)
+            stamp.fill_(i)
+            intact = intact and bool(torch.equal(out, src))
+            bar.update(1, "store read")
+        read = count * tensor / (time.perf_counter() - t0)
+        return {"write": write, "read": read, "intact": intact, "backend": store.backend, "direct": store.direct}
+
+
+def _fio(fio: str, directory: str, rw: str, size: int, block: int, depth: int) -> float:
+    """fio's bytes per second for ``rw`` (write or read) of ``size`` bytes in ``directory``."""
+    path = os.path.join(directory, ".ssdtier-bench-fio.dat")
+    cmd = [
+        fio, f"--name=ssdtier-{rw}", f"--filename={path.replace(':', chr(92) + ':')}", f"--rw={rw}",
+        "--ioengine=io_uring", "--direct=1", f"--bs={block}", f"--iodepth={depth}", f"--size={size}",
+        "--numjobs=1", "--output-format=json", "--eta=never",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise SsdtierError(f"fio failed ({' '.join(cmd)}): {(r.stderr or r.stdout).strip()[-500:]}")
+    job = json.loads(r.stdout[r.stdout.find("{") :])["jobs"][0]
+    return float(job[rw]["bw_bytes"])
+
+
+def cmd_disk(args: argparse.Namespace) -> int:
+    """The store against fio on one directory."""
+    directory = os.path.abspath(args.dir or default_nvme_dir())
+    size = parse_size(args.size, key="--size", source=CLI)
+    tensor = parse_size(args.tensor, key="--tensor", source=CLI)
+    block = parse_size(args.block_size, key="--block-size", source=CLI)
+    count = max(1, size // max(tensor, 1))
+    slot = -(-tensor // 4096) * 4096
+    cfg = Config.from_dict(
+        {
+            "host": {"capacity": args.arena},
+            "nvme": [{"path": directory, "capacity": count * slot + (256 << 20)}],
+            "io": {"block_size": block, "queue_depth": args.queue_depth},
+        },
+        source=CLI,
+    )
+    check_paths(cfg)
+    fio = None if args.no_fio else shutil.which("fio")
+    steps = 2 * count + (2 if fio else 0)
+    with Progress(steps, "bench disk", unit="op") as bar:
+        got = _store_pass(cfg, count, tensor, bar)
+        theirs: dict[str, float] = {}
+        if fio:
+            os.makedirs(directory, exist_ok=True)
+            try:
+                for rw in ("write", "read"):
+                    theirs[rw] = _fio(fio, directory, rw, count * tensor, block, args.queue_depth)
+                    bar.update(1, f"fio {rw}")
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, ".ssdtier-bench-fio.dat"))
+    rows = []
+    for rw in ("write", "read"):
+        other = theirs.get(rw)
+        vs = [f"{other / 1e6:.0f}", f"{got[rw] / other:.2f}"] if other else ["-", "-"]
+        rows.append([rw, f"{got[rw] / 1e6:.0f}", *vs])
+    why = "" if fio else ("(--no-fio)" if args.no_fio else "(fio is not installed)")
+    text = "\n".join(
+        [
+            f"{directory}: {format_size(count * tensor)} in {count} tensors of {format_size(tensor)}, "
+            f"{got['backend']}, O_DIRECT {'on' if got['direct'] else 'off'}, blocks of {format_size(block)}, "
+            f"queue depth {args.queue_depth}; fio: {'io_uring, O_DIRECT, same blocks and depth' if fio else why}",
+            "",
+            table(["direction", "ssdtier MB/s", "fio MB/s", "ssdtier / fio"], rows),
+            "",
+            f"data intact: {'yes' if got['intact'] else 'NO'}",
+        ]
+    )
+    result = {"dir": directory, "bytes": count * tensor, "store": got, "fio": theirs or None}
+    emit(result, text, args.json)
+    return 0 if got["intact"] else 1

@@ -1,0 +1,73 @@
+"""ssdtier bench disk / train / rok end to end on tiny workloads: what they print and write
+is checked for shape and for exactness (losses), never for speed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import pytest
+
+from .test_cli import ssdtier
+
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64"]
+FAST = ["--steps", "1", "--warmup", "1", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("fio", [True, False], ids=["fio", "no-fio"])
+def test_bench_disk(store_dir, fio):
+    if fio and shutil.which("fio") is None:
+        pytest.skip("fio is not installed")
+    args = ["bench", "disk", str(store_dir), "--size", "4MiB", "--tensor", "1MiB", "--arena", "1MiB"]
+    r = ssdtier(*args, *([] if fio else ["--no-fio"]))
+    assert r.returncode == 0, r.stderr
+    assert "data intact: yes" in r.stdout and "ssdtier MB/s" in r.stdout
+    r = ssdtier(*args, *([] if fio else ["--no-fio"]), "--json")
+    out = json.loads(r.stdout)
+    assert out["store"]["intact"] and out["store"]["write"] > 0 and out["store"]["read"] > 0
+    assert (out["fio"] is not None) == fio
+    assert sorted(p.name for p in store_dir.iterdir()) == [], "nothing left in the directory"
+
+
+def test_bench_train_side_by_side(store_dir):
+    r = ssdtier("bench", "train", *TINY, *FAST, "--dir", str(store_dir), "--min-tensor-bytes", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    results = {x["setting"]: x for x in json.loads(r.stdout)["results"]}
+    assert list(results) == ["keep", "ssdtier", "checkpoint", "save_on_cpu"]
+    assert all(x["losses_equal_keep"] for x in results.values())
+    assert results["ssdtier"]["offload"]["tensors_offloaded"] > 0
+    assert all(x["median_step_s"] > 0 and x["memory_vs_keep"] > 0 for x in results.values())
+
+
+def test_bench_train_table_and_bad_arguments(store_dir):
+    r = ssdtier("bench", "train", *TINY, *FAST, "--dir", str(store_dir))
+    assert r.returncode == 0, r.stderr
+    assert "setting" in r.stdout and "losses = keep" in r.stdout and "\nssdtier " in r.stdout
+    r = ssdtier("bench", "train", "--d-model", "30", "--heads", "4")
+    assert r.returncode == 1 and "--d-model (30) must be a multiple of --heads (4)" in r.stderr
+    r = ssdtier("bench", "train", "--dir", "/proc/nope/x")
+    assert r.returncode == 1 and "cannot be created in /proc" in r.stderr and "step" not in r.stderr
+
+
+def test_bench_rok_writes_csv_and_png(store_dir, tmp_path):
+    out = tmp_path / "rok"
+    r = ssdtier("bench", "rok", *TINY, *FAST, "--dir", str(store_dir), "--out", str(out), "--budget", "64KiB")
+    assert r.returncode == 0, r.stderr
+    with open(out / "rok.csv") as f:
+        rows = list(csv.DictReader(f))
+    settings = [row["setting"] for row in rows]
+    assert settings == ["keep", "checkpoint", "save_on_cpu", "ssdtier keep 0", "ssdtier keep 1", "ssdtier budget 64KiB"]
+    assert all(row["losses_equal_keep"] == "True" and float(row["peak_bytes"]) > 0 for row in rows)
+    pytest.importorskip("matplotlib")
+    assert (out / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_train_hf_model(store_dir):
+    pytest.importorskip("transformers")
+    r = ssdtier("bench", "train", "--hf", "llama", *TINY, *FAST, "--dir", str(store_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)["results"]
+    assert all(x["losses_equal_keep"] for x in results)
+    r = ssdtier("bench", "train", "--hf", "no-such-model", *TINY, *FAST)
+    assert r.returncode == 1 and "--hf 'no-such-model'" in r.stderr

@@ -1,0 +1,196 @@
+"""Hugging Face models (tiny, random, built from configs: nothing is downloaded), the
+Trainer with SsdtierCallback, and accelerate: the same losses and bit-identical gradients
+and weights as without ssdtier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssdtier
+
+from .test_attach import offload_config
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16
+
+
+def llama(**kw):
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, **kw
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def mixtral():
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def t5():
+    cfg = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=3,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+    )
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+MODELS = {"llama": llama, "mixtral": mixtral, "t5": t5, "llama-checkpointing": llama}
+
+
+def batches(n=3, batch=2):
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 64, (batch, SEQ), generator=gen) for _ in range(n)]
+
+
+def loss_of(model, ids):
+    if model.config.is_encoder_decoder:
+        return model(input_ids=ids, decoder_input_ids=ids.flip(1), labels=ids).loss
+    return model(input_ids=ids, labels=ids).loss
+
+
+def train(name, cfg=None):
+    """Three accumulated micro-batches from seed 0; returns losses, grads and stats."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    if name.endswith("checkpointing"):
+        from ssdtier.integrations.hf import checkpointing
+
+        checkpointing(model)
+    model.train()
+    off = ssdtier.attach(model, cfg) if cfg is not None else None
+    losses = []
+    for ids in batches():
+        loss = loss_of(model, ids)
+        loss.backward()
+        losses.append(loss.detach())
+    stats = off.stats() if off is not None else None
+    if off is not None:
+        off.detach()
+    return losses, [p.grad for p in model.parameters()], stats
+
+
+def same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+    for x, y in zip(a[1], b[1], strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_models_exact_through_nvme(store_dir, name):
+    got = train(name, offload_config(store_dir))
+    same(train(name), got)
+    assert got[2].tensors_offloaded > 0 and got[2].bytes_read_nvme > 0
+    assert got[2].layers_offloaded == 3  # model.layers / encoder.block found
+
+
+# ------------------------------------------------------------------ Trainer
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __init__(self, n=32):
+        gen = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 64, (n, SEQ), generator=gen)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def run_trainer(tmp_path, callbacks):
+    from ssdtier.integrations.hf import SsdtierCallback  # noqa: F401  (imports with transformers)
+
+    torch.manual_seed(0)
+    model = llama()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Ids(), callbacks=callbacks)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses, [p.detach().clone() for p in model.parameters()], trainer
+
+
+def test_trainer_with_the_callback_is_exact(store_dir, tmp_path):
+    from ssdtier.integrations.hf import SsdtierCallback
+
+    want, weights, _ = run_trainer(tmp_path / "plain", None)
+    cb = SsdtierCallback(offload_config(store_dir))
+    got, got_weights, trainer = run_trainer(tmp_path / "ssdtier", [cb])
+    assert len(got) == 8 and got == want
+    assert all(torch.equal(a, b) for a, b in zip(weights, got_weights, strict=True))
+    assert cb.offloader is None and cb.stats.tensors_offloaded > 0  # detached at train end
+    assert ssdtier.offload.attached(trainer.model) is None
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged[-1]["ssdtier/offloaded_GiB"] > 0 and "ssdtier/stall_s" in logged[-1]
+
+
+def test_the_callback_checks_its_config_at_once():
+    from ssdtier.integrations.hf import SsdtierCallback
+
+    with pytest.raises(ssdtier.ConfigError, match="policy__prefetch_layers"):
+        SsdtierCallback(policy__prefetch_layer=1)
+
+
+# ------------------------------------------------------------------ accelerate
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_accelerate_prepare(store_dir, when):
+    """Attached to the model before Accelerator.prepare, or to accelerator.unwrap_model()
+    after it; gradient accumulation through accelerator.accumulate."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def run(cfg):
+        torch.manual_seed(0)
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        off = ssdtier.attach(model, cfg) if cfg is not None and when == "before" else None
+        model, opt = acc.prepare(model, opt)
+        if cfg is not None and when == "after":
+            off = ssdtier.attach(acc.unwrap_model(model), cfg)
+        losses = []
+        for ids in batches(4):
+            with acc.accumulate(model):
+                loss = loss_of(model, ids)
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.detach())
+        stats = off.stats() if off is not None else None
+        if off is not None:
+            off.detach()
+        return losses, [p.detach() for p in acc.unwrap_model(model).parameters()], stats
+
+    got = run(offload_config(store_dir))
+    same(run(None), got)
+    assert got[2].tensors_offloaded > 0
