@@ -379,7 +379,7 @@ BAD_FILES = [
         "[io.extra]\nx = 1\n",
         (
             r"io\.extra: unknown key\. Allowed keys in \[io\]: backend, queue_depth, "
-            r"block_size, direct, fixed_buffers, threads, throttle, zero_copy$"
+            r"block_size, direct, fixed_buffers, threads, throttle, zero_copy, preallocate$"
         ),
     ),
     (
@@ -632,6 +632,7 @@ def test_to_dict():
             "zero_copy": False,
             "threads": 8,
             "throttle": None,
+            "preallocate": "256MiB",
         },
         "policy": {
             "min_tensor_bytes": "64KiB",

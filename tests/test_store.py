@@ -339,3 +339,18 @@ def test_no_warning_on_a_real_file_system(store_dir):
         warnings.simplefilter("error")
         with TieredStore(store_config(store_dir)) as store:
             assert store.backend == "io_uring"
+
+
+@pytest.mark.parametrize(("preallocate", "size"), [(0, 1 << 20), ("4MiB", 4 << 20), ("all", 64 << 20)])
+def test_files_grow_ahead_of_their_use_as_configured(store_dir, preallocate, size):
+    with TieredStore(store_config(store_dir, host="1MiB", nvme="64MiB", preallocate=preallocate)) as store:
+        k = store.put(torch.zeros(1 << 20, dtype=torch.uint8))
+        store.evict(k)
+        st = store.stats()
+        assert (st.device_high_water[0], st.device_file_size[0]) == (1 << 20, size)
+        assert torch.equal(store.get(k), torch.zeros(1 << 20, dtype=torch.uint8))
+
+
+def test_preallocate_is_a_size_or_all(store_dir):
+    with pytest.raises(ssdtier.ConfigError, match="io.preallocate"):
+        TieredStore(store_config(store_dir, preallocate="most"))

@@ -274,6 +274,12 @@ def _size_range(
     return check
 
 
+def _preallocate(value: Any, key: str, source: str | None) -> int | str:
+    if value == "all" and isinstance(value, str):
+        return value
+    return _size_range(0)(value, key, source)  # type: ignore[return-value]
+
+
 def _bool(value: Any, key: str, source: str | None) -> bool:
     if not isinstance(value, bool):
         _fail(source, key, value, "true or false (a boolean)", show_type=True)
@@ -365,6 +371,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
         "threads": _int_range(1, 64),
         "throttle": _size_range(0, optional=True),
         "zero_copy": _bool,
+        "preallocate": _preallocate,
     },
     "policy": {
         "min_tensor_bytes": _size_range(0),
@@ -383,6 +390,7 @@ _SIZE_KEYS = {
     ("nvme", "capacity"),
     ("io", "block_size"),
     ("io", "throttle"),
+    ("io", "preallocate"),
     ("policy", "min_tensor_bytes"),
     ("policy", "device_budget"),
 }
@@ -502,6 +510,10 @@ class IoConfig:
             from their pages, without a copy into the host arena; they are
             held until written, and ``host.capacity`` bounds the bytes held so.
             Off: they are copied into the arena, as CUDA tensors are.
+        preallocate: Grow each NVMe file this much ahead of its use (a size; 0: never), or
+            ``"all"`` to allocate the whole capacity at once. Writes inside the allocated
+            part do not extend the file, which file systems serialise; a full file
+            system shows when space is taken, before any write.
     """
 
     _TABLE: ClassVar[str] = "io"
@@ -514,6 +526,7 @@ class IoConfig:
     threads: int = 4
     throttle: int | None = None
     zero_copy: bool = True
+    preallocate: int | str = 256 * MiB
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -567,7 +580,7 @@ def _table_dict(obj: Any, *, human: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _TABLE_FIELDS[obj._TABLE]:
         value = getattr(obj, name)
-        if human and value is not None and (obj._TABLE, name) in _SIZE_KEYS:
+        if human and isinstance(value, int) and (obj._TABLE, name) in _SIZE_KEYS:
             value = _exact_size(value)
         elif human and isinstance(value, tuple):
             value = list(value)

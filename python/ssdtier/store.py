@@ -72,6 +72,10 @@ class StoreStats:
         return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
+# A step at least a device's capacity allocates all of it at once.
+_PREALLOC_ALL = 1 << 62
+
+
 def _devices(cfg: Config) -> list[tuple[str, int]]:
     """(directory, capacity) per NVMe device; the default directory when none is configured."""
     paths = check_paths(cfg)
@@ -124,6 +128,7 @@ class TieredStore:
             fixed_buffers=cfg.io.fixed_buffers,
             threads=cfg.io.threads,
             eviction=cfg.policy.eviction,
+            prealloc_step=_PREALLOC_ALL if cfg.io.preallocate == "all" else cfg.io.preallocate,
             throttle_bytes_per_sec=cfg.io.throttle or 0,
         )
         for notice in self._native.take_notices():

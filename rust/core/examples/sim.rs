@@ -1,5 +1,5 @@
 //! Run the store's seeded simulation over many seeds:
-//! `cargo run --release -p ssdtier-core --example sim -- [SEEDS] [--start S] [--ops N] [--threads T] [--no-faults]`.
+//! `./dev sim [SEEDS] [--start S] [--ops N] [--threads T] [--no-faults]`.
 //! A failing seed is printed; `--start SEED 1` replays it.
 
 use ssdtier_core::sim::{run, Workload};
@@ -33,7 +33,10 @@ fn main() {
             }
             Err(e) => {
                 eprintln!("seed {seed} failed ({w:?}): {e}");
-                eprintln!("replay: cargo run -p ssdtier-core --example sim -- 1 --start {seed} --ops {ops} --threads {threads}{}", if faults { "" } else { " --no-faults" });
+                eprintln!(
+                    "replay: ./dev sim 1 --start {seed} --ops {ops} --threads {threads}{}",
+                    if faults { "" } else { " --no-faults" }
+                );
                 std::process::exit(1);
             }
         }
