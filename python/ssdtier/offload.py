@@ -1049,7 +1049,8 @@ class Offloader:
             # The entry starts `lead` bytes before the data (a zero-copy write covers whole pages).
             st, pad = _aligned_storage(e.lead + e.nbytes)
             self._track(st, e.nbytes)
-            e.reading = (st, pad + e.lead, native.read_into(e.key, st.data_ptr() + pad, st), from_host)
+            ticket = native.read_into(e.key, st.data_ptr() + pad, st.nbytes() - pad, st)
+            e.reading = (st, pad + e.lead, ticket, from_host)
         else:
             e.reading = (None, 0, None if from_host else native.prefetch(e.key), from_host)
 
@@ -1323,7 +1324,7 @@ class Offloader:
         off = native.acquire(e.key)
         if off is None:
             host = torch.empty(e.nbytes, dtype=torch.uint8)
-            native.read_staged(e.key, host.data_ptr(), host)
+            native.read_staged(e.key, host.data_ptr(), e.nbytes, host)
             self._stall += time.perf_counter() - t0
             return host.to(e.device), None
         if not resident:
@@ -1354,7 +1355,10 @@ class Offloader:
             write = n * chunk / max(time.perf_counter() - t0, 1e-9)
             bufs = [_aligned_storage(chunk) for _ in keys]
             t0 = time.perf_counter()
-            tickets = [native.read_into(k, b.data_ptr() + pad, b) for k, (b, pad) in zip(keys, bufs, strict=True)]
+            tickets = [
+                native.read_into(k, b.data_ptr() + pad, b.nbytes() - pad, b)
+                for k, (b, pad) in zip(keys, bufs, strict=True)
+            ]
             for t in tickets:
                 t.wait()
             read = n * chunk / max(time.perf_counter() - t0, 1e-9)

@@ -224,7 +224,7 @@ class TieredStore:
                 self._native.release(key)
         elif nbytes:
             host = out if out.device.type == "cpu" else torch.empty(shape, dtype=dtype)
-            self._native.read_staged(key, host.data_ptr(), host)
+            self._native.read_staged(key, host.data_ptr(), nbytes, host)
             if host is not out:
                 out.copy_(host)
         return out
@@ -267,13 +267,17 @@ class TieredStore:
         return StoreStats._from_native(self._native.stats())
 
     def close(self) -> None:
-        """Wait for transfers in flight and release the arena and files. Idempotent."""
+        """Refuse new calls, wait for transfers in flight and release the files. Idempotent.
+        A call that raced it gets its bytes or :class:`StoreClosedError`."""
         if self._closed:
             return
         self._closed = True
-        self._arena = None
-        self._meta.clear()
-        self._native.close()
+        try:
+            self._native.close()
+        finally:
+            # Calls under way may still use these until the native store has drained.
+            self._arena = None
+            self._meta.clear()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -301,11 +305,14 @@ class TieredStore:
         try:
             return self._meta[key]
         except KeyError:
+            self._check_open()  # cleared by a close() that raced this call
             raise UnknownKeyError(f"unknown key {key!r} (freed already, or never put)") from None
 
     def _slot(self, off: int, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        assert self._arena is not None
-        return self._arena[off : off + nbytes].view(dtype).view(shape)
+        arena = self._arena
+        if arena is None:
+            raise StoreClosedError("the store is closed")  # by a close() that raced this call
+        return arena[off : off + nbytes].view(dtype).view(shape)
 
 
 def _plain(tensor: Any) -> torch.Tensor:

@@ -59,7 +59,7 @@ fn a_failed_zero_copy_write_leaves_an_entry_that_cannot_be_read() {
     // Never written: a read must fail, not return whatever the file holds there.
     let dst = Aligned::new(8192);
     // Safety: dst is aligned, large enough, and outlives the call (which fails).
-    let err = unsafe { s.read_into(k, dst.as_mut_ptr(), None) }.err().unwrap();
+    let err = unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.err().unwrap();
     assert!(err.to_string().contains("has no bytes"), "{err}");
     assert!(read(&s, k).unwrap_err().to_string().contains("has no bytes"));
     assert!(s.acquire(k).unwrap_err().to_string().contains("has no bytes"));
@@ -170,7 +170,7 @@ fn zero_copy_tickets_keep_the_caller_memory_alive() {
     assert_eq!(drops.load(Ordering::SeqCst), 1);
     let dst = Aligned::new(64 << 10);
     // Safety: as above.
-    let t = unsafe { s.read_into(k, dst.as_mut_ptr(), Some(Box::new(Owner(drops.clone())))) }.unwrap();
+    let t = unsafe { s.read_into(k, dst.as_mut_ptr(), 64 << 10, Some(Box::new(Owner(drops.clone())))) }.unwrap();
     s.wait(&t).unwrap();
     assert_eq!(drops.load(Ordering::SeqCst), 2);
 }

@@ -323,14 +323,14 @@ fn read_into_caller_memory_skips_the_arena() {
     let mut dst = Aligned::new(700_001usize.div_ceil(4096) * 4096);
     // Resident: copied from the slot, the ticket is done at once.
     // Safety: dst is aligned and large enough.
-    let t = unsafe { s.read_into(k, dst.as_mut_ptr(), None) }.unwrap();
+    let t = unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.unwrap();
     assert!(t.is_done());
     assert!(&dst.slice()[..data.len()] == data.as_slice());
     s.evict(k).unwrap();
     dst.slice_mut().fill(0);
     let before = s.stats();
     // Safety: as above.
-    let t = unsafe { s.read_into(k, dst.as_mut_ptr(), None) }.unwrap();
+    let t = unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.unwrap();
     t.wait().unwrap();
     assert!(&dst.slice()[..data.len()] == data.as_slice());
     let after = s.stats();
@@ -339,8 +339,12 @@ fn read_into_caller_memory_skips_the_arena() {
     assert_eq!(s.location(k).unwrap(), (false, true));
     // Misaligned caller memory is refused, not silently corrupted.
     // Safety: the pointer is never written through (the call fails first).
-    let err = unsafe { s.read_into(k, dst.as_mut_ptr().add(8), None) }.err().unwrap();
+    let err = unsafe { s.read_into(k, dst.as_mut_ptr().add(8), dst.len() as u64, None) }.err().unwrap();
     assert!(err.to_string().contains("aligned"), "{err}");
+    // So is a buffer with less room than the entry needs.
+    // Safety: the pointer is never written through (the call fails first).
+    let err = unsafe { s.read_into(k, dst.as_mut_ptr(), 4096, None) }.err().unwrap();
+    assert!(err.to_string().contains("needs 700416 bytes of room"), "{err}");
     s.free(k).unwrap();
 }
 
@@ -418,7 +422,7 @@ fn write_from_caller_memory_skips_the_arena_both_backends() {
             s.evict(k).unwrap();
             let dst = Aligned::new(n.div_ceil(4096) * 4096);
             // Safety: dst is aligned and large enough, and outlives the wait.
-            unsafe { s.read_into(k, dst.as_mut_ptr(), None) }.unwrap().wait().unwrap();
+            unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.unwrap().wait().unwrap();
             assert!(&dst.slice()[..n] == pattern(n, seed).as_slice(), "{backend:?} size {n}");
             s.free(k).unwrap();
         }
@@ -462,7 +466,7 @@ fn writes_from_caller_memory_wait_within_the_host_capacity() {
     let (k, t) = unsafe { s.write_from(src.as_mut_ptr(), 256 << 10, None) }.unwrap();
     let dst = Aligned::new(256 << 10);
     // Safety: dst is aligned and large enough, and outlives the wait.
-    unsafe { s.read_into(k, dst.as_mut_ptr(), None) }.unwrap().wait().unwrap();
+    unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.unwrap().wait().unwrap();
     assert!(t.is_done());
     assert!(dst.slice() == pattern(256 << 10, 9).as_slice());
 }
@@ -481,7 +485,7 @@ fn null_buffers_are_refused_not_followed() {
         s.free(k).unwrap();
         let k = put(&s, &pattern(5000, 1));
         assert!(s.read_staged(k, null).unwrap_err().to_string().contains("null buffer"));
-        assert!(s.read_into(k, null, None).err().unwrap().to_string().contains("null buffer"));
+        assert!(s.read_into(k, null, 8192, None).err().unwrap().to_string().contains("null buffer"));
         // Nothing to move: a null buffer is fine.
         let k0 = s.put_from(null, 0).unwrap();
         s.free(k0).unwrap();

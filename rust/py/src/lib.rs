@@ -199,16 +199,23 @@ impl Store {
         self.inner.release(key).py_err(py)
     }
 
-    /// Read an entry into host memory at `address` (its length), which `owner` keeps alive;
-    /// copied out with the GIL held.
-    fn read_staged(&self, py: Python<'_>, key: u64, address: usize, owner: Py<PyAny>) -> PyResult<()> {
+    /// Read an entry into host memory at `address` (`nbytes` of room, at least its length),
+    /// which `owner` keeps alive; copied out with the GIL held.
+    fn read_staged(&self, py: Python<'_>, key: u64, address: usize, nbytes: u64, owner: Py<PyAny>) -> PyResult<()> {
         let s = self.inner.clone();
-        check_address(address, s.len_of(key).py_err(py)?)?;
+        let len = s.len_of(key).py_err(py)?;
+        check_address(address, len)?;
+        if nbytes < len {
+            return Err(to_py(
+                py,
+                Error::Invalid(format!("read_staged of entry {key} needs {len} bytes of room, got {nbytes}")),
+            ));
+        }
         let _keep = owner;
         py.detach(move || {
             s.read_staged_with(key, &mut |off, src| {
                 Python::attach(|_| {
-                    // Safety: the caller's buffer holds the entry's length (checked non-null above) and
+                    // Safety: the caller's buffer has room for the entry's length (checked above) and
                     // `owner` keeps it alive; the GIL keeps Python from freeing or resizing it meanwhile.
                     unsafe {
                         std::ptr::copy_nonoverlapping(src.as_ptr(), (address as *mut u8).add(off as usize), src.len())
@@ -219,15 +226,15 @@ impl Store {
         .map_err(|e| to_py(py, e))
     }
 
-    /// Read an entry into page-aligned host memory at `address` (room for the length rounded
-    /// up to 4096), bypassing the arena; returns a Ticket, which holds `owner` until the read
-    /// has landed.
-    fn read_into(&self, py: Python<'_>, key: u64, address: usize, owner: Py<PyAny>) -> PyResult<Ticket> {
+    /// Read an entry into page-aligned host memory at `address` (`nbytes` of room, at least
+    /// the length rounded up to 4096), bypassing the arena; returns a Ticket, which holds
+    /// `owner` until the read has landed.
+    fn read_into(&self, py: Python<'_>, key: u64, address: usize, nbytes: u64, owner: Py<PyAny>) -> PyResult<Ticket> {
         let s = self.inner.clone();
         let owner: core::Owner = Box::new(owner);
-        // Safety: the Python layer passes a page-aligned buffer of the rounded length that
-        // `owner` keeps alive, and the ticket holds `owner` until the read has landed.
-        let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8, Some(owner)) }).py_err(py)?;
+        // Safety: the Python layer passes a page-aligned buffer of `nbytes` that `owner` keeps
+        // alive, and the ticket holds `owner` until the read has landed.
+        let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8, nbytes, Some(owner)) }).py_err(py)?;
         Ok(Ticket { inner: t })
     }
 

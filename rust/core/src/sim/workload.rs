@@ -184,9 +184,10 @@ impl Ctx<'_> {
                 }
             }
             2 => {
-                let dst = Buf::new(want.len());
+                // Room for the entry as the store has it (the model knows no bytes of a failed write).
+                let dst = Buf::new(self.store.len_of(key).map_or(want.len(), |n| n as usize));
                 // Safety: dst is aligned, holds the rounded length, and the ticket keeps it alive.
-                match unsafe { self.store.read_into(key, dst.ptr, Some(Box::new(dst.clone()))) } {
+                match unsafe { self.store.read_into(key, dst.ptr, dst.len as u64, Some(Box::new(dst.clone()))) } {
                     Ok(ticket) => {
                         if self.rng.chance(0.5) {
                             pending.push(Pending::Read { key, ticket, dst, want });

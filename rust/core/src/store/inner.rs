@@ -15,6 +15,8 @@ pub(crate) enum Status {
     Open,
     /// An engine failed, or the books went wrong: new work is refused with this reason.
     Failed(String),
+    /// close() is waiting for the transfers in flight: new work is refused, giving back works.
+    Closing,
     Closed,
 }
 

@@ -253,7 +253,7 @@ impl Store {
     fn lock_for(&self, need: Need) -> Result<MutexGuard<'_, Inner>> {
         let g = self.lock_any();
         match (&g.status, need) {
-            (Status::Closed, _) => Err(Error::Closed),
+            (Status::Closed, _) | (Status::Closing, Need::Open) => Err(Error::Closed),
             (Status::Failed(why), Need::Open) => Err(Error::Failed(why.clone())),
             _ => Ok(g),
         }
@@ -598,12 +598,13 @@ impl Store {
     /// Read an entry into caller memory without going through the arena. A resident entry
     /// is copied from its slot at once (the ticket is done); otherwise the read from NVMe is
     /// submitted straight into `dst` and the ticket, holding `owner`, completes when it lands.
+    /// `room` is how many bytes `dst` holds: less than the entry's length rounded up to 4096
+    /// is refused.
     ///
     /// # Safety
-    /// `dst` must be 4096-aligned and valid for writes of the entry's length rounded up to
-    /// 4096 while `owner` lives (or, without one, until the ticket is done), and untouched
-    /// by others until the ticket is done.
-    pub unsafe fn read_into(&self, key: u64, dst: *mut u8, owner: Option<Owner>) -> Result<Arc<Ticket>> {
+    /// `dst` must be 4096-aligned and valid for writes of `room` bytes while `owner` lives (or,
+    /// without one, until the ticket is done), and untouched by others until the ticket is done.
+    pub unsafe fn read_into(&self, key: u64, dst: *mut u8, room: u64, owner: Option<Owner>) -> Result<Arc<Ticket>> {
         let mut g = self.settle(self.lock()?, key)?;
         let e = g.get(key)?;
         let len = e.len;
@@ -611,6 +612,10 @@ impl Store {
             return Ok(Ticket::done());
         }
         null_check(dst, len)?;
+        let need = len.div_ceil(ALIGN) * ALIGN;
+        if room < need {
+            return Err(Error::Invalid(format!("read_into of entry {key} needs {need} bytes of room, got {room}")));
+        }
         if let Some(off) = e.readable_slot() {
             // Safety: the slot holds len bytes; dst has room per the contract.
             unsafe { std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(off as usize), dst, len as usize) };
@@ -766,13 +771,15 @@ impl Store {
         g.deferred.take().map_or(Ok(()), Err)
     }
 
-    /// Wait for all transfers, free everything and refuse further use. Idempotent. The
-    /// failure of a failed store was reported by the calls it refused: closing it is Ok.
+    /// Refuse new work, wait for the transfers in flight, free everything. Idempotent. The
+    /// error of a background write nobody waited on is returned; the failure of a failed
+    /// store was reported by the calls it refused, so closing it is Ok.
     pub fn close(&self) -> Result<()> {
-        let r = self.flush();
         let mut g = self.lock_any();
-        if matches!(g.status, Status::Closed) {
-            return Ok(());
+        match g.status {
+            Status::Closed => return Ok(()),
+            Status::Open => g.status = Status::Closing,
+            Status::Closing | Status::Failed(_) => {}
         }
         loop {
             g.reap();
@@ -782,6 +789,8 @@ impl Store {
             let _ = self.wait_io(&t);
             g = self.lock_any();
         }
+        let failed = matches!(g.status, Status::Failed(_));
+        let r = g.deferred.take().filter(|_| !failed).map_or(Ok(()), Err);
         g.status = Status::Closed;
         g.clear();
         drop(g);
@@ -789,10 +798,7 @@ impl Store {
         // threads) and the files go.
         let _staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         self.devices.write().unwrap_or_else(PoisonError::into_inner).clear();
-        match r {
-            Err(Error::Closed | Error::Failed(_)) => Ok(()),
-            r => r,
-        }
+        r
     }
 
     fn wait_unlocked<'a>(

@@ -38,6 +38,9 @@ impl Aligned {
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr
     }
+    pub fn len(&self) -> usize {
+        self.len
+    }
     pub fn slice(&self) -> &[u8] {
         // Safety: allocated with len bytes.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
