@@ -354,3 +354,20 @@ def test_files_grow_ahead_of_their_use_as_configured(store_dir, preallocate, siz
 def test_preallocate_is_a_size_or_all(store_dir):
     with pytest.raises(ssdtier.ConfigError, match="io.preallocate"):
         TieredStore(store_config(store_dir, preallocate="most"))
+
+
+def test_a_view_of_the_arena_keeps_the_native_store_alive(store_dir):
+    import gc
+    import weakref
+
+    store = TieredStore(store_config(store_dir, host="1MiB"))
+    arena, native = store.arena, weakref.ref(store._native)
+    store.close()
+    del store
+    gc.collect()
+    assert native() is not None, "the arena's view would outlive its mapping"
+    arena[-1] = 7  # still mapped
+    assert arena[-1].item() == 7
+    del arena
+    gc.collect()
+    assert native() is None

@@ -230,3 +230,13 @@ fn a_seed_replays_exactly() {
     let (a, b) = (run(&w).unwrap(), run(&w).unwrap());
     assert_eq!(format!("{a:?}"), format!("{b:?}"));
 }
+
+#[test]
+fn endless_eagain_is_an_error_not_a_hang() {
+    let mut sim = SimConfig::quiet(11);
+    sim.p_again = 1.0;
+    let s = sim_store(0, vec![sim]);
+    let err = s.put_with(8192, &mut |_, dst| dst.fill(1)).unwrap_err();
+    assert_eq!(err.errno(), Some(libc::EAGAIN), "{err}");
+    assert_eq!(s.stats().entries, 0);
+}

@@ -99,7 +99,7 @@ impl Ticket {
 }
 
 /// The tiered byte store. Keys are integers; the Python layer maps them to tensors.
-#[pyclass(frozen, module = "ssdtier._native")]
+#[pyclass(frozen, weakref, module = "ssdtier._native")]
 struct Store {
     inner: Arc<core::Store>,
 }
