@@ -86,8 +86,27 @@ def test_exact_gradients_through_nvme(store_dir, family, zero_copy):
     assert_same(ref, got)
     s = got[2]
     assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0 and s.bytes_read_nvme > 0
-    assert s.layers_offloaded == 3 and s.layers_kept == 0
+    # Every stack of blocks is offloaded: T5's 3 encoder and 2 decoder blocks.
+    assert s.layers_offloaded == (5 if family == "t5" else 3) and s.layers_kept == 0
     assert s.store.entries == 0, "every entry is freed once its graph is gone"
+
+
+def test_an_encoder_decoder_offloads_both_stacks(store_dir):
+    from ssdtier.offload import find_stacks
+
+    model = build_model(CONFIGS["t5"])
+    assert [p for p, _ in find_stacks(model)] == ["encoder_blocks", "decoder_blocks"]
+    # With the default keep_last_layers, only the last decoder block (and what follows) stays.
+    ref = train(CONFIGS["t5"])
+    cfg = offload_config(store_dir, keep_last_layers="auto")
+    got = train(CONFIGS["t5"], cfg)
+    assert_same(ref, got)
+    s = got[2]
+    assert (s.layers_offloaded, s.layers_kept) == (4, 1)
+    # Before, every block after the largest stack was "after the layers" and kept: the whole decoder.
+    decoder_only = train(CONFIGS["t5"], {**cfg, "policy": {**cfg["policy"], "layers": "encoder_blocks"}})[2]
+    assert s.bytes_offloaded > decoder_only.bytes_offloaded
+    assert s.bytes_kept < decoder_only.bytes_kept + s.bytes_offloaded - decoder_only.bytes_offloaded
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
@@ -143,9 +162,9 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
         for _ in range(3):
             batch_loss(model, make_batch(CONFIGS["gpt"], 2, gen)).backward()
             off.store.flush()
-            off._poll_writes()
-            assert off._live == 0 and not off._by_layer and not off._writing and not off._dedup
-            assert off._resident_restored == 0 and not off._tracked
+            off.cpu.poll()
+            assert off._live == 0 and not off._by_layer and not off.cpu.writing and not off._dedup
+            assert off.res.restored == 0 and not off._tracked
             assert off.store.stats().entries == 0
         assert off.stats().peak_resident_bytes > 0
 
@@ -513,11 +532,11 @@ class _Resizers(nn.Module):
 def wait_copies(off) -> None:
     """Wait until every copy and write of the forward is done and seen done (polled)."""
     deadline = time.monotonic() + 30
-    while (off._writing or off._pending) and time.monotonic() < deadline:
-        off._poll_writes()
-        off._poll_pending()
+    while (off.cpu.writing or off.cuda.pending) and time.monotonic() < deadline:
+        off.cpu.poll()
+        off.cuda.poll()
         time.sleep(0.001)
-    assert not off._writing and not off._pending
+    assert not off.cpu.writing and not off.cuda.pending
 
 
 def check_storage_freed_while_copied_out(store_dir, warned, device):
@@ -759,7 +778,7 @@ def test_unpack_of_pack_is_the_same_view(view_offloaders, path, spec):
     # Written from its own pages: wait, so that the unpack reads it back (not served from the source).
     if hb.entry.ticket is not None:  # None: done already (the second pack polled it) or not zero-copy
         hb.entry.ticket.wait()
-    off._poll_writes()
+    off.cpu.poll()
     assert hb.entry.src is None
     if path == "zero_copy":
         assert hb.entry.lead % 64 == 0 and hb.entry.wrote == base.untyped_storage().data_ptr()
@@ -775,7 +794,7 @@ def test_unpack_of_pack_is_the_same_view(view_offloaders, path, spec):
         assert u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device
         assert torch.equal(u, t)
     # Both sit on one storage: one entry, restored once, and the views share it again.
-    assert type(hb).__name__ == type(hv).__name__ == "_Saved"
+    assert type(hb).__name__ == type(hv).__name__ == "Saved"
     assert hb.entry is hv.entry
     assert ub.untyped_storage().data_ptr() == uv.untyped_storage().data_ptr()
     assert uv.storage_offset() - ub.storage_offset() == v.storage_offset() - base.storage_offset()
@@ -823,7 +842,7 @@ def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
     model = build_model(CONFIGS["gpt"])
     with ssdtier.attach(model, offload_config(store_dir, mode="adaptive")) as off:
         s = off.stats()
-        assert off._bw is not None and min(off._bw) > 0  # measured
+        assert off.adaptive.bw is not None and min(off.adaptive.bw) > 0  # measured
         assert s.bytes_written_nvme == s.bytes_read_nvme == s.store.host_peak == s.store.nvme_peak == 0
 
 
@@ -893,10 +912,12 @@ def test_auto_read_ahead_decisions(store_dir):
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers="auto")) as off:
 
         def backward(read_s, stall=0.0):
-            off._trig = {(1, j): (4 - j) * 0.010 for j in range(5)}
-            off._reads = {(1, j): [(off._trig[(1, j + off._ahead)], _Read(read_s))] for j in range(5 - off._ahead)}
-            off._stall_ahead += stall
-            off._tune_ahead()
+            off.ahead.trig = {(1, j): (4 - j) * 0.010 for j in range(5)}
+            off.ahead.reads = {
+                (1, j): [(off.ahead.trig[(1, j + off.ahead.depth)], _Read(read_s))] for j in range(5 - off.ahead.depth)
+            }
+            off.res.stall_ahead += stall
+            off.ahead.tune()
             return off.stats().prefetch_layers
 
         assert off.stats().prefetch_layers == 2
@@ -910,9 +931,9 @@ def test_auto_read_ahead_decisions(store_dir):
         assert [backward(0.001, stall=0.01) for _ in range(4)] == [2, 3, 4, 4], "at most four"
         assert [backward(None) for _ in range(8)] == [4] * 8, "an unfinished read never lowers it"
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=3)) as off:
-        off._trig = {(1, 0): 0.0}
+        off.ahead.trig = {(1, 0): 0.0}
         assert off.stats().prefetch_layers == 3
-        off._stall_ahead += 1.0
+        off.res.stall_ahead += 1.0
         off._enter(model, ())  # a fixed prefetch_layers is never tuned
         off._exit(model, (), None)
         assert off.stats().prefetch_layers == 3
@@ -975,7 +996,7 @@ def test_a_fixed_read_ahead_reads_exactly_the_next_layers(store_dir, ahead):
         with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=ahead)) as off:
             assert off.layers_path == "" and off.stats().prefetch_layers == ahead
             started = []  # (layer whose backward began, layers of the entries read since)
-            read_ahead, start_read = off._read_ahead, off._start_read
+            read_ahead, start_read = off.ahead.start, off._start_read
 
             def spy_read_ahead(forward, layer):
                 started.append((layer, []))
@@ -985,7 +1006,7 @@ def test_a_fixed_read_ahead_reads_exactly_the_next_layers(store_dir, ahead):
                 started[-1][1].append(e.layer)
                 start_read(e)
 
-            off._read_ahead, off._start_read = spy_read_ahead, spy_start_read
+            off.ahead.start, off._start_read = spy_read_ahead, spy_start_read
             _Probe.off = off
             out = model(x).square().sum()
             wait_copies(off)  # every write done: nothing is served from its source
@@ -1020,6 +1041,37 @@ class _SlowBackward(torch.autograd.Function):
 
         time.sleep(0.03)
         return g
+
+
+def test_a_second_backward_reads_ahead_too(store_dir):
+    """retain_graph=True: the second backward of a graph starts each layer's read-ahead as
+    the first did (it used to read everything on demand)."""
+    n = 6
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n)])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n)])
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 32)
+    out = ref(x).square().sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=1)) as off:
+        started: list[int] = []
+        read_ahead = off.ahead.start
+
+        def spy(forward, layer):
+            started.append(layer)
+            read_ahead(forward, layer)
+
+        off.ahead.start = spy
+        out = model(x).square().sum()
+        wait_copies(off)
+        out.backward(retain_graph=True)
+        first, started[:] = list(started), []
+        out.backward()
+        assert started == first == list(range(n, 0, -1))
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
 
 
 class _SlowBlock(nn.Module):
@@ -1071,9 +1123,12 @@ def test_auto_read_ahead_goes_down_to_one_layer_when_reads_are_quick(store_dir, 
     runs under disk and CPU load, with real sleeps and real read times)."""
     import types
 
-    import ssdtier.offload as offload_module
+    import ssdtier.offload.offloader
+    import ssdtier.offload.readahead
 
-    monkeypatch.setattr(offload_module, "time", types.SimpleNamespace(perf_counter=lambda: _Clock.t))
+    clock = types.SimpleNamespace(perf_counter=lambda: _Clock.t)
+    for module in (ssdtier.offload.offloader, ssdtier.offload.readahead):
+        monkeypatch.setattr(module, "time", clock)
     torch.manual_seed(0)
     ref, model = (nn.Sequential(*[_SlowBlock(_TimedBackward) for _ in range(6)]) for _ in range(2))
     model.load_state_dict(ref.state_dict())
@@ -1160,7 +1215,7 @@ def test_unpack_of_a_conjugate_view_is_a_conjugate_view(store_dir):
         off._last_fwd.forward, off._last_fwd.tag = 1, 1
         for t in (x.conj(), x.conj()[2:, ::3], x.conj().t()):
             h = off._pack(t)
-            assert type(h).__name__ == "_Saved", "offloaded"
+            assert type(h).__name__ == "Saved", "offloaded"
             out = off._unpack(h)
             assert out.is_conj() and torch.equal(out, t) and out.stride() == t.stride()
             del h, out
@@ -1282,7 +1337,7 @@ def test_sparse_nested_and_subclass_tensors_are_kept_as_they_are(store_dir, monk
         assert s.packs == len(packed)
         for kind, t, h in packed:
             if kind != "dense":
-                assert type(h).__name__ == "_Same" and h.tensor is t, kind
+                assert type(h).__name__ == "Same" and h.tensor is t, kind
         # Every dense activation went through the store; none of the others did.
         assert s.tensors_offloaded + s.dedup_hits == kinds.count("dense") > 0
         assert s.bytes_read_nvme > 0

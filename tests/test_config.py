@@ -1027,3 +1027,12 @@ def test_import_does_not_import_torch():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loaded: []" in proc.stdout
+
+
+def test_policy_layers_may_name_several_stacks():
+    cfg = Config.from_dict({"policy": {"layers": ["encoder.block", "decoder.block"]}})
+    assert cfg.policy.layers == ("encoder.block", "decoder.block")
+    assert Config.from_dict({"policy": {"layers": "model.layers"}}).policy.layers == "model.layers"
+    for bad in ([], ["ok", 3], ["no spaces allowed"], 7):
+        with pytest.raises(ConfigError, match="policy.layers"):
+            Config.from_dict({"policy": {"layers": bad}})

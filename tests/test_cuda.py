@@ -88,7 +88,7 @@ def run_with_copies_pending(store_dir, block, evict):
                 loss = m(x).square().sum()
                 torch.cuda.synchronize()
                 if m is model:
-                    off._poll_pending()  # commits the copies to the arena, all done now
+                    off.cuda.poll()  # commits the copies to the arena, all done now
                     if evict:
                         for group in off._by_layer.values():
                             for e in group:

@@ -335,15 +335,17 @@ def _prefetch_layers(value: Any, key: str, source: str | None) -> int | str:
 _MODULE_PATH_RE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII)
 
 
-def _module_path(value: Any, key: str, source: str | None) -> str | None:
+def _module_paths(value: Any, key: str, source: str | None) -> str | tuple[str, ...] | None:
     if value is None:
         return None
-    expected = "a dotted module path such as 'model.layers' (or no value)"
-    if not isinstance(value, str):
-        _fail(source, key, value, expected, show_type=True)
-    if not _MODULE_PATH_RE.fullmatch(value):
-        _fail(source, key, value, expected)
-    return value
+    expected = "a dotted module path such as 'model.layers', a list of them, or no value"
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) for p in paths):
+        _fail(source, key, value, expected, show_type=not isinstance(value, (list, tuple)))
+    for p in paths:
+        if not _MODULE_PATH_RE.fullmatch(p):
+            _fail(source, key, value, expected)
+    return value if isinstance(value, str) else tuple(paths)
 
 
 _PATTERN_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+", re.ASCII)
@@ -379,7 +381,7 @@ _TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
         "prefetch_layers": _prefetch_layers,
         "eviction": _choice("lifetime", "lru", "fifo"),
         "dedup": _bool,
-        "layers": _module_path,
+        "layers": _module_paths,
         "mode": _choice("all", "adaptive", "none"),
         "device_budget": _size_range(0, optional=True),
         "exclude": _module_patterns,
@@ -544,7 +546,8 @@ class PolicyConfig:
         eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
         dedup: Store tensors that share storage only once.
         layers: Dotted path of the ModuleList, Sequential or ModuleDict holding the layers
-            (``"model.layers"``), or None to detect it.
+            (``"model.layers"``), a list of them (``["encoder.block", "decoder.block"]``,
+            in forward order), or None to detect every stack of repeated blocks.
         mode: ``"all"``, ``"adaptive"`` or ``"none"``.
         device_budget: Most bytes of activations kept in memory (in every mode: beyond
             it, even what the policy would keep is offloaded), or None.
@@ -559,7 +562,7 @@ class PolicyConfig:
     prefetch_layers: int | str = 2
     eviction: str = "lifetime"
     dedup: bool = True
-    layers: str | None = None
+    layers: str | tuple[str, ...] | None = None
     mode: str = "all"
     device_budget: int | None = None
     exclude: tuple[str, ...] = ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -14,9 +15,9 @@ import torch
 
 from . import _native
 from .config import Config, GiB, check_paths, format_size, resolve_config
-from .errors import SsdtierWarning, StoreClosedError, UnknownKeyError
+from .errors import SsdtierError, SsdtierWarning, StoreClosedError, UnknownKeyError
 
-__all__ = ["StoreStats", "TieredStore"]
+__all__ = ["ByteStore", "StoreStats", "TieredStore"]
 
 log = logging.getLogger("ssdtier")
 
@@ -89,29 +90,14 @@ def _devices(cfg: Config) -> list[tuple[str, int]]:
     return [(paths[0], max(min(64 * GiB, free * 9 // 10), 1 << 20))]
 
 
-class TieredStore:
-    """A store of tensors over a pinned-host-memory tier and NVMe files.
-
-    ``put`` copies a tensor into the host arena and returns at once; under arena
-    pressure (or on ``evict``) the bytes go to NVMe, written with O_DIRECT
-    through io_uring. ``get`` returns an equal tensor (same dtype, shape and
-    device, contiguous), reading it back if needed.
+class ByteStore:
+    """The store as keys and bytes: the native store, a uint8 view of its host arena, and the
+    configuration it was made from. :class:`TieredStore` adds tensors on top of it; the
+    offloader, which manages its tensors itself, uses it as it is.
 
     Args:
-        config: a path to a TOML file, a dict, a :class:`~ssdtier.Config`, or
-            None (``SSDTIER_CONFIG`` if set, else defaults: a 1 GiB arena and the
-            directory from ``SSDTIER_DIR`` or ``~/.cache/ssdtier``).
+        config: as for :class:`TieredStore`.
         **overrides: config keys to override, e.g. ``host__capacity="64MiB"``.
-
-    Raises:
-        ConfigError: bad configuration (names the key and the source).
-        OSError: a directory cannot be created or opened (``PermissionError``...).
-
-    Example:
-        >>> with ssdtier.TieredStore({"host": {"capacity": "64MiB"}}) as store:
-        ...     key = store.put(torch.randn(1024, 1024))
-        ...     store.evict(key)          # force it to NVMe
-        ...     x = store.get(key)
     """
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
@@ -149,7 +135,6 @@ class TieredStore:
             # Views of the arena keep the native store, and so the mapping, alive.
             buf._ssdtier_store = self._native  # type: ignore[attr-defined]
             self._arena = torch.frombuffer(buf, dtype=torch.uint8)
-        self._meta: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self._closed = False
 
     # ---------------------------------------------------------------- properties
@@ -173,6 +158,102 @@ class TieredStore:
     def arena(self) -> torch.Tensor | None:
         """The whole host arena as a uint8 tensor (for cudaHostRegister); None without one."""
         return self._arena
+
+    @property
+    def native(self) -> _native.Store:
+        """The native store (``ssdtier._native.Store``): keys, arena offsets and tickets."""
+        return self._native
+
+    @property
+    def devices(self) -> list[tuple[str, int]]:
+        """(directory, capacity) of each NVMe device."""
+        return list(self._devices)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def slot(self, off: int, nbytes: int) -> torch.Tensor:
+        """The arena's bytes ``[off, off + nbytes)`` as a uint8 tensor (an acquired or reserved slot)."""
+        arena = self._arena
+        if arena is None:
+            raise StoreClosedError("the store is closed")  # by a close() that raced this call
+        return arena[off : off + nbytes]
+
+    def discard(self, key: int) -> None:
+        """Free ``key``; nothing happens if the store is closed or no longer has it."""
+        if self._closed:
+            return
+        with contextlib.suppress(SsdtierError):
+            self._native.free(key)
+
+    def flush(self) -> None:
+        """Wait for every pending write; raises the first error of a write nobody waited on."""
+        self._check_open()
+        self._native.flush()
+
+    def stats(self) -> StoreStats:
+        """Counters of traffic and space; see :class:`StoreStats`."""
+        return StoreStats._from_native(self._native.stats())
+
+    def close(self) -> None:
+        """Refuse new calls, wait for transfers in flight and release the files. Idempotent.
+        A call that raced it gets its bytes or :class:`StoreClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._native.close()
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        # Calls under way may still use the arena until the native store has drained.
+        self._arena = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    def __enter__(self) -> ByteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<ByteStore {self.backend} host={format_size(self.config.host.capacity)} {state}>"
+
+
+class TieredStore(ByteStore):
+    """A store of tensors over a pinned-host-memory tier and NVMe files.
+
+    ``put`` copies a tensor into the host arena and returns at once; under arena
+    pressure (or on ``evict``) the bytes go to NVMe, written with O_DIRECT
+    through io_uring. ``get`` returns an equal tensor (same dtype, shape and
+    device, contiguous), reading it back if needed.
+
+    Args:
+        config: a path to a TOML file, a dict, a :class:`~ssdtier.Config`, or
+            None (``SSDTIER_CONFIG`` if set, else defaults: a 1 GiB arena and the
+            directory from ``SSDTIER_DIR`` or ``~/.cache/ssdtier``).
+        **overrides: config keys to override, e.g. ``host__capacity="64MiB"``.
+
+    Raises:
+        ConfigError: bad configuration (names the key and the source).
+        OSError: a directory cannot be created or opened (``PermissionError``...).
+
+    Example:
+        >>> with ssdtier.TieredStore({"host": {"capacity": "64MiB"}}) as store:
+        ...     key = store.put(torch.randn(1024, 1024))
+        ...     store.evict(key)          # force it to NVMe
+        ...     x = store.get(key)
+    """
+
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self._meta: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
 
     # ---------------------------------------------------------------- API
 
@@ -251,39 +332,18 @@ class TieredStore:
         self._native.free(key)
         del self._meta[key]
 
-    def flush(self) -> None:
-        """Wait for every pending write; raises the first error of a write nobody waited on."""
-        self._check_open()
-        self._native.flush()
-
     def location(self, key: int) -> tuple[bool, bool]:
         """(in the host arena, on NVMe) for ``key``."""
         self._check_open()
         self._entry(key)
         return self._native.location(key)
 
-    def stats(self) -> StoreStats:
-        """Counters of traffic and space; see :class:`StoreStats`."""
-        return StoreStats._from_native(self._native.stats())
-
-    def close(self) -> None:
-        """Refuse new calls, wait for transfers in flight and release the files. Idempotent.
-        A call that raced it gets its bytes or :class:`StoreClosedError`."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._native.close()
-        finally:
-            # Calls under way may still use these until the native store has drained.
-            self._arena = None
-            self._meta.clear()
+    def _forget(self) -> None:
+        super()._forget()
+        self._meta.clear()
 
     def __enter__(self) -> TieredStore:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __len__(self) -> int:
         return len(self._meta)
@@ -297,10 +357,6 @@ class TieredStore:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("the store is closed")
-
     def _entry(self, key: int) -> tuple[torch.Size, torch.dtype, torch.device]:
         try:
             return self._meta[key]
@@ -309,10 +365,7 @@ class TieredStore:
             raise UnknownKeyError(f"unknown key {key!r} (freed already, or never put)") from None
 
     def _slot(self, off: int, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        arena = self._arena
-        if arena is None:
-            raise StoreClosedError("the store is closed")  # by a close() that raced this call
-        return arena[off : off + nbytes].view(dtype).view(shape)
+        return self.slot(off, nbytes).view(dtype).view(shape)
 
 
 def _plain(tensor: Any) -> torch.Tensor:

@@ -1,0 +1,27 @@
+"""`attach(model)`: saved activations go through the tiered store.
+
+The saved-tensor hooks are active during the model's forward only. Each saved
+tensor is classified once, at pack time:
+
+- parameters and buffers (recognised by storage, so ``weight.t()`` is too),
+  tensors that are not plain strided tensors (quantized and zero tensors
+  included), lazily negated views, tensors on devices other than CPU/CUDA:
+  returned as they are;
+- tensors smaller than ``policy.min_tensor_bytes`` and tensors of kept layers:
+  held as they are (counted as resident);
+- everything else: its *storage* goes to the store once (two saved tensors on
+  one storage are one entry), and unpack rebuilds the view with its offset,
+  size, stride and conjugate bit.
+
+The parts: ``offloader.py`` (hooks, pack, unpack), ``forward.py`` (the
+forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
+``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``control.py``,
+``layers.py`` and ``stats.py``; docs/offloader.md maps them.
+"""
+
+from .forward import no_offload
+from .layers import find_layers, find_stacks
+from .offloader import Offloader, attach, attached
+from .stats import OffloadStats
+
+__all__ = ["OffloadStats", "Offloader", "attach", "attached", "find_layers", "find_stacks", "no_offload"]

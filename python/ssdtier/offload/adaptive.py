@@ -1,0 +1,112 @@
+"""Adaptive mode: measure the store and each layer's forward, then keep the last layers
+whose activations the I/O could not move in time; keep measuring, keep fewer while the
+disk keeps up and more when it does not."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import SsdtierWarning
+from ..plan import LayerProfile, Plan, make_plan
+from ..store import TieredStore
+from ._util import aligned_storage
+from .control import StepControl
+
+if TYPE_CHECKING:
+    from .offloader import Offloader
+
+log = logging.getLogger("ssdtier")
+
+
+class Adaptive:
+    """The profile of the iteration in progress, the store's bandwidth, and the plan."""
+
+    def __init__(self, off: Offloader) -> None:
+        self.off = off
+        self.plan: Plan | None = None
+        self.min_keep = 0
+        self.ctl = StepControl(patience=3)
+        self.fwd: dict[int, float] = {}  # layer tag -> forward seconds
+        self.bytes: dict[int, int] = {}  # layer tag -> bytes saved
+        self.t0: dict[int, tuple[float, float]] = {}  # layer tag -> (start, store wait then)
+        self.stall0 = 0.0
+        self.wait0 = 0.0
+        self.bw = self.calibrate()
+
+    def calibrate(self) -> tuple[float, float]:
+        """The store's write and read bandwidth, measured at attach on a few blocks, through a
+        store of its own on the same directories: stats() counts activations only."""
+        off = self.off
+        chunk, n = 8 << 20, 4
+        cfg = off.config.replace(
+            host__capacity=min(off.config.host.capacity, 2 * chunk),
+            nvme=[{"path": path, "capacity": n * chunk} for path, _ in off.store.devices],
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SsdtierWarning)  # said already, by the main store
+            store = TieredStore(cfg)
+        with store:
+            native = store.native
+            src = torch.zeros(chunk, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            keys = [store.put(src) for _ in range(n)]
+            for k in keys:
+                store.evict(k)
+            write = n * chunk / max(time.perf_counter() - t0, 1e-9)
+            bufs = [aligned_storage(chunk) for _ in keys]
+            t0 = time.perf_counter()
+            tickets = [
+                native.read_into(k, b.data_ptr() + pad, b.nbytes() - pad, b)
+                for k, (b, pad) in zip(keys, bufs, strict=True)
+            ]
+            for t in tickets:
+                t.wait()
+            read = n * chunk / max(time.perf_counter() - t0, 1e-9)
+        log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
+        return write, read
+
+    def block_enter(self, tag: int) -> None:
+        self.t0[tag] = (time.perf_counter(), self.off.store_wait())
+
+    def block_exit(self, tag: int) -> None:
+        start = self.t0.pop(tag, None)
+        if start is not None:
+            # Compute time: the time blocked on the store (a full arena) is not the layer's.
+            spent = time.perf_counter() - start[0] - (self.off.store_wait() - start[1])
+            self.fwd[tag] = self.fwd.get(tag, 0.0) + max(spent, 0.0)
+
+    def saved(self, tag: int, nbytes: int) -> None:
+        self.bytes[tag] = self.bytes.get(tag, 0) + nbytes
+
+    def replan(self) -> None:
+        """At the start of an iteration: plan from the last one's profile, with stall feedback."""
+        if not self.fwd:
+            return
+        off = self.off
+        n = off.n_layers
+        stall = off.res.stall - self.stall0 + (off.store_wait() - self.wait0)
+        if self.plan is not None:
+            if stall > 0.05 * 3 * sum(self.fwd.values()):
+                # Backward (about 2x forward) or forward waited on I/O: keep one more layer.
+                self.ctl.stall()
+                self.min_keep = min(n, self.plan.keep_last + 1)
+            elif self.ctl.quiet(can_lower=self.min_keep > 0):
+                self.min_keep -= 1  # the disk kept up for a while: try offloading one more layer
+        layers = [
+            LayerProfile(i, self.bytes.get(i + 1, 0), self.fwd.get(i + 1, 0.0), 2 * self.fwd.get(i + 1, 0.0))
+            for i in range(n)
+        ]
+        plan = make_plan(layers, self.bw[0], self.bw[1], off.config.policy.device_budget, self.min_keep)
+        if self.plan is None or plan.keep_last != self.plan.keep_last:
+            log.info("%s", plan.table())
+        self.plan = plan
+        off.keep_last(plan.keep_last)
+        self.fwd.clear()
+        self.bytes.clear()
+        self.stall0 = off.res.stall
+        self.wait0 = off.store_wait()

@@ -1,0 +1,176 @@
+"""What autograd holds for each saved tensor (the handles pack returns), and the offloaded
+storage behind it."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .forward import Fwd
+    from .offloader import Offloader
+
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
+def version_probe(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor that shares ``t``'s version counter (and nothing else): its
+    ``_version`` tells whether ``t``, or any view of its base, was modified in place."""
+    probe = t.detach()  # shares the version counter, and for now the storage
+    v = probe._version
+    probe.set_()  # lets go of the storage, bumping the shared counter ...
+    _set_versions((probe,), (v,))  # ... which is put back as it was
+    return probe
+
+
+def check_version(t: torch.Tensor | Saved, version: int, now: int) -> None:
+    """Autograd checks that a saved tensor was not modified in place before its backward,
+    but not for tensors saved through saved-tensor hooks; ssdtier does it for them."""
+    if now != version:
+        shape = list(t.size) if isinstance(t, Saved) else list(t.shape)
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.dtype} {shape}] is at version {now}; expected version {version} instead "
+            "(checked by ssdtier, as autograd does without saved-tensor hooks). Hint: enable anomaly "
+            "detection with torch.autograd.set_detect_anomaly(True) to find the operation that "
+            "failed to compute its gradient."
+        )
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, read past a subclass's ``__torch_function__``; None if it has none."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return t._version
+    except Exception:  # a subclass or tensor without a version counter: not checked
+        return None
+
+
+class Same:
+    """A saved tensor handed back to autograd as it is (a parameter, a subclass): only its
+    version at save time is added, to check it at the unpack."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, version_of(tensor)
+
+
+class Kept:
+    """A saved tensor held as it is (small, or in a kept layer)."""
+
+    __slots__ = ("__weakref__", "backward", "forward", "held", "key", "layer", "nbytes", "off", "tensor", "version")
+
+    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: Fwd, key: tuple) -> None:
+        self.off, self.tensor, self.nbytes = off, tensor, nbytes
+        self.version = tensor._version
+        # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
+        # the kept last layers come first in backward, and the first offloaded ones must be on the way.
+        self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
+        # Its storage, (device, pointer), is counted as resident once however many kept tensors
+        # share it (a live storage is known by its pointer): the list has one item per holder.
+        # No lock: list and dict calls are atomic, and one storage is packed by one thread.
+        self.key, self.held = key, off._kept_st.setdefault(key, [])
+        self.held.append(None)
+        if len(self.held) == 1:
+            off.res.kept += nbytes
+
+    def __del__(self) -> None:
+        held = self.held
+        held.pop()
+        if not held:
+            off = self.off
+            if off._kept_st.get(self.key) is held:
+                del off._kept_st[self.key]
+            off.res.kept -= self.nbytes
+
+
+class Entry:
+    """One offloaded storage."""
+
+    __slots__ = (
+        "backward",
+        "cuda",
+        "device",
+        "dkey",
+        "event",
+        "forward",
+        "gpu",
+        "hold",
+        "key",
+        "layer",
+        "lead",
+        "made",
+        "nbytes",
+        "reading",
+        "refs",
+        "restored",
+        "src",
+        "staged",
+        "ticket",
+        "waiting",
+        "wanted",
+        "wrote",
+    )
+
+    def __init__(self, key: int, nbytes: int, device: torch.device, cuda: bool, fwd: Fwd) -> None:
+        self.key: int | None = key  # None once the store has no copy (a failed write)
+        self.nbytes, self.device, self.cuda = nbytes, device, cuda
+        self.dkey: tuple[torch.device, int] | None = None  # its key in the dedup map
+        # Its forward and layer, and the forward's backwards, which start each layer's read-ahead once.
+        self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
+        self.refs = 0
+        # Handles not unpacked yet: while some are, the restored storage is held, so a
+        # storage shared by several saved tensors is read back once.
+        self.waiting = 0
+        self.hold: torch.UntypedStorage | None = None
+        self.gpu: torch.Tensor | None = None  # CUDA: the source, held until its copy is done
+        # CPU, zero copy: the source storage, held until its write from its own pages is
+        # done (for good if the write failed), the write's ticket, and the bytes of the first
+        # page before the data (the write covers whole pages).
+        self.src: torch.UntypedStorage | None = None
+        self.ticket: Any = None
+        self.lead = 0
+        self.wrote = 0  # the source's data pointer when its write was issued
+        self.event: Any = None
+        # The restored storage and the byte offset of the data in it, while some unpacked view
+        # still uses it.
+        self.restored: tuple[weakref.ref, int] | None = None
+        # A read under way: (buffer storage or None, offset of the data in it, ticket or None,
+        # served from the host arena).
+        self.reading: tuple[torch.UntypedStorage | None, int, Any, bool] | None = None
+        # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
+        # prefetch stream, the compute stream it was allocated on).
+        self.staged: tuple[torch.Tensor, Any, Any] | None = None
+        # CUDA: how the restored storage was made: (event of its copy, the stream its block was
+        # allocated for, the streams that have waited for that event). An unpack on another
+        # stream (a forward that used several) waits for the copy too, and records its use.
+        self.made: tuple[Any, Any, list[Any]] | None = None
+        # The read-ahead reached it: its bytes should be in memory (a source still held stays).
+        self.wanted = False
+
+
+class Saved:
+    """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
+
+    __slots__ = ("conj", "dtype", "entry", "off", "offset", "probe", "size", "stride", "unpacked", "version")
+
+    def __init__(self, off: Offloader, entry: Entry, t: torch.Tensor) -> None:
+        # Counted before anything is allocated: an allocation may run a garbage collection that
+        # releases the entry's other handles, and with this one counted the entry stays.
+        entry.refs += 1
+        entry.waiting += 1
+        self.off, self.entry = off, entry
+        self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+        self.version, self.probe = t._version, version_probe(t)
+        # A lazily conjugated view (``x.conj()`` of a complex tensor) holds the unconjugated
+        # bytes: they are what is stored, and the view gets its conjugate bit back on unpack.
+        self.conj = t.is_conj()
+        self.unpacked = False
+
+    def __del__(self) -> None:
+        if not self.unpacked:
+            self.entry.waiting -= 1
+        self.off._release(self.entry)

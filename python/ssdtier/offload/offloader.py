@@ -1,0 +1,608 @@
+"""The offloader: the model's hooks, and pack and unpack, which classify each saved tensor,
+hand its storage to a transport (cpu.py, cuda.py) and rebuild the view in backward."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import Config, resolve_config
+from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
+from ..plan import Plan
+from ..store import ByteStore
+from ._util import Once, warn
+from .adaptive import Adaptive
+from .cpu import CpuTransport
+from .cuda import CudaTransport
+from .entry import Entry, Kept, Same, Saved, check_version, version_of
+from .forward import (
+    NO_OFFLOAD,
+    Fwd,
+    Hook,
+    ModelHook,
+    PerThread,
+    drop_interrupted,
+    forwards_under_way,
+    pushed,
+    saving_possible,
+    unpush,
+)
+from .layers import excluded_modules, find_stacks
+from .readahead import Backward, ReadAhead
+from .stats import COUNTS, FirstForward, OffloadStats, Resident
+
+log = logging.getLogger("ssdtier")
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+class Offloader:
+    """Offloads a model's saved activations; made by :func:`attach`.
+
+    Use it as a context manager (detaches on exit) or call :meth:`detach`.
+    """
+
+    def __init__(self, model: nn.Module, config: Config) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+        if attached(model) is not None:
+            raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
+        pol = config.policy
+        # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.model = model
+        if config.io.zero_copy and config.io.fixed_buffers and _on_cpu(model):
+            # A CPU model's activations go to NVMe from their own pages: the arena only takes
+            # the rare storage that cannot (not 64-byte aligned). Registering it with io_uring
+            # would pin all of it; unregistered, it costs memory only where it is used.
+            config = config.replace(io__fixed_buffers=False)
+        self.config = config
+        self.store = ByteStore(config)
+        self._native = self.store.native
+        self._lock = threading.RLock()
+        self._min_bytes = pol.min_tensor_bytes
+        self._dedup_on = pol.dedup
+        self._budget = pol.device_budget
+        stacks = find_stacks(model, pol.layers)
+        self.layers_path = ", ".join(p for p, _ in stacks) if stacks else None
+        blocks = [b for _, bs in stacks for b in bs]
+        self.n_layers = len(blocks)
+        # "auto" keeps the last block: its backward starts right after the forward, leaving
+        # no time to write its activations out and read them back.
+        keep = 1 if pol.keep_last_layers == "auto" else int(pol.keep_last_layers)
+        self.keep_last(self.n_layers if pol.mode == "none" else min(self.n_layers, keep))
+        if pol.mode == "none":
+            self._keep_from = 0
+        self._tls = PerThread(self)
+        self._last_fwd = Fwd(self)  # the forward that pushed the hooks last, on any thread
+        self._forward = 0  # forwards begun, on any thread
+        self._param_ptrs: set[tuple[torch.device, int]] = set()
+        # The parameter and buffer dicts of the model's modules (`.to()` swaps the tensors in them).
+        self._param_dicts: list[dict[str, Any]] = []
+        # Kept tensors' storages: (device, pointer) -> one item per kept handle holding it
+        self._kept_st: dict[tuple[torch.device, int], list[None]] = {}
+        self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, Entry]] = {}
+        # Entries by (forward, layer), in pack order (dicts used as ordered sets).
+        self._by_layer: dict[tuple[int, int], dict[Entry, None]] = {}
+        self._live = 0
+        self._tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(ref) -> (ref, bytes), see _track
+        self._closed = False
+        self.c = dict.fromkeys(COUNTS, 0)
+        self.res = Resident()
+        self.once = Once()
+        self.cpu = CpuTransport(self)
+        self.cuda = CudaTransport(self)
+        self.ahead = ReadAhead(self, pol.prefetch_layers)
+        # What the first forward held in memory, to say why if it offloaded nothing.
+        self._first: FirstForward | None = None if pol.mode == "none" else FirstForward()
+        self._handles: list[Any] = []
+        self.adaptive: Adaptive | None = None
+        try:
+            if pol.mode == "adaptive" and self.n_layers:
+                self.adaptive = Adaptive(self)
+            self._handles += [
+                model.register_forward_pre_hook(ModelHook(self._enter)),
+                model.register_forward_hook(ModelHook(self._exit), always_call=True),
+            ]
+            for i, block in enumerate(blocks):
+                self._handles.append(block.register_forward_pre_hook(Hook(self._block_enter(i + 1))))
+                self._handles.append(block.register_forward_hook(Hook(self._block_exit(i + 1)), always_call=True))
+            for mod in excluded_modules(model, pol.exclude):
+                self._handles.append(mod.register_forward_pre_hook(Hook(self._exclude_enter)))
+                self._handles.append(mod.register_forward_hook(Hook(self._exclude_exit), always_call=True))
+            _ATTACHED[model] = weakref.ref(self)
+        except BaseException:
+            # Nothing left behind: no hook on the model, and the store closed.
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._closed = True
+            self.store.close()
+            raise
+        log.info(
+            "ssdtier: attached to %s; layers %s (%d), keeping the last %d, prefetching %s ahead",
+            type(model).__name__,
+            self.layers_path,
+            self.n_layers,
+            self.layers_kept,
+            pol.prefetch_layers,
+        )
+
+    def keep_last(self, keep: int) -> None:
+        """Keep the last ``keep`` blocks in memory. Tags: 0 before the blocks, i + 1 in block i,
+        n + 1 after them; tags from ``_keep_from`` on are kept: the last blocks and what follows."""
+        n = self.n_layers
+        self.layers_kept = keep
+        self._keep_from = n - keep + 1 if keep else n + 2
+
+    def store_wait(self) -> float:
+        """Seconds the store has waited on transfers so far."""
+        return self._native.wait_seconds
+
+    # ---------------------------------------------------------------- hooks on modules
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        f = self._tls.fwd
+        if f.pushed and forwards_under_way(module) + f.scopes < 2:
+            drop_interrupted(f, "did not finish")
+        f.pushed.append(False)
+        if len(f.pushed) > 1:
+            return  # the model called inside its own forward: the outer call's hooks serve
+        why = saving_possible()
+        if why is not None:
+            if why:
+                self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
+            return
+        if self.adaptive is not None:
+            self.adaptive.replan()
+        if self.ahead.auto and self.ahead.trig:
+            self.ahead.tune()
+        with self._lock:
+            self._forward += 1
+            f.forward = self._forward
+            self.cuda.stage_off = False
+        f.backward = Backward()
+        if f.forward % 64 == 1:
+            # Walking the module tree costs about 1 ms per 20 modules: the list of modules'
+            # parameter and buffer dicts is refreshed every 64 forwards (new submodules), the
+            # tensors in them looked up every forward (`.to()`, `load_state_dict` and the
+            # like may have swapped them).
+            self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
+        self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
+        f.tag = f.excluded = 0
+        self._hooks.__enter__()
+        f.pushed[-1] = True
+        pushed().append(f)
+        self._last_fwd = f
+
+    @staticmethod
+    def _storages_of(tensors: list[torch.Tensor]) -> set[tuple[torch.device, int]]:
+        ptrs = set()
+        for p in tensors:
+            try:
+                ptrs.add((p.device, p.untyped_storage().data_ptr()))
+            except (RuntimeError, NotImplementedError):
+                # No storage of its own (a sharded DTensor between FSDP's gathers, a meta
+                # tensor): what such a parameter becomes in the forward is a Parameter, and
+                # is recognised as one in _pack.
+                pass
+        return ptrs
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        f = self._tls.fwd
+        if not f.pushed:
+            return  # its _enter did not run (a forward pre-hook before it raised)
+        if f.pushed.pop():
+            self._hooks.__exit__(None, None, None)
+            unpush(f)
+            with self._lock:  # a backward, or a graph being freed, on another thread may poll too
+                self.cuda.poll()
+                self.cpu.poll()
+            if self._first is not None:
+                first, self._first = self._first, None
+                c = self.c
+                if c["packs"] and not c["tensors_offloaded"] and not c["failed_writes"]:
+                    warn(first.why_nothing(module, self.config.policy, self.layers_kept))
+
+    def _block_enter(self, tag: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            f = self._tls.fwd
+            f.tag = tag
+            if self.adaptive is not None and f.pushed and f.pushed[0]:
+                self.adaptive.block_enter(tag)
+
+        return hook
+
+    def _block_exit(self, tag: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            f = self._tls.fwd
+            f.tag = self.n_layers + 1 if tag == self.n_layers else tag
+            if self.adaptive is not None and f.pushed and f.pushed[0]:
+                self.adaptive.block_exit(tag)
+
+        return hook
+
+    def _exclude_enter(self, module: nn.Module, args: Any) -> None:
+        self._tls.fwd.excluded += 1
+
+    def _exclude_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        f = self._tls.fwd
+        f.excluded = max(f.excluded - 1, 0)  # 0 already if its enter ran before the forward's
+
+    # ---------------------------------------------------------------- pack
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._closed:
+            return Same(t)  # hooks an interrupted forward left on another thread, after detach()
+        c = self.c
+        c["packs"] += 1
+        self.cpu.poll()
+        if (
+            type(t) is not torch.Tensor
+            or t.layout != torch.strided
+            or t.is_nested
+            or t.is_quantized  # its scale and zero point live outside the bytes
+            or t.is_neg()
+            or t._is_zerotensor()  # no storage to read
+        ):
+            # Kept as they are. A negative bit (``x.conj().imag``) is a lazy view; unlike the
+            # conjugate bit there is no public call to set it again on the restored view.
+            return Same(t)
+        dev = t.device
+        if not (t.is_cpu or t.is_cuda):
+            return Same(t)
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        base = t._base
+        if (
+            (dev, ptr) in self._param_ptrs
+            or (base is not None and (type(base) is nn.Parameter or isinstance(base, nn.Parameter)))
+            or getattr(t, "_is_param", False)
+        ):
+            # A parameter, or a view of one (weight.t()): by its storage as it was when the
+            # forward began, or by what it is (a parameter whose storage is made inside the
+            # forward, as sharded data parallelism does when it gathers one, has a new pointer).
+            # ``t`` is a plain Tensor here (a Parameter was kept above, as a subclass), so it
+            # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
+            return Same(t)
+        nbytes = st.nbytes()
+        f = self._tls.fwd
+        if not f.pushed:
+            # Not this thread's forward: an autograd engine thread (its copy of the hooks packs
+            # for a graph built in backward), or a backward building one after the forward.
+            f = self._last_fwd
+        tag = f.tag
+        small = nbytes < self._min_bytes
+        if self.adaptive is not None and not small:
+            self.adaptive.saved(tag, nbytes)
+        excluded = f.excluded or NO_OFFLOAD.depth  # asked for: the budget does not overrule it
+        keep = small or tag >= self._keep_from
+        if keep and self._budget is not None and self.res.kept + nbytes > self._budget:
+            keep = False  # over the device budget: offload even what the policy would keep
+        if keep or excluded:
+            if self._first is not None:
+                self._first.held(nbytes, "small" if small else "excluded" if excluded else "layer")
+            return self._keep(t, nbytes, f, (dev, ptr))
+        with self._lock:
+            if self._closed:
+                return Same(t)  # detach() on another thread since the check above
+            hit = self._dedup.get((dev, ptr))
+            if hit is not None and hit[0]() is st and hit[1] == t._version and hit[2].refs > 0:
+                c["dedup_hits"] += 1
+                return Saved(self, hit[2], t)
+            try:
+                if t.is_cuda:
+                    whole = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
+                    entry = self.cuda.offload(whole, nbytes, f)
+                else:
+                    entry = self.cpu.offload(st, nbytes, f)
+            except OutOfSpaceError as e:
+                c["failed_writes"] += 1
+                self.once.warn("full", f"{e}; activations stay in memory until space frees up")
+                return self._keep(t, nbytes, f, (dev, ptr))
+            except SsdtierOSError as e:
+                # A write to NVMe failed (an eviction from the arena, or a direct write): the
+                # store lost nothing, and this tensor stays in memory.
+                c["failed_writes"] += 1
+                self._warn_write(e)
+                return self._keep(t, nbytes, f, (dev, ptr))
+            c["tensors_offloaded"] += 1
+            c["bytes_offloaded"] += nbytes
+            if self._dedup_on:
+                entry.dkey = (dev, ptr)
+                self._dedup[entry.dkey] = (weakref.ref(st), t._version, entry)
+            self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
+            saved = Saved(self, entry, t)
+            self._live += 1
+        self.res.note(self._native.host_used)
+        return saved
+
+    def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
+        self.c["tensors_kept"] += 1
+        self.c["bytes_kept"] += nbytes
+        kept = Kept(self, t, nbytes, f, key)
+        self.res.note(self._native.host_used)
+        return kept
+
+    @staticmethod
+    def _moved(e: Entry, src: torch.UntypedStorage) -> SsdtierError | None:
+        """An error if the source storage was freed or resized while its bytes were being
+        copied out (as sharded data parallelism does with a gathered parameter's storage after
+        the forward): what was copied may not be what was saved. Whatever the storage holds at
+        the unpack is what autograd without ssdtier would see, so the unpack is served from it.
+        A storage freed and given new bytes at the same address is not seen here; parameters,
+        the storages that this happens to, are recognised and kept in _pack."""
+        if src.data_ptr() != e.wrote or src.nbytes() != e.nbytes:
+            return SsdtierError(
+                f"the storage of a saved tensor ({e.nbytes} bytes) was freed or resized while it was being copied out"
+            )
+        return None
+
+    def _copy_lost(self, e: Entry, err: SsdtierError) -> None:
+        """The store has no good copy of a live entry: its source stays and serves the unpack."""
+        self.c["failed_writes"] += 1
+        self._warn_write(err)
+        key, e.key = e.key, None
+        self._free_key(key)
+
+    # ---------------------------------------------------------------- unpack
+
+    def _unpack(self, h: Any) -> torch.Tensor:
+        if type(h) is Same:
+            if h.version is not None:
+                check_version(h.tensor, h.version, version_of(h.tensor))
+            return h.tensor
+        self.c["unpacks"] += 1
+        self.cpu.poll()
+        if isinstance(h, Kept):
+            check_version(h.tensor, h.version, h.tensor._version)
+            self.c["forwarded"] += 1  # served from memory, with no read
+            if h.backward.due(h.layer):
+                with self._lock:
+                    self.ahead.start(h.forward, h.layer)
+            return h.tensor
+        check_version(h, h.version, h.probe._version)
+        e: Entry = h.entry
+        with self._lock:
+            if self.cuda.h2d:
+                self.cuda.poll()  # unpins the slots copied to the GPU (frees released keys)
+            self.cuda.stage_ready()
+            if not h.unpacked:
+                h.unpacked = True
+                e.waiting -= 1
+            if e.backward.due(e.layer):
+                self.ahead.start(e.forward, e.layer)
+            try:
+                storage, pad = self._restore(e)
+            except SsdtierOSError as err:
+                self.c["failed_reads"] += 1
+                raise type(err)(
+                    err.errno,
+                    f"a saved activation ({e.nbytes} bytes) could not be read back, so this backward "
+                    f"cannot go on: {err.strerror}",
+                    err.filename,
+                ) from err
+            e.hold = storage if e.waiting > 0 else None
+        self.res.note(self._native.host_used)
+        out = torch.empty(0, dtype=h.dtype, device=e.device)
+        # The restored storage may start a few bytes (a multiple of 64) before the data.
+        out.set_(storage, h.offset + pad // h.dtype.itemsize, h.size, h.stride)
+        return out.conj() if h.conj else out
+
+    def _restore(self, e: Entry) -> tuple[torch.UntypedStorage, int]:
+        """The entry's storage, and where its data starts in it."""
+        src = e.gpu.untyped_storage() if e.gpu is not None else e.src
+        if src is not None:
+            # Its copy or write is still in flight (or failed): served from the source.
+            self.c["forwarded"] += 1
+            return src, 0
+        if e.restored is not None:
+            ref, pad = e.restored
+            st = ref()
+            if st is not None:
+                self.c["forwarded"] += 1
+                if e.made is not None:
+                    self.cuda.use_on_current_stream(e, st)
+                return st, pad
+        ahead = e.reading is not None  # read ahead (else read now, on demand)
+        if not ahead:
+            self._start_read(e)
+        st, pad, ticket, from_host = e.reading
+        e.reading = None
+        if from_host:
+            self.c["forwarded"] += 1
+        if ticket is not None and not ticket.done():
+            t0 = time.perf_counter()
+            ticket.wait()
+            waited = time.perf_counter() - t0
+            self.res.stall += waited
+            if ahead:
+                self.res.stall_ahead += waited
+        elif ticket is not None:
+            ticket.wait()  # raises the read's error, if any
+        if st is None:
+            st = self.cuda.restore(e)
+        e.restored = (weakref.ref(st), pad)
+        return st, pad
+
+    def _track(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """Count restored or read-ahead bytes as resident until their storage is freed."""
+        self.res.restored += nbytes
+        # A weak reference with a callback (much cheaper than weakref.finalize); the
+        # callback only runs while the reference lives, so it is held here until then.
+        ref = weakref.ref(st, self._forget_restored)
+        self._tracked[id(ref)] = (ref, nbytes)
+
+    def _forget_restored(self, ref: weakref.ref) -> None:
+        self.res.restored -= self._tracked.pop(id(ref))[1]
+
+    def _start_read(self, e: Entry) -> None:
+        """Begin bringing an entry back."""
+        from_host = self._native.location(e.key)[0]
+        if e.cuda:
+            self.cuda.start_read(e, from_host)
+        else:
+            self.cpu.start_read(e, from_host)
+
+    # ---------------------------------------------------------------- release
+
+    def _release(self, e: Entry) -> None:
+        with self._lock:
+            e.refs -= 1
+            if e.refs:
+                return
+            self.cuda.release(e)
+            e.restored = None
+            e.hold = None
+            if e.reading is not None and e.reading[2] is not None:
+                # The buffer must outlive its read. A read that failed is of no concern here:
+                # nobody will unpack this entry (raising would skip freeing it, from __del__).
+                with contextlib.suppress(SsdtierError):
+                    e.reading[2].wait()
+            e.reading = None
+            if e.dkey is not None:
+                hit = self._dedup.get(e.dkey)
+                if hit is not None and hit[2] is e:
+                    del self._dedup[e.dkey]
+            group = self._by_layer.get((e.forward, e.layer))
+            if group is not None:
+                group.pop(e, None)
+                if not group:
+                    del self._by_layer[(e.forward, e.layer)]
+            self._live -= 1
+            if e.ticket is None:
+                self.cpu.drop_src(e)
+                self.cuda.free_key(e.key)
+            # Else its write is in flight: the source is held and the key freed when it is done.
+            if self._closed and self._live == 0:
+                self._close_store()
+
+    def _free_key(self, key: int | None) -> None:
+        if key is not None:
+            self.store.discard(key)
+
+    def _warn_write(self, err: Exception) -> None:
+        self.once.warn("write", f"writing an activation to NVMe failed ({err}); it stays in memory")
+
+    # ---------------------------------------------------------------- public
+
+    def plan(self) -> Plan | None:
+        """The adaptive plan in force (per layer: bytes, time, decision and why); None before one is made."""
+        return self.adaptive.plan if self.adaptive is not None else None
+
+    def stats(self) -> OffloadStats:
+        """Counters so far; see :class:`OffloadStats`."""
+        st = self.store.stats()
+        return OffloadStats(
+            bytes_written_nvme=st.nvme_bytes_written,
+            bytes_read_nvme=st.nvme_bytes_read,
+            peak_resident_bytes=self.res.peak,
+            stall_seconds=self.res.stall,
+            layers_offloaded=self.n_layers - self.layers_kept,
+            layers_kept=self.layers_kept,
+            prefetch_layers=self.ahead.depth,
+            plan=self.plan(),
+            store=st,
+            **self.c,
+        )
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Saved tensors made inside the block go through the offloader, as in a call of the
+        model: for a training step that uses the model's parts without calling the model
+        itself (a LightningModule's ``training_step``). Calls of the model inside are fine.
+
+        Example:
+            >>> with offload.scope():
+            ...     loss = module.training_step(batch, 0)
+            >>> loss.backward()
+        """
+        self._enter(self.model, ())
+        f = self._tls.fwd
+        f.scopes += 1
+        try:
+            yield
+        finally:
+            f.scopes -= 1
+            self._exit(self.model, (), None)
+
+    def detach(self) -> None:
+        """Remove every hook and restore the module; the store closes once no graph holds an entry."""
+        if self._closed:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if attached(self.model) is self:
+            del _ATTACHED[self.model]
+        if any(self._tls.fwd.pushed):
+            drop_interrupted(self._tls.fwd, "was not finished at detach()")
+        self._closed = True
+        with self._lock:
+            if self._live == 0:
+                self._close_store()
+
+    def _close_store(self) -> None:
+        self.cuda.close()
+        try:
+            self.store.close()  # waits for every write, so the sources still held can go
+        except SsdtierOSError as err:
+            # A write that failed earlier (warned of then); every entry is gone by now, so
+            # nothing is lost, and the store is closed all the same.
+            log.debug("ssdtier: closing the store: %s", err)
+        self.cpu.close()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"<Offloader {type(self.model).__name__} layers={self.layers_path!r} store={self.store!r}>"
+
+
+# Each model's offloader, weakly both ways: nothing of ssdtier's is stored in the model.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Offloader]] = weakref.WeakKeyDictionary()
+
+
+def attached(model: nn.Module) -> Offloader | None:
+    """The offloader attached to ``model``, or None."""
+    ref = _ATTACHED.get(model)
+    return ref() if ref is not None else None
+
+
+def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
+    """Offload ``model``'s saved activations through the tiered store.
+
+    Args:
+        model: the module whose forward saves activations.
+        config: a TOML path, a dict, a :class:`Config`, or None (``SSDTIER_CONFIG`` if set, else defaults).
+        **overrides: config keys, e.g. ``policy__prefetch_layers=3``.
+
+    Returns:
+        The :class:`Offloader`; use it as a context manager or call ``detach()``.
+
+    Raises:
+        TypeError: ``model`` is not a module.
+        SsdtierError: already attached to this module.
+        ConfigError: bad configuration.
+
+    Example:
+        >>> with ssdtier.attach(model, host__capacity="8GiB") as off:
+        ...     loss = model(batch).loss
+        ...     loss.backward()
+        >>> print(off.stats())
+    """
+    return Offloader(model, resolve_config(config, **overrides))

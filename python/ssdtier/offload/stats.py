@@ -1,0 +1,138 @@
+"""What the offloader counts: traffic, what it holds, and why a first forward moved nothing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from ..config import PolicyConfig, format_size
+from ..plan import Plan
+from ..store import StoreStats
+
+COUNTS = (
+    "tensors_offloaded",
+    "bytes_offloaded",
+    "dedup_hits",
+    "forwarded",
+    "copied_ahead",
+    "failed_writes",
+    "failed_reads",
+    "tensors_kept",
+    "bytes_kept",
+    "packs",
+    "unpacks",
+)
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What the offloader did so far.
+
+    ``forwarded`` counts the unpacks served from memory with no NVMe read (a
+    write still in flight, the host arena, a kept tensor). ``peak_resident_bytes``
+    is the most bytes of saved activations that ssdtier held in device or process
+    memory at once: kept tensors (each storage once), the host arena in use,
+    GPU tensors whose copy is in flight, CPU tensors whose write is in flight,
+    and restored storages. ``prefetch_layers`` is how many layers the
+    backward reads ahead now (with ``policy.prefetch_layers = "auto"``, what the
+    tuning has reached). ``copied_ahead`` counts, on CUDA, the read-ahead
+    entries copied to the GPU on the prefetch stream before their unpack (the
+    others are copied on the compute stream when unpacked). ``failed_writes``
+    counts the activations whose copy to the store failed (no space, an I/O
+    error, or a storage freed while it was copied out), which stayed in memory;
+    ``failed_reads`` the reads that failed in backward (each raised).
+    """
+
+    tensors_offloaded: int
+    bytes_offloaded: int
+    bytes_written_nvme: int
+    bytes_read_nvme: int
+    dedup_hits: int
+    forwarded: int
+    copied_ahead: int
+    failed_writes: int
+    failed_reads: int
+    peak_resident_bytes: int
+    stall_seconds: float
+    layers_offloaded: int
+    layers_kept: int
+    prefetch_layers: int
+    tensors_kept: int
+    bytes_kept: int
+    packs: int
+    unpacks: int
+    plan: Plan | None
+    store: StoreStats
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain data: dicts, lists, tuples, numbers (``json.dumps`` takes it)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"offloaded {format_size(self.bytes_offloaded)} in {self.tensors_offloaded} tensors "
+            f"({self.dedup_hits} more shared a storage); kept {format_size(self.bytes_kept)} in "
+            f"{self.tensors_kept} tensors",
+            f"NVMe: wrote {format_size(self.bytes_written_nvme)}, read {format_size(self.bytes_read_nvme)}; "
+            f"{self.forwarded} of {self.unpacks} unpacks served from memory",
+            f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s; "
+            f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, {self.prefetch_layers} read ahead",
+        ]
+        if self.failed_writes or self.failed_reads:
+            lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
+        if self.plan is not None:
+            lines.append(f"adaptive plan: keep the last {self.plan.keep_last}: {self.plan.reason}")
+        return "\n".join(lines)
+
+
+class Resident:
+    """Bytes of saved activations the offloader holds in memory, by where, and the peak."""
+
+    __slots__ = ("gpu", "kept", "peak", "restored", "stall", "stall_ahead", "writing")
+
+    def __init__(self) -> None:
+        self.kept = 0  # kept tensors, each storage once
+        self.gpu = 0  # CUDA sources whose copy to the arena is in flight
+        self.writing = 0  # CPU sources whose write from their own pages is in flight
+        self.restored = 0  # restored or read-ahead storages still alive
+        self.peak = 0
+        self.stall = 0.0  # seconds the backward waited for reads
+        self.stall_ahead = 0.0  # the part of it spent on reads the read-ahead had started
+
+    def note(self, host_used: int) -> None:
+        now = self.kept + self.gpu + self.writing + self.restored + host_used
+        if now > self.peak:
+            self.peak = now
+
+
+class FirstForward:
+    """Why the first forward held its saved activations in memory (when it offloaded none,
+    a user is told why once: a small model with the defaults moves nothing)."""
+
+    __slots__ = ("excluded", "largest", "layer", "small")
+
+    def __init__(self) -> None:
+        self.small = self.layer = self.excluded = self.largest = 0
+
+    def held(self, nbytes: int, why: str) -> None:
+        setattr(self, why, getattr(self, why) + 1)
+        if why == "small":
+            self.largest = max(self.largest, nbytes)
+
+    def why_nothing(self, model: nn.Module, pol: PolicyConfig, kept: int) -> str:
+        parts = []
+        if self.small:
+            floor = 1 << max(self.largest.bit_length() - 1, 0)  # offloads the largest of them
+            parts.append(
+                f"{self.small} were smaller than policy.min_tensor_bytes ({format_size(pol.min_tensor_bytes)}; "
+                f'the largest {format_size(self.largest)}: policy__min_tensor_bytes="{format_size(floor)}" '
+                "would offload it)"
+            )
+        if self.layer:
+            parts.append(f"{self.layer} were in the {kept} kept last layer(s) (policy.keep_last_layers)")
+        if self.excluded:
+            parts.append(f"{self.excluded} were in excluded modules (policy.exclude or no_offload())")
+        why = " and ".join(parts) or "it saved none but parameters, buffers and tensors ssdtier leaves alone"
+        return f"the first forward of {type(model).__name__} offloaded nothing: of its saved activations, {why}"
