@@ -1440,3 +1440,100 @@ def test_fully_sharded_data_parallel(store_dir):
     assert_same((ref["losses"], ref["grads"], None), (got["losses"], got["grads"], None))
     plain = train(CONFIGS["gpt"], offload_config(store_dir), micro=2)[2]
     assert got["stats"]["tensors_offloaded"] == plain.tensors_offloaded > 0  # activations, and no parameter
+
+
+class _DBlock(nn.Module):
+    """A block computing on DTensors (as tensor parallelism's activations are)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.w = nn.Parameter(distribute_tensor(torch.randn(32, 32) / 6, mesh, [Replicate()]))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_dtensor_activations_go_through_their_local_tensor(store_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def run(cfg):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_DBlock(mesh) for _ in range(4)])
+        x = DTensor.from_local(torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), mesh, [Replicate()])
+        off = ssdtier.attach(model, cfg) if cfg else None
+        out = model(x).to_local().square().sum()
+        if off:
+            wait_copies(off)
+        out.backward()
+        stats = off.stats() if off else None
+        if off:
+            off.detach()
+        return out, [p.grad.to_local() for p in model.parameters()], stats
+
+    ref, got = run(None), run(offload_config(store_dir))
+    assert torch.equal(ref[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
+    s = got[2]
+    # Each block saves its input and its output, DTensors both (the first input is kept: no grad).
+    assert s.tensors_offloaded + s.dedup_hits >= 6 and s.bytes_read_nvme > 0
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass ssdtier does not know (as float8 and NF4 tensors are to it)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_an_unknown_subclass_stays_in_memory_said_once(store_dir, warned):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.tanh(b(x)).as_subclass(_Tagged)
+            return x.as_subclass(torch.Tensor).sum()
+
+    model = Model()
+    with ssdtier.attach(model, offload_config(store_dir)):
+        for _ in range(2):
+            model(torch.randn(4, 8)).backward()
+    assert len(warned("saved tensors of type _Tagged stay in memory")) == 1
+
+
+def test_autocast_weight_casts_are_not_offloaded(store_dir):
+    """Autocast caches each weight's cast for its region: the cast stays in memory whatever
+    ssdtier does, so writing it out would cost I/O and save nothing."""
+    width, batch = 64, 8
+    offloaded: list[int] = []
+
+    def run(cfg):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)])
+        x = torch.randn(batch, width, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        off = ssdtier.attach(model, cfg) if cfg else None
+        if off:
+            real = off.cpu.offload
+            off.cpu.offload = lambda st, nbytes, f: (offloaded.append(nbytes), real(st, nbytes, f))[1]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().sum()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()] + [x.grad]
+        if off:
+            off.detach()
+        return loss, grads
+
+    ref, got = run(None), run(offload_config(store_dir))
+    assert torch.equal(ref[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
+    assert offloaded, "the activations went to the store"
+    assert width * width * 2 not in offloaded, "a bf16 weight cast was offloaded"

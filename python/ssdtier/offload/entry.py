@@ -174,3 +174,12 @@ class Saved:
         if not self.unpacked:
             self.entry.waiting -= 1
         self.off._release(self.entry)
+
+
+class Distributed:
+    """An offloaded DTensor: the handle of its local tensor and how to wrap it again."""
+
+    __slots__ = ("local", "spec")
+
+    def __init__(self, local: Any, spec: Any) -> None:
+        self.local, self.spec = local, spec

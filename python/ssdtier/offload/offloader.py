@@ -23,7 +23,7 @@ from ._util import Once, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
-from .entry import Entry, Kept, Same, Saved, check_version, version_of
+from .entry import Distributed, Entry, Kept, Same, Saved, check_version, version_of
 from .forward import (
     NO_OFFLOAD,
     Fwd,
@@ -41,6 +41,32 @@ from .readahead import Backward, ReadAhead
 from .stats import COUNTS, FirstForward, OffloadStats, Resident
 
 log = logging.getLogger("ssdtier")
+
+
+def type_dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # By name first: importing torch.distributed for every subclass would cost more.
+    return type(t).__name__ == "DTensor" and isinstance(t, type_dtensor())
+
+
+def _autocasting() -> bool:
+    """Autocast with its cache is on here (asked outside an op: inside one it reads as off)."""
+    on = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
+    return on and torch.is_autocast_cache_enabled()
+
+
+def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
+    """Whether ``t`` is (a view of) a cast of a leaf, such as a weight, as autocast caches."""
+    fn = (base if base is not None else t).grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    leaf = fn.next_functions[0][0]
+    return leaf is not None and type(leaf).__name__ == "AccumulateGrad"
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -181,6 +207,7 @@ class Offloader:
             self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
         self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
         f.tag = f.excluded = 0
+        f.autocast = _autocasting()
         self._hooks.__enter__()
         f.pushed[-1] = True
         pushed().append(f)
@@ -219,6 +246,7 @@ class Offloader:
         def hook(module: nn.Module, args: Any) -> None:
             f = self._tls.fwd
             f.tag = tag
+            f.autocast = _autocasting()  # a block may run its own autocast region
             if self.adaptive is not None and f.pushed and f.pushed[0]:
                 self.adaptive.block_enter(tag)
 
@@ -245,12 +273,31 @@ class Offloader:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._closed:
             return Same(t)  # hooks an interrupted forward left on another thread, after detach()
-        c = self.c
-        c["packs"] += 1
+        self.c["packs"] += 1
         self.cpu.poll()
+        if type(t) is not torch.Tensor:
+            return self._pack_subclass(t)
+        return self._classify(t)
+
+    def _pack_subclass(self, t: torch.Tensor) -> Any:
+        """A DTensor goes through its local tensor (tensor parallelism's activations); other
+        subclasses (float8, NF4, ...) stay in memory, said once."""
+        if _is_dtensor(t):
+            local = self._classify(t._local_tensor)
+            return Same(t) if type(local) is Same else Distributed(local, t._spec)
+        if not isinstance(t, nn.Parameter) and not torch.compiler.is_compiling():
+            self.once.warn(
+                f"subclass {type(t).__name__}",
+                f"saved tensors of type {type(t).__name__} stay in memory (ssdtier offloads plain "
+                "tensors and DTensors)",
+            )
+        return Same(t)
+
+    def _classify(self, t: torch.Tensor) -> Any:
+        """Keep, pass through or offload a plain tensor; the handle autograd holds."""
+        c = self.c
         if (
-            type(t) is not torch.Tensor
-            or t.layout != torch.strided
+            t.layout != torch.strided
             or t.is_nested
             or t.is_quantized  # its scale and zero point live outside the bytes
             or t.is_neg()
@@ -276,12 +323,14 @@ class Offloader:
             # ``t`` is a plain Tensor here (a Parameter was kept above, as a subclass), so it
             # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
             return Same(t)
-        nbytes = st.nbytes()
         f = self._tls.fwd
         if not f.pushed:
             # Not this thread's forward: an autograd engine thread (its copy of the hooks packs
             # for a graph built in backward), or a backward building one after the forward.
             f = self._last_fwd
+        if f.autocast and t.requires_grad and _autocast_cast(t, base):
+            return Same(t)  # autocast's cache holds it until the autocast region ends anyway
+        nbytes = st.nbytes()
         tag = f.tag
         small = nbytes < self._min_bytes
         if self.adaptive is not None and not small:
@@ -359,6 +408,8 @@ class Offloader:
     # ---------------------------------------------------------------- unpack
 
     def _unpack(self, h: Any) -> torch.Tensor:
+        if type(h) is Distributed:
+            return type_dtensor()(self._unpack(h.local), h.spec, requires_grad=False)
         if type(h) is Same:
             if h.version is not None:
                 check_version(h.tensor, h.version, version_of(h.tensor))
