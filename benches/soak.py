@@ -43,18 +43,30 @@ BOOKS = (
     "_kept_st",
     "_dedup",
     "_by_layer",
-    "_pending",
-    "_writing",
-    "_h2d",
-    "_free_later",
-    "_staging",
     "_tracked",
-    "_trig",
-    "_reads",
-    "_prof_fwd",
-    "_prof_bytes",
-    "_prof_t0",
+    "cpu.writing",
+    "cuda.pending",
+    "cuda.h2d",
+    "cuda.free_later",
+    "cuda.staging",
+    "ahead.trig",
+    "ahead.reads",
+    "adaptive.fwd",
+    "adaptive.bytes",
+    "adaptive.t0",
 )
+
+
+def book_size(off: object, path: str) -> int:
+    """len() of the container at a dotted path of the offloader (0 where a part is absent)."""
+    obj = off
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return 0
+    return len(obj)  # type: ignore[arg-type]
+
+
 TRAFFIC = ("tensors_offloaded", "bytes_written_nvme", "bytes_read_nvme", "failed_writes", "failed_reads")
 
 
@@ -81,7 +93,7 @@ def sample(step: int, off: Any, seconds: float) -> dict[str, Any]:
         "host_used": st.store.host_used,
         "nvme_used": st.store.nvme_used,
         "file_size": sum(st.store.device_file_size),
-        "books": sum(len(getattr(off, name)) for name in BOOKS),
+        "books": sum(book_size(off, name) for name in BOOKS),
         **{k: getattr(st, k) for k in TRAFFIC},
     }
 

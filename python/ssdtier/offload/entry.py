@@ -39,8 +39,14 @@ def check_version(t: torch.Tensor | Saved, version: int, now: int) -> None:
         )
 
 
+# Types whose ``_version`` is read directly (no ``__torch_function__`` of their own).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, read past a subclass's ``__torch_function__``; None if it has none."""
+    if type(t) in _PLAIN:
+        return t._version
     try:
         with torch._C.DisableTorchFunctionSubclass():
             return t._version

@@ -42,6 +42,8 @@ from .stats import COUNTS, FirstForward, OffloadStats, Resident
 
 log = logging.getLogger("ssdtier")
 
+_STRIDED = torch.strided
+
 
 def type_dtensor() -> type:
     from torch.distributed.tensor import DTensor
@@ -296,8 +298,11 @@ class Offloader:
     def _classify(self, t: torch.Tensor) -> Any:
         """Keep, pass through or offload a plain tensor; the handle autograd holds."""
         c = self.c
+        base = t._base
+        if base is not None and isinstance(base, nn.Parameter):
+            return Same(t)  # a view of a parameter (weight.t()): the commonest case first
         if (
-            t.layout != torch.strided
+            t.layout is not _STRIDED
             or t.is_nested
             or t.is_quantized  # its scale and zero point live outside the bytes
             or t.is_neg()
@@ -311,15 +316,10 @@ class Offloader:
             return Same(t)
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        base = t._base
-        if (
-            (dev, ptr) in self._param_ptrs
-            or (base is not None and (type(base) is nn.Parameter or isinstance(base, nn.Parameter)))
-            or getattr(t, "_is_param", False)
-        ):
-            # A parameter, or a view of one (weight.t()): by its storage as it was when the
-            # forward began, or by what it is (a parameter whose storage is made inside the
-            # forward, as sharded data parallelism does when it gathers one, has a new pointer).
+        if (dev, ptr) in self._param_ptrs or getattr(t, "_is_param", False):
+            # A parameter: by its storage as it was when the forward began, or by what it is (a
+            # parameter whose storage is made inside the forward, as sharded data parallelism
+            # does when it gathers one, has a new pointer).
             # ``t`` is a plain Tensor here (a Parameter was kept above, as a subclass), so it
             # is one only if marked so (``_is_param``, what ``isinstance(t, Parameter)`` checks).
             return Same(t)
