@@ -37,6 +37,9 @@ from typing import Any
 
 from _machine import machine_info
 
+from ssdtier.bench.disk import fio_flags
+from ssdtier.bench.disk import run_fio as fio_job
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "target" / "bench-store"
 FIO_FILE = "fio-bench.dat"
@@ -235,51 +238,9 @@ def fio_version(fio: str) -> str:
         return "?"
 
 
-def fio_flags(args: argparse.Namespace, total: int, fixedbufs: bool) -> list[str]:
-    flags = [
-        "--ioengine=io_uring",
-        "--direct=1",
-        f"--bs={args.block_size}",
-        f"--iodepth={args.queue_depth}",
-        f"--size={total}",
-        "--numjobs=1",
-        "--end_fsync=0",
-    ]
-    if fixedbufs:
-        flags += ["--fixedbufs", "--registerfiles"]
-    return flags
-
-
 def run_fio(fio: str, args: argparse.Namespace, rw: str, total: int, fixedbufs: bool) -> dict[str, Any]:
-    path = str(args.dir / FIO_FILE).replace(":", "\\:")  # fio separates file names with ':'
-    cmd = [
-        fio,
-        f"--name=ssdtier-bench-{rw}",
-        f"--filename={path}",
-        f"--rw={rw}",
-        *fio_flags(args, total, fixedbufs),
-        "--output-format=json",
-        "--eta=never",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr.strip() or r.stdout.strip())[-2000:]
-        raise RuntimeError(f"fio exited with status {r.returncode}: {' '.join(cmd)}\n{tail}")
-    out = r.stdout
-    start = out.find("{")  # fio may print notes before the JSON
-    try:
-        job = json.loads(out[start:])["jobs"][0]
-        side = job[rw]
-        if job.get("error"):
-            raise RuntimeError(f"fio job reported error {job['error']}: {' '.join(cmd)}")
-        return {
-            "bw_bytes": side["bw_bytes"],
-            "io_bytes": side["io_bytes"],
-            "runtime_ms": side["runtime"],
-            "cmd": cmd,
-        }
-    except (ValueError, KeyError, IndexError) as e:
-        raise RuntimeError(f"cannot parse fio's JSON output ({e}): {out[:500]!r}") from e
+    extra = ("--fixedbufs", "--registerfiles") if fixedbufs else ()
+    return fio_job(fio, str(args.dir / FIO_FILE), rw, total, args.block_size, args.queue_depth, extra)
 
 
 def fio_pass(fio: str, args: argparse.Namespace, total: int, fixedbufs: bool, write: Series, read: Series) -> None:
@@ -548,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             "used": fio is not None,
             "why": why_no_fio,
             "version": fio_version(fio) if fio else None,
-            "flags": fio_flags(args, total, False),
+            "flags": fio_flags(total, args.block_size, args.queue_depth),
             "fixedbufs_flags": ["--fixedbufs", "--registerfiles"],
         },
     }

@@ -17,7 +17,7 @@ from ..config import Config, check_paths, default_nvme_dir, format_size, parse_s
 from ..errors import SsdtierError
 from ._report import Progress, emit, table
 
-__all__ = ["cmd_disk"]
+__all__ = ["cmd_disk", "fio_flags", "run_fio"]
 
 
 def _store_pass(cfg: Config, count: int, tensor: int, bar: Progress) -> dict[str, Any]:
@@ -53,19 +53,39 @@ def _store_pass(cfg: Config, count: int, tensor: int, bar: Progress) -> dict[str
         return {"write": write, "read": read, "intact": intact, "backend": store.backend, "direct": store.direct}
 
 
-def _fio(fio: str, directory: str, rw: str, size: int, block: int, depth: int) -> float:
-    """fio's bytes per second for ``rw`` (write or read) of ``size`` bytes in ``directory``."""
-    path = os.path.join(directory, ".ssdtier-bench-fio.dat")
+def fio_flags(size: int, block: int, depth: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """What a fio job is asked for, as the store is: io_uring, O_DIRECT, same blocks and depth."""
+    return [
+        "--ioengine=io_uring", "--direct=1", f"--bs={block}", f"--iodepth={depth}", f"--size={size}",
+        "--numjobs=1", "--end_fsync=0", *extra,
+    ]  # fmt: skip
+
+
+def run_fio(
+    fio: str, path: str, rw: str, size: int, block: int, depth: int, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """One fio job of ``rw`` (write or read) over ``size`` bytes of the file ``path``: its
+    bandwidth, bytes moved, runtime and command."""
     cmd = [
         fio, f"--name=ssdtier-{rw}", f"--filename={path.replace(':', chr(92) + ':')}", f"--rw={rw}",
-        "--ioengine=io_uring", "--direct=1", f"--bs={block}", f"--iodepth={depth}", f"--size={size}",
-        "--numjobs=1", "--output-format=json", "--eta=never",
+        *fio_flags(size, block, depth, extra), "--output-format=json", "--eta=never",
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise SsdtierError(f"fio failed ({' '.join(cmd)}): {(r.stderr or r.stdout).strip()[-500:]}")
-    job = json.loads(r.stdout[r.stdout.find("{") :])["jobs"][0]
-    return float(job[rw]["bw_bytes"])
+    try:
+        job = json.loads(r.stdout[r.stdout.find("{") :])["jobs"][0]
+        if job.get("error"):
+            raise SsdtierError(f"fio reported error {job['error']} ({' '.join(cmd)})")
+        side = job[rw]
+        return {
+            "bw_bytes": float(side["bw_bytes"]),
+            "io_bytes": side["io_bytes"],
+            "runtime_ms": side["runtime"],
+            "cmd": cmd,
+        }
+    except (ValueError, KeyError, IndexError) as e:
+        raise SsdtierError(f"cannot read fio's output ({e}): {r.stdout[:500]!r}") from e
 
 
 def cmd_disk(args: argparse.Namespace) -> int:
@@ -94,7 +114,8 @@ def cmd_disk(args: argparse.Namespace) -> int:
             os.makedirs(directory, exist_ok=True)
             try:
                 for rw in ("write", "read"):
-                    theirs[rw] = _fio(fio, directory, rw, count * tensor, block, args.queue_depth)
+                    path = os.path.join(directory, ".ssdtier-bench-fio.dat")
+                    theirs[rw] = run_fio(fio, path, rw, count * tensor, block, args.queue_depth)["bw_bytes"]
                     bar.update(1, f"fio {rw}")
             finally:
                 with contextlib.suppress(FileNotFoundError):
