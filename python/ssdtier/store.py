@@ -181,11 +181,12 @@ class ByteStore:
         return arena[off : off + nbytes]
 
     def discard(self, key: int) -> None:
-        """Free ``key``; nothing happens if the store is closed or no longer has it."""
+        """Forget ``key`` without waiting: its space comes back now, or when a transfer still
+        in flight ends. Nothing happens if the store is closed or no longer has it."""
         if self._closed:
             return
         with contextlib.suppress(SsdtierError):
-            self._native.free(key)
+            self._native.discard(key)
 
     def flush(self) -> None:
         """Wait for every pending write; raises the first error of a write nobody waited on."""

@@ -58,9 +58,8 @@ class CpuTransport:
             failed = err
         if failed is None and e.refs:
             failed = off._moved(e, e.src)
-        if e.refs == 0:  # released while writing: nobody needs it, its key goes now
+        if e.refs == 0:  # released while writing (its key was discarded then)
             self.drop_src(e)
-            off._free_key(e.key)
         elif failed is not None:
             off._copy_lost(e, failed)  # the source stays in memory and serves the unpack
         elif not e.wanted:

@@ -535,7 +535,11 @@ class Offloader:
             if e.ticket is None:
                 self.cpu.drop_src(e)
                 self.cuda.free_key(e.key)
-            # Else its write is in flight: the source is held and the key freed when it is done.
+            else:
+                # Its write is in flight: the store lets the key go when the write ends, and the
+                # source is dropped when a poll sees it done.
+                key, e.key = e.key, None
+                self._free_key(key)
             if self._closed and self._live == 0:
                 self._close_store()
 

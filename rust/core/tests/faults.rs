@@ -240,3 +240,21 @@ fn endless_eagain_is_an_error_not_a_hang() {
     assert_eq!(err.errno(), Some(libc::EAGAIN), "{err}");
     assert_eq!(s.stats().entries, 0);
 }
+
+#[test]
+fn a_discarded_entry_goes_when_its_transfer_ends() {
+    let s = sim_store(1 << 20, vec![SimConfig::quiet(12)]);
+    let src = Aligned::new(64 << 10);
+    // Safety: src outlives the store's use of it (quiesce below waits for the write).
+    let (k, t) = unsafe { s.write_from(src.as_mut_ptr(), 64 << 10, None) }.unwrap();
+    assert!(!t.is_done(), "a simulated write waits for a driver");
+    s.discard(k).unwrap();
+    // Gone at once for callers; its space is the write's until the write ends.
+    assert!(matches!(s.len_of(k), Err(Error::UnknownKey(_))));
+    assert!(matches!(s.discard(k), Err(Error::UnknownKey(_))));
+    let st = s.stats();
+    assert_eq!((st.entries, st.nvme_used), (0, 64 << 10));
+    s.quiesce().unwrap();
+    assert!(t.is_done());
+    assert_eq!(s.stats().nvme_used, 0);
+}

@@ -255,6 +255,11 @@ impl Store {
         ticket.wait(py)
     }
 
+    /// Forget an entry without waiting: its space comes back when its transfer in flight ends.
+    fn discard(&self, py: Python<'_>, key: u64) -> PyResult<()> {
+        self.inner.discard(key).py_err(py)
+    }
+
     fn free(&self, py: Python<'_>, key: u64) -> PyResult<()> {
         let s = self.inner.clone();
         py.detach(move || s.free(key)).py_err(py)

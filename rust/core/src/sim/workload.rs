@@ -368,7 +368,9 @@ fn thread_ops(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)]) -> Check 
                 }
             }
             model.remove(&key);
-            c.store.free(key).map_err(|e| format!("free of key {key}: {e}"))
+            // Freed now, or (discard) once a transfer still in flight ends.
+            let r = if c.rng.chance(0.5) { c.store.free(key) } else { c.store.discard(key) };
+            r.map_err(|e| format!("free of key {key}: {e}"))
         } else if roll < 95 && !pending.is_empty() {
             let j = c.rng.below(pending.len() as u64) as usize;
             let p = pending.swap_remove(j);
@@ -522,6 +524,7 @@ pub fn run(w: &Workload) -> Result<Outcome, String> {
     for (k, _) in shared {
         store.free(k).map_err(|e| format!("free of shared key {k}: {e}"))?;
     }
+    store.quiesce().map_err(|e| format!("quiesce: {e}"))?; // discarded entries' transfers end
     let st = store.stats();
     out.quarantined_bytes = st.quarantined_bytes;
     out.store_failed |= st.failure.is_some();

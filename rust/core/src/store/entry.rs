@@ -52,6 +52,8 @@ pub(crate) struct Entry {
     pub pins: u32,
     /// Read ahead and not used yet: evicted only when nothing else can go.
     pub prefetched: bool,
+    /// Freed while a transfer was in flight (`discard`): gone once it ends.
+    pub doomed: bool,
     pub put_seq: u64,
     pub host_seq: u64,
     pub access_seq: u64,
@@ -59,7 +61,7 @@ pub(crate) struct Entry {
 
 impl Entry {
     pub fn new(len: u64, state: State, seq: u64) -> Self {
-        Entry { len, state, pins: 0, prefetched: false, put_seq: seq, host_seq: seq, access_seq: seq }
+        Entry { len, state, pins: 0, prefetched: false, doomed: false, put_seq: seq, host_seq: seq, access_seq: seq }
     }
 
     /// The arena offset to serve a read from: its bytes are in the slot.

@@ -30,6 +30,8 @@ pub(crate) struct Inner {
     pub caller_bytes: u64,
     /// Bytes of slots on their way out (eviction writes in flight).
     pub leaving: u64,
+    /// Entries discarded while a transfer was in flight: not counted as entries any more.
+    doomed: usize,
     pub next_key: u64,
     pub seq: u64,
     pub host: RangeAllocator,
@@ -50,6 +52,7 @@ impl Inner {
             inflight: BTreeSet::new(),
             caller_bytes: 0,
             leaving: 0,
+            doomed: 0,
             next_key: 1,
             seq: 0,
             host,
@@ -74,8 +77,14 @@ impl Inner {
         self.seq
     }
 
+    /// A live entry (not discarded).
     pub fn get(&self, key: u64) -> Result<&Entry> {
-        self.entries.get(&key).ok_or(Error::UnknownKey(key))
+        self.entries.get(&key).filter(|e| !e.doomed).ok_or(Error::UnknownKey(key))
+    }
+
+    /// The transfer of any entry still in flight, discarded ones included.
+    pub fn any_io(&self) -> Option<std::sync::Arc<crate::Ticket>> {
+        self.entries.values().find_map(|e| e.io().cloned())
     }
 
     /// A new entry under a fresh key.
@@ -97,6 +106,7 @@ impl Inner {
         }
         self.caller_bytes -= e.caller_held();
         self.leaving -= e.leaving();
+        self.doomed -= usize::from(e.doomed);
         Ok(e)
     }
 
@@ -109,12 +119,8 @@ impl Inner {
         }
         self.caller_bytes += e.caller_held();
         self.leaving += e.leaving();
+        self.doomed += usize::from(e.doomed);
         self.entries.insert(key, e);
-    }
-
-    /// Every entry's key, for close.
-    pub fn keys(&self) -> Vec<u64> {
-        self.entries.keys().copied().collect()
     }
 
     /// The oldest write in flight matching `pred`, to wait on.
@@ -175,7 +181,29 @@ impl Inner {
                 State::Reading { dst, disk, .. } => self.end_read(&mut e, dst, disk, res, abandoned),
                 other => other,
             };
+            self.settle(key, e);
+        }
+    }
+
+    /// Put an entry back after its transfer ended, or let it go if it was discarded meanwhile.
+    pub fn settle(&mut self, key: u64, e: Entry) {
+        if e.doomed {
+            self.drop_entry(e);
+        } else {
             self.put_back(key, e);
+        }
+    }
+
+    /// Give an entry's space back (it was taken out and has no transfer in flight).
+    pub fn drop_entry(&mut self, e: Entry) {
+        match e.state {
+            State::Filling { slot } | State::Host { slot } => self.free_slot(slot),
+            State::Clean { slot, disk } => {
+                self.free_slot(slot);
+                self.free_disk(disk);
+            }
+            State::Disk { disk } => self.free_disk(disk),
+            State::Empty | State::NoBytes | State::Writing { .. } | State::Reading { .. } => {}
         }
     }
 
@@ -251,7 +279,7 @@ impl Inner {
         s.nvme_used = self.space.used();
         s.nvme_peak = self.space.peak();
         s.quarantined_bytes = self.quarantined_bytes();
-        s.entries = self.entries.len() as u64;
+        s.entries = (self.entries.len() - self.doomed) as u64;
         s.device_used = self.space.device_used();
         s.device_high_water = self.space.device_high_water();
         s.failure = match &self.status {
@@ -268,5 +296,6 @@ impl Inner {
         self.inflight.clear();
         self.caller_bytes = 0;
         self.leaving = 0;
+        self.doomed = 0;
     }
 }

@@ -408,7 +408,7 @@ impl Store {
             if res.is_ok() {
                 count(&mut g);
             }
-            g.put_back(key, e);
+            g.settle(key, e);
         }
         marker.complete(Ok(()));
     }
@@ -747,16 +747,41 @@ impl Store {
                 continue;
             }
             let e = g.take(key)?;
-            match e.state {
-                State::Filling { slot } | State::Host { slot } => g.free_slot(slot),
-                State::Clean { slot, disk } => {
-                    g.free_slot(slot);
-                    g.free_disk(disk);
-                }
-                State::Disk { disk } => g.free_disk(disk),
-                State::Empty | State::NoBytes | State::Writing { .. } | State::Reading { .. } => {}
-            }
+            g.drop_entry(e);
             return Ok(());
+        }
+    }
+
+    /// Forget an entry without waiting: its space comes back now, or when its transfer in
+    /// flight ends. Refused while it is acquired; its key is unknown from now on.
+    pub fn discard(&self, key: u64) -> Result<()> {
+        let mut g = self.lock_for(Need::NotClosed)?;
+        g.reap();
+        let mut e = g.take(key)?;
+        if e.doomed {
+            g.put_back(key, e);
+            return Err(Error::UnknownKey(key));
+        }
+        if e.pins > 0 {
+            g.put_back(key, e);
+            return Err(Error::Busy { key, what: "it is acquired (release it first)" });
+        }
+        if e.io().is_some() {
+            e.doomed = true;
+            g.put_back(key, e);
+        } else {
+            g.drop_entry(e);
+        }
+        Ok(())
+    }
+
+    /// Wait for every transfer in flight, reads and those of discarded entries included.
+    pub fn quiesce(&self) -> Result<()> {
+        let mut g = self.lock_for(Need::NotClosed)?;
+        loop {
+            g.reap();
+            let Some(t) = g.any_io() else { return Ok(()) };
+            g = self.wait_for(g, &t, Need::NotClosed)?.0;
         }
     }
 
@@ -783,8 +808,7 @@ impl Store {
         }
         loop {
             g.reap();
-            let t = g.keys().into_iter().find_map(|k| g.get(k).ok().and_then(|e| e.io().cloned()));
-            let Some(t) = t else { break };
+            let Some(t) = g.any_io() else { break };
             drop(g);
             let _ = self.wait_io(&t);
             g = self.lock_any();
