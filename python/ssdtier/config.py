@@ -30,7 +30,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, ClassVar, NoReturn
@@ -361,44 +361,10 @@ def _module_patterns(value: Any, key: str, source: str | None) -> tuple[str, ...
     return tuple(value)
 
 
-_TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
-    "host": {"capacity": _size_range(0, TiB)},
-    "nvme": {"path": _path, "capacity": _size_range(1)},
-    "io": {
-        "backend": _choice("auto", "io_uring", "posix"),
-        "queue_depth": _int_range(1, 4096),
-        "block_size": _size_range(4 * KiB, 64 * MiB, power_of_two=True),
-        "direct": _bool,
-        "fixed_buffers": _bool,
-        "threads": _int_range(1, 64),
-        "throttle": _size_range(0, optional=True),
-        "zero_copy": _bool,
-        "preallocate": _preallocate,
-    },
-    "policy": {
-        "min_tensor_bytes": _size_range(0),
-        "keep_last_layers": _keep_last_layers,
-        "prefetch_layers": _prefetch_layers,
-        "eviction": _choice("lifetime", "lru", "fifo"),
-        "dedup": _bool,
-        "layers": _module_paths,
-        "mode": _choice("all", "adaptive", "none"),
-        "device_budget": _size_range(0, optional=True),
-        "exclude": _module_patterns,
-    },
-}
-_SIZE_KEYS = {
-    ("host", "capacity"),
-    ("nvme", "capacity"),
-    ("io", "block_size"),
-    ("io", "throttle"),
-    ("io", "preallocate"),
-    ("policy", "min_tensor_bytes"),
-    ("policy", "device_budget"),
-}
-_TABLES = tuple(_TABLE_FIELDS)
-_ALL_KEYS = tuple(f"{t}.{k}" for t, keys in _TABLE_FIELDS.items() for k in keys)
-_OVERRIDE_KEYS = tuple(k for k in _ALL_KEYS if not k.startswith("nvme."))
+def _key(check: _Checker, default: Any = MISSING, *, size: bool = False) -> Any:
+    """A config key: its checker and whether it is a size (printed as one) are stated here,
+    beside its default, and nowhere else."""
+    return field(default=default, metadata={"check": check, "size": size})
 
 
 class _Problems:
@@ -470,7 +436,7 @@ class HostConfig:
 
     _TABLE: ClassVar[str] = "host"
 
-    capacity: int = 1 * GiB
+    capacity: int = _key(_size_range(0, TiB), 1 * GiB, size=True)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -488,8 +454,8 @@ class NvmeConfig:
 
     _TABLE: ClassVar[str] = "nvme"
 
-    path: str
-    capacity: int = 64 * GiB
+    path: str = _key(_path)
+    capacity: int = _key(_size_range(1), 64 * GiB, size=True)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -520,15 +486,15 @@ class IoConfig:
 
     _TABLE: ClassVar[str] = "io"
 
-    backend: str = "auto"
-    queue_depth: int = 64
-    block_size: int = 1 * MiB
-    direct: bool = True
-    fixed_buffers: bool = True
-    threads: int = 4
-    throttle: int | None = None
-    zero_copy: bool = True
-    preallocate: int | str = 256 * MiB
+    backend: str = _key(_choice("auto", "io_uring", "posix"), "auto")
+    queue_depth: int = _key(_int_range(1, 4096), 64)
+    block_size: int = _key(_size_range(4 * KiB, 64 * MiB, power_of_two=True), 1 * MiB, size=True)
+    direct: bool = _key(_bool, True)
+    fixed_buffers: bool = _key(_bool, True)
+    threads: int = _key(_int_range(1, 64), 4)
+    throttle: int | None = _key(_size_range(0, optional=True), None, size=True)
+    zero_copy: bool = _key(_bool, True)
+    preallocate: int | str = _key(_preallocate, 256 * MiB, size=True)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -557,15 +523,15 @@ class PolicyConfig:
 
     _TABLE: ClassVar[str] = "policy"
 
-    min_tensor_bytes: int = 1 * MiB
-    keep_last_layers: int | str = "auto"
-    prefetch_layers: int | str = 2
-    eviction: str = "lifetime"
-    dedup: bool = True
-    layers: str | tuple[str, ...] | None = None
-    mode: str = "all"
-    device_budget: int | None = None
-    exclude: tuple[str, ...] = ()
+    min_tensor_bytes: int = _key(_size_range(0), 1 * MiB, size=True)
+    keep_last_layers: int | str = _key(_keep_last_layers, "auto")
+    prefetch_layers: int | str = _key(_prefetch_layers, 2)
+    eviction: str = _key(_choice("lifetime", "lru", "fifo"), "lifetime")
+    dedup: bool = _key(_bool, True)
+    layers: str | tuple[str, ...] | None = _key(_module_paths, None)
+    mode: str = _key(_choice("all", "adaptive", "none"), "all")
+    device_budget: int | None = _key(_size_range(0, optional=True), None, size=True)
+    exclude: tuple[str, ...] = _key(_module_patterns, ())
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -577,6 +543,14 @@ _TABLE_CLASSES: dict[str, type] = {
     "io": IoConfig,
     "policy": PolicyConfig,
 }
+# The schema, read off the dataclasses: each table's keys and their checkers, and the sizes.
+_TABLE_FIELDS: dict[str, dict[str, _Checker]] = {
+    t: {f.name: f.metadata["check"] for f in fields(cls)} for t, cls in _TABLE_CLASSES.items()
+}
+_SIZE_KEYS = {(t, f.name) for t, cls in _TABLE_CLASSES.items() for f in fields(cls) if f.metadata["size"]}
+_TABLES = tuple(_TABLE_FIELDS)
+_ALL_KEYS = tuple(f"{t}.{k}" for t, keys in _TABLE_FIELDS.items() for k in keys)
+_OVERRIDE_KEYS = tuple(k for k in _ALL_KEYS if not k.startswith("nvme."))
 
 
 def _table_dict(obj: Any, *, human: bool) -> dict[str, Any]:
