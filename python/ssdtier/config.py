@@ -274,10 +274,13 @@ def _size_range(
     return check
 
 
+_ANY_SIZE = _size_range(0)
+
+
 def _preallocate(value: Any, key: str, source: str | None) -> int | str:
     if value == "all" and isinstance(value, str):
         return value
-    return _size_range(0)(value, key, source)  # type: ignore[return-value]
+    return _ANY_SIZE(value, key, source)  # type: ignore[return-value]
 
 
 def _bool(value: Any, key: str, source: str | None) -> bool:

@@ -135,12 +135,8 @@ impl Store {
 
     /// NVMe space for `len` bytes, growing the files ahead of use.
     pub(crate) fn alloc_disk(&self, g: &mut Inner, len: u64) -> Result<Placement> {
-        let fds: Vec<Option<std::os::fd::RawFd>> = {
-            let devices = self.devices.read().unwrap_or_else(std::sync::PoisonError::into_inner);
-            devices.iter().map(|d| d.file.as_ref().map(|f| f.raw_fd())).collect()
-        };
         let mut notices = Vec::new();
-        let res = g.space.alloc(len, self.cfg.block_size, &fds, &mut notices);
+        let res = g.space.alloc(len, self.cfg.block_size, &mut notices);
         if !notices.is_empty() {
             self.notices.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(notices);
         }

@@ -56,6 +56,15 @@ fn null_check(p: *const u8, len: u64) -> Result<()> {
     Ok(())
 }
 
+/// A filler that copies from `src` (the entry's bytes, `off` in).
+///
+/// # Safety
+/// `src` must be valid for reads of the entry's length while the filler is used.
+unsafe fn copy_from(src: *const u8) -> impl FnMut(u64, &mut [u8]) {
+    // Safety: passed on from this function's contract.
+    move |off, dst| unsafe { std::ptr::copy_nonoverlapping(src.add(off as usize), dst.as_mut_ptr(), dst.len()) }
+}
+
 fn aligned(p: *const u8, what: &str) -> Result<()> {
     if (p as u64) % ALIGN != 0 {
         return Err(Error::Invalid(format!("{what} needs a {ALIGN}-byte aligned buffer")));
@@ -156,8 +165,11 @@ impl Store {
         // Streams entries that do not fit in the arena: a few blocks in flight at once.
         let staging = Arena::new((cfg.block_size * 8) as usize)?;
         let n = devices.len();
+        // The files stay open while the store is: close() drops them only once it is closed,
+        // and a closed store allocates nothing.
+        let files = devices.iter().map(|d| d.file.as_ref().map(DeviceFile::raw_fd));
         let space = Space::new(
-            &cfg.devices.iter().map(|d| (d.path.clone(), d.capacity)).collect::<Vec<_>>(),
+            cfg.devices.iter().zip(files).map(|(d, fd)| (d.path.clone(), d.capacity, fd)).collect(),
             cfg.prealloc_step,
         );
         let host = RangeAllocator::new(arena.len() as u64, ALIGN);
@@ -334,9 +346,7 @@ impl Store {
     pub unsafe fn put_from(&self, src: *const u8, len: u64) -> Result<u64> {
         null_check(src, len)?;
         // Safety: src is valid for len bytes (this function's contract).
-        self.put_with(len, &mut |off, dst| unsafe {
-            std::ptr::copy_nonoverlapping(src.add(off as usize), dst.as_mut_ptr(), dst.len())
-        })
+        self.put_with(len, &mut unsafe { copy_from(src) })
     }
 
     /// Write an entry reserved without a slot to NVMe through the staging buffer, its bytes
@@ -375,9 +385,7 @@ impl Store {
     pub unsafe fn write_staged(&self, key: u64, src: *const u8) -> Result<()> {
         null_check(src, self.len_of(key)?)?;
         // Safety: src is valid for the entry's length (this function's contract).
-        self.write_staged_with(key, &mut |off, dst| unsafe {
-            std::ptr::copy_nonoverlapping(src.add(off as usize), dst.as_mut_ptr(), dst.len())
-        })
+        self.write_staged_with(key, &mut unsafe { copy_from(src) })
     }
 
     /// A staged transfer ended: the entry's new state, then its marker completes.

@@ -26,6 +26,8 @@ pub(crate) struct Placement {
 struct DevSpace {
     alloc: RangeAllocator,
     path: PathBuf,
+    /// Its file, grown ahead of use; None for a simulated device. Open while the store is.
+    fd: Option<RawFd>,
     /// The file system said ENOSPC under our capacity: left out until space is freed.
     full: bool,
     /// The file is allocated up to here (fallocate); writes below it do not extend the file.
@@ -43,12 +45,14 @@ pub(crate) struct Space {
 }
 
 impl Space {
-    pub fn new(devices: &[(PathBuf, u64)], step: u64) -> Self {
+    /// One device per (directory, capacity, file).
+    pub fn new(devices: Vec<(PathBuf, u64, Option<RawFd>)>, step: u64) -> Self {
         let devs = devices
-            .iter()
-            .map(|(path, cap)| DevSpace {
-                alloc: RangeAllocator::new(*cap, ALIGN),
-                path: path.clone(),
+            .into_iter()
+            .map(|(path, cap, fd)| DevSpace {
+                alloc: RangeAllocator::new(cap, ALIGN),
+                path,
+                fd,
                 full: false,
                 grown: 0,
                 can_grow: step > 0,
@@ -58,15 +62,8 @@ impl Space {
     }
 
     /// Space for `len` bytes over the devices that have room, striped by `unit`. A device
-    /// that is full is left out and the others take over. `fds` are the devices' files, to
-    /// grow them ahead of use (None where there is no file, as in a simulation).
-    pub fn alloc(
-        &mut self,
-        len: u64,
-        unit: u64,
-        fds: &[Option<RawFd>],
-        notices: &mut Vec<String>,
-    ) -> Result<Placement> {
+    /// that is full is left out and the others take over.
+    pub fn alloc(&mut self, len: u64, unit: u64, notices: &mut Vec<String>) -> Result<Placement> {
         let Some(len) = len.checked_next_multiple_of(ALIGN) else {
             return Err(Error::OutOfSpace { needed: len, detail: "the entry is larger than any device".into() });
         };
@@ -87,7 +84,7 @@ impl Space {
                 }
                 let got = self.devs[d].alloc.alloc(size);
                 let grown = match &got {
-                    Some(r) => self.grow(d, r.off() + r.len(), fds.get(d).copied().flatten(), notices),
+                    Some(r) => self.grow(d, r.off() + r.len(), notices),
                     None => false,
                 };
                 if !grown {
@@ -133,9 +130,9 @@ impl Space {
     /// Make sure the file of device `d` is allocated up to `end`, growing it a step at a time
     /// so that writes do not extend the file (which file systems serialise). False when the
     /// file system has no room for it.
-    fn grow(&mut self, d: usize, end: u64, fd: Option<RawFd>, notices: &mut Vec<String>) -> bool {
+    fn grow(&mut self, d: usize, end: u64, notices: &mut Vec<String>) -> bool {
         let (step, dev) = (self.step, &mut self.devs[d]);
-        let Some(fd) = fd.filter(|_| dev.can_grow && end > dev.grown) else { return true };
+        let Some(fd) = dev.fd.filter(|_| dev.can_grow && end > dev.grown) else { return true };
         let target = end.max(dev.grown.saturating_add(step)).min(dev.alloc.capacity()).max(end);
         for want in [target, end] {
             // Safety: fallocate on a file descriptor the store keeps open.
