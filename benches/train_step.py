@@ -202,9 +202,14 @@ def stats_dict(stats: Any) -> dict[str, Any]:
 def stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in after.items():
-        if k in ("peak_resident_bytes", "layers_offloaded", "layers_kept", "prefetch_layers", "plan") or k.endswith(
-            ("_peak", "_capacity", "_used")
-        ):
+        if k in (
+            "peak_resident_bytes",
+            "layers_offloaded",
+            "layers_kept",
+            "prefetch_layers",
+            "prefetch_bytes",
+            "plan",
+        ) or k.endswith(("_peak", "_capacity", "_used")):
             out[k] = v
         elif isinstance(v, dict):
             out[k] = stats_delta(v, before[k])
@@ -284,7 +289,8 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         into.append(st.layers_kept)
         stalls.append(st.stall_seconds - stall_seen[0])
         stall_seen[0] = st.stall_seconds
-        return f", layers kept {into[-1]}, reading {st.prefetch_layers} ahead, stall {stalls[-1]:.3f} s"
+        ahead = f"{fmt_mb(st.prefetch_bytes)} MB" if st.prefetch_bytes else f"{st.prefetch_layers} layer(s)"
+        return f", layers kept {into[-1]}, reading {ahead} ahead, stall {stalls[-1]:.3f} s"
 
     losses: list[float] = []
 
@@ -791,7 +797,13 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
             f"{s['store']['wait_seconds']:.3f} s; "
             f"peak_resident_bytes {fmt_mb(s['peak_resident_bytes'])} MB; layers offloaded "
             f"{s['layers_offloaded']}, kept {s['layers_kept']}"
-            + (f"; reading {s['prefetch_layers']} layer(s) ahead at the end" if "prefetch_layers" in s else "")
+            + (
+                f"; reading {fmt_mb(s['prefetch_bytes'])} MB ahead at the end"
+                if s.get("prefetch_bytes")
+                else f"; reading {s['prefetch_layers']} layer(s) ahead at the end"
+                if "prefetch_layers" in s
+                else ""
+            )
         )
         tot = runs["ssdtier"]["offload_stats_total"]["store"]
         lines.append(

@@ -897,46 +897,48 @@ def test_shared_storage_is_read_back_once(store_dir, zero_copy):
 
 
 class _Read:
-    """A finished read-ahead, as _tune_ahead sees its ticket."""
+    """A finished read-ahead, as ReadAhead.tune sees its ticket."""
 
     def __init__(self, seconds):
         self.seconds = seconds
 
 
-def test_auto_read_ahead_decisions(store_dir):
-    """prefetch_layers = "auto": the rule, on made-up backwards. Layers 4..0 begin their
-    backward 10 ms apart; reading a layer 2 ahead starts 20 ms before it is needed. With one
-    layer less it would start 10 ms later and must still end 2.5 ms (a quarter layer) early:
-    a read of up to 7.5 ms allows it."""
+def test_auto_read_ahead_window_rule(store_dir):
+    """prefetch_layers = "auto": the window, on made-up backwards of 10 layers of 10 MB. Each
+    consumes 100 MB in 0.5 s (200 MB/s); four 1 MB reads back to back take 2.5 ms each (400
+    MB/s): a read started w bytes ahead is in time if w / 200 MB/s >= 2.5 ms + w / 400 MB/s,
+    so w >= 1 MB; the window is twice that."""
+    from types import SimpleNamespace
+
+    from ssdtier.offload.readahead import Backward
+
     model = build_model(CONFIGS["gpt"])
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers="auto")) as off:
+        ahead = off.ahead
+        b = Backward()
+        b.seq = [SimpleNamespace(layer=j // 10, nbytes=1_000_000) for j in range(100)]
 
-        def backward(read_s, stall=0.0):
-            off.ahead.trig = {(1, j): (4 - j) * 0.010 for j in range(5)}
-            off.ahead.reads = {
-                (1, j): [(off.ahead.trig[(1, j + off.ahead.depth)], _Read(read_s))] for j in range(5 - off.ahead.depth)
-            }
+        def backward(read_s=0.0025, stall=0.0):
+            ahead.sweep = b
+            b.first, b.last = (0.0, 100_000_000), (0.5, 0)
+            ahead.reads = [(i * (read_s or 0), _Read(read_s), 1_000_000) for i in range(4)]  # back to back
             off.res.stall_ahead += stall
-            off.ahead.tune()
-            return off.stats().prefetch_layers
+            ahead.tune()
+            return off.stats().prefetch_bytes
 
-        assert off.stats().prefetch_layers == 2
-        assert backward(0.008) == 2 and backward(0.008) == 2, "a read 8 ms long needs two layers"
-        assert backward(0.007) == 2, "one backward is not enough to take one away"
-        assert backward(0.007) == 1
-        assert backward(0.001, stall=0.01) == 2, "a stall adds one back"
-        # The backward right after that step down stalled: four clean ones are needed now, not two.
-        assert [backward(0.001) for _ in range(4)] == [2, 2, 2, 1]
-        assert backward(0.001) == 1, "never below one"
-        assert [backward(0.001, stall=0.01) for _ in range(4)] == [2, 3, 4, 4], "at most four"
-        assert [backward(None) for _ in range(8)] == [4] * 8, "an unfinished read never lowers it"
+        assert off.stats().prefetch_bytes == 0 and off.stats().prefetch_layers == 0
+        assert backward() == 2_000_000
+        assert backward(stall=0.01) == 4_000_000, "a stall doubles the margin"
+        assert [backward() for _ in range(3)] == [4_000_000, 4_000_000, 2_000_000], "three clean ones halve it"
+        assert backward(read_s=0.005) == 40_000_000, "reads slower than the backward: AHEAD_MAX layers"
+        assert backward(read_s=None) == 40_000_000, "unfinished reads change nothing"
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=3)) as off:
-        off.ahead.trig = {(1, 0): 0.0}
+        off.ahead.sweep = Backward()
         assert off.stats().prefetch_layers == 3
         off.res.stall_ahead += 1.0
         off._enter(model, ())  # a fixed prefetch_layers is never tuned
         off._exit(model, (), None)
-        assert off.stats().prefetch_layers == 3
+        assert off.stats().prefetch_layers == 3 and off.stats().prefetch_bytes == 0
 
 
 class _Probe(torch.autograd.Function):
@@ -1116,9 +1118,9 @@ class _QuickTicket:
         return 0.001 if self._ticket.done() else None
 
 
-def test_auto_read_ahead_goes_down_to_one_layer_when_reads_are_quick(store_dir, monkeypatch):
-    """Reads (real ones, from NVMe) that take 1 ms against blocks' backwards of 30 ms: after
-    two backwards in which one layer less would have done, one layer. The clock is the
+def test_auto_read_ahead_window_is_under_a_layer_when_reads_are_quick(store_dir, monkeypatch):
+    """Reads (real ones, from NVMe) that take 1 ms against blocks' backwards of 30 ms: the
+    window is under one layer's bytes, and the backward never waits. The clock is the
     test's, so a busy disk or CPU cannot change the tuner's inputs (they did, in 2 of 10
     runs under disk and CPU load, with real sleeps and real read times)."""
     import types
@@ -1151,12 +1153,14 @@ def test_auto_read_ahead_goes_down_to_one_layer_when_reads_are_quick(store_dir, 
                 if m is model:
                     wait_copies(off)  # every write done: every layer is read back from NVMe
                 loss.backward()
-            seen.append(off.stats().prefetch_layers)
+            seen.append(off.stats().prefetch_bytes)
             for a, b in zip(ref.parameters(), model.parameters(), strict=True):
                 assert torch.equal(a.grad, b.grad)
-        # Tuned at the next forward: two clean backwards, then one layer.
-        assert seen == [2, 2, 1, 1], seen
-        assert off.stats().bytes_read_nvme > 0 and off.stats().stall_seconds == 0.0
+        s = off.stats()
+        layer = s.bytes_offloaded / 4 / 5  # per step, 5 of 6 blocks offloaded
+        # Tuned at the next forward; the first backward reads a quarter layer ahead.
+        assert seen[0] == 0 and all(0 < w < layer for w in seen[1:]), (seen, layer)
+        assert s.bytes_read_nvme > 0 and s.stall_seconds == 0.0
 
 
 def test_auto_read_ahead_goes_up_when_reads_are_slow(store_dir):
@@ -1166,7 +1170,8 @@ def test_auto_read_ahead_goes_up_when_reads_are_slow(store_dir):
     got = train(CONFIGS["gpt"], cfg, micro=3)
     assert_same(train(CONFIGS["gpt"], micro=3), got)
     s = got[2]
-    assert s.stall_seconds > 0 and s.prefetch_layers > 2, s.prefetch_layers
+    # The most, AHEAD_MAX layers' bytes: here more than half of what a step offloads.
+    assert s.stall_seconds > 0 and s.prefetch_bytes > s.bytes_offloaded / 3 / 2, s.prefetch_bytes
 
 
 class _ConjBlock(nn.Module):

@@ -510,8 +510,8 @@ class PolicyConfig:
     Attributes:
         min_tensor_bytes: Smaller tensors stay on the device.
         keep_last_layers: ``"auto"`` or how many final layers stay on device.
-        prefetch_layers: Layers read ahead during backward, 0..64, or ``"auto"``: from 2, as few
-            (1..4) as keep every read finished before its layer's backward needs it.
+        prefetch_layers: Layers read ahead during backward, 0..64, or ``"auto"``: a window of
+            bytes, set after each backward from its pace and the reads' latency and bandwidth.
         eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
         dedup: Store tensors that share storage only once.
         layers: Dotted path of the ModuleList, Sequential or ModuleDict holding the layers

@@ -67,7 +67,19 @@ class Same:
 class Kept:
     """A saved tensor held as it is (small, or in a kept layer)."""
 
-    __slots__ = ("__weakref__", "backward", "forward", "held", "key", "layer", "nbytes", "off", "tensor", "version")
+    __slots__ = (
+        "__weakref__",
+        "backward",
+        "forward",
+        "held",
+        "key",
+        "layer",
+        "nbytes",
+        "off",
+        "pos",
+        "tensor",
+        "version",
+    )
 
     def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: Fwd, key: tuple) -> None:
         self.off, self.tensor, self.nbytes = off, tensor, nbytes
@@ -75,6 +87,7 @@ class Kept:
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
         # the kept last layers come first in backward, and the first offloaded ones must be on the way.
         self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
+        self.pos = len(fwd.backward.seq)  # entries packed before it (read-ahead by bytes)
         # Its storage, (device, pointer), is counted as resident once however many kept tensors
         # share it (a live storage is known by its pointer): the list has one item per holder.
         # No lock: list and dict calls are atomic, and one storage is packed by one thread.
@@ -99,9 +112,11 @@ class Entry:
     __slots__ = (
         "backward",
         "cuda",
+        "cum0",
         "device",
         "dkey",
         "event",
+        "first",
         "forward",
         "gpu",
         "hold",
@@ -110,12 +125,14 @@ class Entry:
         "lead",
         "made",
         "nbytes",
+        "pos",
         "reading",
         "refs",
         "restored",
         "src",
         "staged",
         "ticket",
+        "view",
         "waiting",
         "wanted",
         "wrote",
@@ -156,21 +173,33 @@ class Entry:
         self.made: tuple[Any, Any, list[Any]] | None = None
         # The read-ahead reached it: its bytes should be in memory (a source still held stays).
         self.wanted = False
+        # The tensor first saved (weakly) and its version probe, for the dedup hits that save
+        # the same tensor again; the view rebuilt for such handles, while it lives.
+        self.first: tuple | None = None  # (tensor ref, probe, size, stride, offset)
+        self.view: torch.Tensor | None = None
+        # Its place in its forward's pack order, and the bytes packed before it (read-ahead by bytes).
+        self.pos, self.cum0 = -1, 0
 
 
 class Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
-    __slots__ = ("conj", "dtype", "entry", "off", "offset", "probe", "size", "stride", "unpacked", "version")
+    __slots__ = ("conj", "dtype", "entry", "off", "offset", "probe", "size", "stride", "twin", "unpacked", "version")
 
-    def __init__(self, off: Offloader, entry: Entry, t: torch.Tensor) -> None:
+    def __init__(self, off: Offloader, entry: Entry, t: torch.Tensor, first: tuple | None = None) -> None:
         # Counted before anything is allocated: an allocation may run a garbage collection that
         # releases the entry's other handles, and with this one counted the entry stays.
         entry.refs += 1
         entry.waiting += 1
         self.off, self.entry = off, entry
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
-        self.version, self.probe = t._version, version_probe(t)
+        self.version = t._version
+        # The entry's first tensor saved again, as it was (same version counter; ``resize_``
+        # can change a view without bumping its version): one view serves both.
+        self.twin = first is None or (
+            first[0]() is t and first[2] == self.size and first[3] == self.stride and first[4] == self.offset
+        )
+        self.probe = first[1] if first is not None and first[0]() is t else version_probe(t)
         # A lazily conjugated view (``x.conj()`` of a complex tensor) holds the unconjugated
         # bytes: they are what is stored, and the view gets its conjugate bit back on unpack.
         self.conj = t.is_conj()

@@ -48,6 +48,47 @@ class ModelHook(Hook):
     __call__ = eager(Hook.__call__)
 
 
+class BlockEnter(Hook):
+    """Tags what the forward saves from here on with the block's layer number. One frame
+    per call (no closure): it runs for every block of every forward."""
+
+    __slots__ = ("off", "tag")
+
+    def __init__(self, off: Offloader, tag: int) -> None:
+        self.off, self.tag = off, tag
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        off = self.off
+        f = off._tls.fwd
+        f.tag = self.tag
+        f.autocast = autocasting(off.cuda_ok)  # a block may run its own autocast region
+        if not torch.compiler.is_compiling() and off.cpu.writing:
+            off.cpu.poll()  # writes done since the last block let their sources go (not traced)
+        if off.adaptive is not None and f.pushed and f.pushed[0]:
+            off.adaptive.block_enter(self.tag)
+
+
+class BlockExit(BlockEnter):
+    """After the last block the tag is n + 1 (what follows the blocks); the adaptive plan
+    times each block."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        off = self.off
+        f = off._tls.fwd
+        if self.tag == off.n_layers:
+            f.tag = self.tag + 1
+        if off.adaptive is not None and f.pushed and f.pushed[0]:
+            off.adaptive.block_exit(self.tag)
+
+
+def autocasting(cuda: bool) -> bool:
+    """Autocast with its cache is on here (asked outside an op: inside one it reads as off)."""
+    on = torch.is_autocast_enabled("cpu") or (cuda and torch.is_autocast_enabled("cuda"))
+    return on and torch.is_autocast_cache_enabled()
+
+
 class Fwd:
     """One thread's forward of one attached model. Saved-tensor hooks are per thread, so
     whether they were pushed, and the layer that packs are tagged with, are per thread too.

@@ -26,10 +26,13 @@ from .cuda import CudaTransport
 from .entry import Distributed, Entry, Kept, Same, Saved, check_version, version_of
 from .forward import (
     NO_OFFLOAD,
+    BlockEnter,
+    BlockExit,
     Fwd,
     Hook,
     ModelHook,
     PerThread,
+    autocasting,
     drop_interrupted,
     forwards_under_way,
     pushed,
@@ -54,12 +57,6 @@ def type_dtensor() -> type:
 def _is_dtensor(t: torch.Tensor) -> bool:
     # By name first: importing torch.distributed for every subclass would cost more.
     return type(t).__name__ == "DTensor" and isinstance(t, type_dtensor())
-
-
-def _autocasting() -> bool:
-    """Autocast with its cache is on here (asked outside an op: inside one it reads as off)."""
-    on = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
-    return on and torch.is_autocast_cache_enabled()
 
 
 def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
@@ -99,6 +96,7 @@ class Offloader:
         self.store = ByteStore(config)
         self._native = self.store.native
         self._lock = threading.RLock()
+        self.cuda_ok = torch.cuda.is_available()
         self._min_bytes = pol.min_tensor_bytes
         self._dedup_on = pol.dedup
         self._budget = pol.device_budget
@@ -144,8 +142,11 @@ class Offloader:
                 model.register_forward_hook(ModelHook(self._exit), always_call=True),
             ]
             for i, block in enumerate(blocks):
-                self._handles.append(block.register_forward_pre_hook(Hook(self._block_enter(i + 1))))
-                self._handles.append(block.register_forward_hook(Hook(self._block_exit(i + 1)), always_call=True))
+                self._handles.append(block.register_forward_pre_hook(BlockEnter(self, i + 1)))
+                # A block's exit changes the tag only after the last block; elsewhere it is
+                # needed only for the adaptive plan's timings (each hook costs ~1.5 us a call).
+                if self.adaptive is not None or i + 1 == self.n_layers:
+                    self._handles.append(block.register_forward_hook(BlockExit(self, i + 1), always_call=True))
             for mod in excluded_modules(model, pol.exclude):
                 self._handles.append(mod.register_forward_pre_hook(Hook(self._exclude_enter)))
                 self._handles.append(mod.register_forward_hook(Hook(self._exclude_exit), always_call=True))
@@ -194,7 +195,7 @@ class Offloader:
             return
         if self.adaptive is not None:
             self.adaptive.replan()
-        if self.ahead.auto and self.ahead.trig:
+        if self.ahead.auto and (self.ahead.sweep is not None or self.ahead.pace):
             self.ahead.tune()
         with self._lock:
             self._forward += 1
@@ -209,7 +210,7 @@ class Offloader:
             self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
         self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
         f.tag = f.excluded = 0
-        f.autocast = _autocasting()
+        f.autocast = autocasting(self.cuda_ok)
         self._hooks.__enter__()
         f.pushed[-1] = True
         pushed().append(f)
@@ -244,25 +245,6 @@ class Offloader:
                 if c["packs"] and not c["tensors_offloaded"] and not c["failed_writes"]:
                     warn(first.why_nothing(module, self.config.policy, self.layers_kept))
 
-    def _block_enter(self, tag: int):
-        def hook(module: nn.Module, args: Any) -> None:
-            f = self._tls.fwd
-            f.tag = tag
-            f.autocast = _autocasting()  # a block may run its own autocast region
-            if self.adaptive is not None and f.pushed and f.pushed[0]:
-                self.adaptive.block_enter(tag)
-
-        return hook
-
-    def _block_exit(self, tag: int):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            f = self._tls.fwd
-            f.tag = self.n_layers + 1 if tag == self.n_layers else tag
-            if self.adaptive is not None and f.pushed and f.pushed[0]:
-                self.adaptive.block_exit(tag)
-
-        return hook
-
     def _exclude_enter(self, module: nn.Module, args: Any) -> None:
         self._tls.fwd.excluded += 1
 
@@ -276,7 +258,6 @@ class Offloader:
         if self._closed:
             return Same(t)  # hooks an interrupted forward left on another thread, after detach()
         self.c["packs"] += 1
-        self.cpu.poll()
         if type(t) is not torch.Tensor:
             return self._pack_subclass(t)
         return self._classify(t)
@@ -349,7 +330,7 @@ class Offloader:
             hit = self._dedup.get((dev, ptr))
             if hit is not None and hit[0]() is st and hit[1] == t._version and hit[2].refs > 0:
                 c["dedup_hits"] += 1
-                return Saved(self, hit[2], t)
+                return Saved(self, hit[2], t, hit[2].first)
             try:
                 if t.is_cuda:
                     whole = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
@@ -368,11 +349,17 @@ class Offloader:
                 return self._keep(t, nbytes, f, (dev, ptr))
             c["tensors_offloaded"] += 1
             c["bytes_offloaded"] += nbytes
+            saved = Saved(self, entry, t)
             if self._dedup_on:
                 entry.dkey = (dev, ptr)
+                entry.first = (weakref.ref(t), saved.probe, saved.size, saved.stride, saved.offset)
                 self._dedup[entry.dkey] = (weakref.ref(st), t._version, entry)
             self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
-            saved = Saved(self, entry, t)
+            if self.ahead.auto:
+                b = entry.backward
+                entry.pos, entry.cum0 = len(b.seq), b.cum
+                b.seq.append(entry)
+                b.cum += nbytes
             self._live += 1
         self.res.note(self._native.host_used)
         return saved
@@ -415,25 +402,42 @@ class Offloader:
                 check_version(h.tensor, h.version, version_of(h.tensor))
             return h.tensor
         self.c["unpacks"] += 1
-        self.cpu.poll()
         if isinstance(h, Kept):
             check_version(h.tensor, h.version, h.tensor._version)
             self.c["forwarded"] += 1  # served from memory, with no read
             if h.backward.due(h.layer):
+                self.cpu.poll()
                 with self._lock:
-                    self.ahead.start(h.forward, h.layer)
+                    if self.ahead.auto:
+                        self.ahead.advance(h.backward, h.pos)
+                    else:
+                        self.ahead.start(h.forward, h.layer)
             return h.tensor
-        check_version(h, h.version, h.probe._version)
+        if h.probe._version != h.version:
+            check_version(h, h.version, h.probe._version)
         e: Entry = h.entry
         with self._lock:
-            if self.cuda.h2d:
-                self.cuda.poll()  # unpins the slots copied to the GPU (frees released keys)
-            self.cuda.stage_ready()
+            if e.cuda:
+                if self.cuda.h2d:
+                    self.cuda.poll()  # unpins the slots copied to the GPU (frees released keys)
+                self.cuda.stage_ready()
             if not h.unpacked:
                 h.unpacked = True
                 e.waiting -= 1
+            if h.twin and e.view is not None:
+                # The same tensor saved twice (one op's output, the next one's input): one
+                # view serves both (autograd makes each its own shallow copy).
+                out = e.view
+                if not e.waiting:
+                    e.view = None
+                self.c["forwarded"] += 1
+                return out
             if e.backward.due(e.layer):
-                self.ahead.start(e.forward, e.layer)
+                self.cpu.poll()  # writes done since the last block let their sources go
+                if not self.ahead.auto:
+                    self.ahead.start(e.forward, e.layer)
+            if self.ahead.auto and e.pos >= 0:
+                self.ahead.advance(e.backward, e.pos)
             try:
                 storage, pad = self._restore(e)
             except SsdtierOSError as err:
@@ -449,7 +453,11 @@ class Offloader:
         out = torch.empty(0, dtype=h.dtype, device=e.device)
         # The restored storage may start a few bytes (a multiple of 64) before the data.
         out.set_(storage, h.offset + pad // h.dtype.itemsize, h.size, h.stride)
-        return out.conj() if h.conj else out
+        if h.conj:
+            out = out.conj()
+        if h.twin and e.waiting:
+            e.view = out  # held like e.hold, until the entry's last handle is unpacked
+        return out
 
     def _restore(self, e: Entry) -> tuple[torch.UntypedStorage, int]:
         """The entry's storage, and where its data starts in it."""
@@ -513,9 +521,10 @@ class Offloader:
             e.refs -= 1
             if e.refs:
                 return
-            self.cuda.release(e)
+            if e.cuda:
+                self.cuda.release(e)
             e.restored = None
-            e.hold = None
+            e.hold = e.view = None
             if e.reading is not None and e.reading[2] is not None:
                 # The buffer must outlive its read. A read that failed is of no concern here:
                 # nobody will unpack this entry (raising would skip freeing it, from __del__).
@@ -533,8 +542,11 @@ class Offloader:
                     del self._by_layer[(e.forward, e.layer)]
             self._live -= 1
             if e.ticket is None:
-                self.cpu.drop_src(e)
-                self.cuda.free_key(e.key)
+                if e.cuda:
+                    self.cuda.free_key(e.key)
+                else:
+                    self.cpu.drop_src(e)
+                    self._free_key(e.key)
             else:
                 # Its write is in flight: the store lets the key go when the write ends, and the
                 # source is dropped when a poll sees it done.
@@ -566,7 +578,8 @@ class Offloader:
             stall_seconds=self.res.stall,
             layers_offloaded=self.n_layers - self.layers_kept,
             layers_kept=self.layers_kept,
-            prefetch_layers=self.ahead.depth,
+            prefetch_layers=0 if self.ahead.auto else self.ahead.depth,
+            prefetch_bytes=self.ahead.window or 0,
             plan=self.plan(),
             store=st,
             **self.c,

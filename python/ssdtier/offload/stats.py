@@ -36,8 +36,9 @@ class OffloadStats:
     memory at once: kept tensors (each storage once), the host arena in use,
     GPU tensors whose copy is in flight, CPU tensors whose write is in flight,
     and restored storages. ``prefetch_layers`` is how many layers the
-    backward reads ahead now (with ``policy.prefetch_layers = "auto"``, what the
-    tuning has reached). ``copied_ahead`` counts, on CUDA, the read-ahead
+    backward reads ahead (0 with ``policy.prefetch_layers = "auto"``);
+    ``prefetch_bytes`` is the byte window ``"auto"`` has reached (0 before its
+    first backward, and with whole layers). ``copied_ahead`` counts, on CUDA, the read-ahead
     entries copied to the GPU on the prefetch stream before their unpack (the
     others are copied on the compute stream when unpacked). ``failed_writes``
     counts the activations whose copy to the store failed (no space, an I/O
@@ -59,6 +60,7 @@ class OffloadStats:
     layers_offloaded: int
     layers_kept: int
     prefetch_layers: int
+    prefetch_bytes: int
     tensors_kept: int
     bytes_kept: int
     packs: int
@@ -78,7 +80,8 @@ class OffloadStats:
             f"NVMe: wrote {format_size(self.bytes_written_nvme)}, read {format_size(self.bytes_read_nvme)}; "
             f"{self.forwarded} of {self.unpacks} unpacks served from memory",
             f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s; "
-            f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, {self.prefetch_layers} read ahead",
+            f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, read ahead: "
+            + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
         if self.failed_writes or self.failed_reads:
             lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
