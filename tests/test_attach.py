@@ -78,6 +78,15 @@ def assert_same(a, b):
             assert torch.equal(ga[name], gb[name]), name
 
 
+def test_keep_last_layers_auto(store_dir):
+    """ "auto" keeps no block on the CPU when the read-ahead is a byte window (it starts at the
+    forward's end), and one with whole layers read ahead."""
+    model = build_model(CONFIGS["gpt"])
+    for prefetch, kept in (("auto", 0), (2, 1)):
+        with ssdtier.attach(model, offload_config(store_dir, keep_last_layers="auto", prefetch_layers=prefetch)) as off:
+            assert off.stats().layers_kept == kept
+
+
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_exact_gradients_through_nvme(store_dir, family, zero_copy):
@@ -96,9 +105,9 @@ def test_an_encoder_decoder_offloads_both_stacks(store_dir):
 
     model = build_model(CONFIGS["t5"])
     assert [p for p, _ in find_stacks(model)] == ["encoder_blocks", "decoder_blocks"]
-    # With the default keep_last_layers, only the last decoder block (and what follows) stays.
+    # Keeping one block, only the last decoder block (and what follows) stays.
     ref = train(CONFIGS["t5"])
-    cfg = offload_config(store_dir, keep_last_layers="auto")
+    cfg = offload_config(store_dir, keep_last_layers=1)
     got = train(CONFIGS["t5"], cfg)
     assert_same(ref, got)
     s = got[2]
@@ -169,14 +178,15 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
         assert off.stats().peak_resident_bytes > 0
 
 
-def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
+def test_default_policy_keeps_small_tensors_and_reads_ahead_by_bytes(store_dir):
     cfg = store_config(store_dir)
     cfg["policy"] = {"min_tensor_bytes": "4KiB"}
     got = train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64}), cfg)
     assert_same(train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64})), got)
     s = got[2]
-    assert s.layers_kept == 1 and s.layers_offloaded == 3
+    assert s.layers_kept == 0 and s.layers_offloaded == 4  # on the CPU, with the byte window
     assert s.tensors_kept > 0 and s.tensors_offloaded > 0
+    assert s.prefetch_layers == 0 and s.prefetch_bytes > 0
 
 
 def test_bf16_autocast(store_dir):
@@ -885,7 +895,8 @@ def test_shared_storage_is_read_back_once(store_dir, zero_copy):
     x = torch.randn(64, 256, requires_grad=True)
     m = TwoUses()
     ref_grad = torch.autograd.grad(m(x), x)[0]
-    with ssdtier.attach(m, offload_config(store_dir, host="0", zero_copy=zero_copy)) as off:
+    # Whole layers: the byte window would keep the sources it wants at the forward's end.
+    with ssdtier.attach(m, offload_config(store_dir, host="0", zero_copy=zero_copy, prefetch_layers=2)) as off:
         out = m(x)
         off.store.flush()  # every write done: unpacks read from NVMe
         got = torch.autograd.grad(out, x)[0]
@@ -903,37 +914,54 @@ class _Read:
         self.seconds = seconds
 
 
-def test_auto_read_ahead_window_rule(store_dir):
-    """prefetch_layers = "auto": the window, on made-up backwards of 10 layers of 10 MB. Each
-    consumes 100 MB in 0.5 s (200 MB/s); four 1 MB reads back to back take 2.5 ms each (400
-    MB/s): a read started w bytes ahead is in time if w / 200 MB/s >= 2.5 ms + w / 400 MB/s,
-    so w >= 1 MB; the window is twice that."""
+def test_min_window_replays_the_backward():
+    """Ten 1 MB entries, unpacked 10, 20, ... 100 ms into the backward; reads one after
+    another at 8 ms latency and 125 MB/s (16 ms alone, 8 ms behind another). A window of one
+    entry starts each read 10 ms before it is needed: late. With two, the first reads (all
+    started at once, late whatever the window) hold the third up 2 ms too long; with just
+    over two, every read after them is in time."""
+    from ssdtier.offload.readahead import min_window
+
+    sizes, times = [1_000_000] * 10, [0.010 * (r + 1) for r in range(10)]
+    w = min_window(sizes, times, 0.008, 125e6, 40_000_000, set())
+    assert 2_000_000 < w <= 2_130_000, w
+    assert min_window(sizes, times, 0.001, 200e6, 40_000_000, set()) == 1_000_000, "6 ms reads: one entry"
+    assert min_window(sizes, times, 0.001, 10e6, 4_000_000, set()) == 4_000_000, "too slow: the most"
+    assert min_window(sizes, times, 0.008, 125e6, 40_000_000, set(range(10))) == 1_000_000, "no reads"
+    # Needed at once: late whatever the window, so it asks for none.
+    assert min_window(sizes, [0.0] + times[1:], 0.001, 200e6, 40_000_000, set()) == 1_000_000
+
+
+def test_auto_read_ahead_margin(store_dir):
+    """prefetch_layers = "auto" after a made-up backward: the replayed window, doubled after a
+    backward that waited more than 1% of its time for a read, halved back after three that
+    did not; a fixed prefetch_layers is never tuned."""
     from types import SimpleNamespace
 
-    from ssdtier.offload.readahead import Backward
+    from ssdtier.offload.readahead import Backward, Sweep
 
     model = build_model(CONFIGS["gpt"])
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers="auto")) as off:
         ahead = off.ahead
         b = Backward()
-        b.seq = [SimpleNamespace(layer=j // 10, nbytes=1_000_000) for j in range(100)]
+        b.seq = [SimpleNamespace(layer=j // 5, nbytes=1_000_000) for j in range(10)]
 
-        def backward(read_s=0.0025, stall=0.0):
-            ahead.sweep = b
-            b.first, b.last = (0.0, 100_000_000), (0.5, 0)
-            ahead.reads = [(i * (read_s or 0), _Read(read_s), 1_000_000) for i in range(4)]  # back to back
+        def backward(stall=0.0):
+            s = Sweep(b, list(range(9, -1, -1)), 0.0)
+            s.times = [0.010 * (r + 1) for r in range(10)]
+            ahead.sweep = s
+            ahead.reads = [(i * 0.008, _Read(0.008), 1_000_000) for i in range(4)]  # 125 MB/s
             off.res.stall_ahead += stall
             ahead.tune()
             return off.stats().prefetch_bytes
 
         assert off.stats().prefetch_bytes == 0 and off.stats().prefetch_layers == 0
-        assert backward() == 2_000_000
-        assert backward(stall=0.01) == 4_000_000, "a stall doubles the margin"
-        assert [backward() for _ in range(3)] == [4_000_000, 4_000_000, 2_000_000], "three clean ones halve it"
-        assert backward(read_s=0.005) == 40_000_000, "reads slower than the backward: AHEAD_MAX layers"
-        assert backward(read_s=None) == 40_000_000, "unfinished reads change nothing"
+        one = backward()
+        assert 2_000_000 < one <= 2_130_000
+        assert backward(stall=0.0005) == one, "0.5 ms of a 100 ms backward is jitter"
+        assert backward(stall=0.002) == 2 * one, "a stall doubles the margin"
+        assert [backward() for _ in range(3)] == [2 * one, 2 * one, one], "three clean ones halve it"
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=3)) as off:
-        off.ahead.sweep = Backward()
         assert off.stats().prefetch_layers == 3
         off.res.stall_ahead += 1.0
         off._enter(model, ())  # a fixed prefetch_layers is never tuned

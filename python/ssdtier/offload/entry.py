@@ -76,7 +76,6 @@ class Kept:
         "layer",
         "nbytes",
         "off",
-        "pos",
         "tensor",
         "version",
     )
@@ -87,7 +86,6 @@ class Kept:
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
         # the kept last layers come first in backward, and the first offloaded ones must be on the way.
         self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
-        self.pos = len(fwd.backward.seq)  # entries packed before it (read-ahead by bytes)
         # Its storage, (device, pointer), is counted as resident once however many kept tensors
         # share it (a live storage is known by its pointer): the list has one item per holder.
         # No lock: list and dict calls are atomic, and one storage is packed by one thread.
@@ -112,7 +110,6 @@ class Entry:
     __slots__ = (
         "backward",
         "cuda",
-        "cum0",
         "device",
         "dkey",
         "event",
@@ -177,8 +174,7 @@ class Entry:
         # the same tensor again; the view rebuilt for such handles, while it lives.
         self.first: tuple | None = None  # (tensor ref, probe, size, stride, offset)
         self.view: torch.Tensor | None = None
-        # Its place in its forward's pack order, and the bytes packed before it (read-ahead by bytes).
-        self.pos, self.cum0 = -1, 0
+        self.pos = -1  # its place in its forward's pack order (read-ahead by bytes)
 
 
 class Saved:

@@ -104,9 +104,11 @@ class Offloader:
         self.layers_path = ", ".join(p for p, _ in stacks) if stacks else None
         blocks = [b for _, bs in stacks for b in bs]
         self.n_layers = len(blocks)
-        # "auto" keeps the last block: its backward starts right after the forward, leaving
-        # no time to write its activations out and read them back.
-        keep = 1 if pol.keep_last_layers == "auto" else int(pol.keep_last_layers)
+        # "auto": with whole layers read ahead, the last block is kept (its backward starts
+        # right after the forward, too soon to read it back). A byte window starts at the
+        # forward's end with the sources of the writes still in flight, so on the CPU none is.
+        auto_keep = 0 if pol.prefetch_layers == "auto" and _on_cpu(model) else 1
+        keep = auto_keep if pol.keep_last_layers == "auto" else int(pol.keep_last_layers)
         self.keep_last(self.n_layers if pol.mode == "none" else min(self.n_layers, keep))
         if pol.mode == "none":
             self._keep_from = 0
@@ -195,7 +197,7 @@ class Offloader:
             return
         if self.adaptive is not None:
             self.adaptive.replan()
-        if self.ahead.auto and (self.ahead.sweep is not None or self.ahead.pace):
+        if self.ahead.auto and self.ahead.sweep is not None:
             self.ahead.tune()
         with self._lock:
             self._forward += 1
@@ -237,6 +239,10 @@ class Offloader:
             self._hooks.__exit__(None, None, None)
             unpush(f)
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
+                if self.ahead.auto and f.backward.seq:
+                    # The backward comes next: its first entries are wanted now (a source whose
+                    # write is still in flight stays and serves it; the others are read back).
+                    self.ahead.advance(f.backward, -1)
                 self.cuda.poll()
                 self.cpu.poll()
             if self._first is not None:
@@ -357,7 +363,7 @@ class Offloader:
             self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
             if self.ahead.auto:
                 b = entry.backward
-                entry.pos, entry.cum0 = len(b.seq), b.cum
+                entry.pos = len(b.seq)
                 b.seq.append(entry)
                 b.cum += nbytes
             self._live += 1
@@ -409,7 +415,7 @@ class Offloader:
                 self.cpu.poll()
                 with self._lock:
                     if self.ahead.auto:
-                        self.ahead.advance(h.backward, h.pos)
+                        self.ahead.advance(h.backward, -1)
                     else:
                         self.ahead.start(h.forward, h.layer)
             return h.tensor

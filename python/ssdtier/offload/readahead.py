@@ -4,6 +4,7 @@ sized after each backward from what it measured (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -25,21 +26,17 @@ class Backward:
     of the same graph (``retain_graph=True``). Every handle of the forward holds it.
 
     With a byte window (``prefetch_layers = "auto"``) it also holds the forward's entries in
-    pack order (``seq``; ``Entry.pos`` and ``Entry.cum0``, the bytes packed before it) and
-    where the backward's sweep down them is: reads started down to ``read_to``."""
+    pack order (``seq``, ``Entry.pos``) and the sweep of the backward under way."""
 
-    __slots__ = ("cum", "done", "first", "last", "low", "read_to", "round", "seq")
+    __slots__ = ("cum", "done", "low", "round", "seq", "sweep")
 
     def __init__(self) -> None:
         self.round = 0
         self.low: int | None = None
         self.done: dict[int, int] = {}  # layer -> the round its read-ahead started in
         self.seq: list[Any] = []
-        self.cum = 0
-        self.read_to = 0
-        # (time, bytes packed before `at`) at the sweep's start, and at its latest unpack
-        self.first: tuple[float, int] | None = None
-        self.last: tuple[float, int] = (0.0, 0)
+        self.cum = 0  # bytes in seq
+        self.sweep: Sweep | None = None
 
     def due(self, layer: int) -> bool:
         """Whether ``layer``'s read-ahead should start now (at an unpack of ``layer``)."""
@@ -51,6 +48,29 @@ class Backward:
         self.done[layer] = self.round
         self.low = layer if self.low is None else min(self.low, layer)
         return True
+
+
+class Sweep:
+    """One backward's way through a forward's entries (``"auto"``): the order it unpacks them
+    in (the last backward's, if the forward packed as many entries of as many bytes, else
+    the reverse of the pack order), how far along it is and has started reads, and when it
+    first reached each rank."""
+
+    __slots__ = ("at", "cum", "held", "order", "rank", "read_to", "round", "seen", "seq", "t0", "times")
+
+    def __init__(self, b: Backward, order: list[int], now: float) -> None:
+        self.seq, self.order, self.round = b.seq, order, b.round
+        self.rank = [0] * len(order)
+        self.cum = [0]  # cum[r]: bytes of the entries before rank r
+        for r, p in enumerate(order):
+            self.rank[p] = r
+            self.cum.append(self.cum[-1] + b.seq[p].nbytes)
+        self.at = -1  # the furthest rank unpacked (-1: none yet, the kept layers above them)
+        self.read_to = -1  # the furthest rank whose read was started
+        self.seen: list[int] = []  # positions, in the order of their first unpack
+        self.held: set[int] = set()  # ranks served from their source, with no read
+        self.t0 = now
+        self.times: list[float | None] = [None] * len(order)  # seconds into the sweep, by rank
 
 
 class ReadAhead:
@@ -69,8 +89,8 @@ class ReadAhead:
         self.window: int | None = None
         self.margin = 1.0
         self.reads: list[tuple[float, Any, int]] = []  # (start, ticket, bytes)
-        self.pace: list[tuple[float, int, float, int]] = []  # per sweep: (t0, bytes0, t1, bytes1)
-        self.sweep: Backward | None = None  # the sweep under way
+        self.sweep: Sweep | None = None  # the sweep under way
+        self.learned: tuple[int, int, list[int]] | None = None  # (entries, bytes, order) of the last
 
     def start(self, forward: int, layer: int) -> None:
         """Entering a layer's backward: start reading the next layers' entries. Called with
@@ -83,43 +103,53 @@ class ReadAhead:
                 self._want(entry)
         off.cuda.stage_ready()
 
-    def _want(self, entry: Any) -> None:
+    def _want(self, entry: Any) -> bool:
+        """Have ``entry`` read back, unless it is in memory; False if its source is (its
+        write still in flight, or done and not yet let go): it serves with no read."""
         if entry.refs == 0:
-            return
+            return True
         entry.wanted = True
+        if entry.src is not None:
+            return False
         if entry.reading is None and entry.gpu is None and entry.src is None and entry.restored is None:
             self.off._start_read(entry)
             if entry.cuda:
                 self.off.cuda.stage_later(entry)
             elif self.auto and entry.reading[2] is not None:
                 self.reads.append((time.perf_counter(), entry.reading[2], entry.nbytes))
+        return True
 
     def advance(self, b: Backward, pos: int) -> None:
-        """auto: the backward is at entry ``pos`` of its forward (``len(b.seq)``: above them
-        all, in the kept layers): start the reads of the entries below it that are within
-        the window. Called with the offloader's lock held."""
-        seq = b.seq
-        at = seq[pos].cum0 if pos < len(seq) else b.cum
+        """auto: the backward unpacks entry ``pos`` of its forward (-1: a kept tensor): start
+        the reads of the entries after it in the sweep's order that are within the window.
+        Called with the offloader's lock held."""
+        s = b.sweep
         now = time.perf_counter()
-        if b.first is None or at - b.last[1] > b.cum // 2:
-            # A new sweep: the first backward, or another one of a retained graph, which
-            # starts again from the top (within one, the order is only roughly the reverse).
-            if b.first is not None:
-                self.pace.append((*b.first, *b.last))
-            b.first, b.last, b.read_to = (now, at), (now, at), pos
-        else:
-            b.last = (now, min(at, b.last[1]))
-        self.sweep = b
+        if s is None or s.round != b.round:  # the first backward, or another of a retained graph
+            s = b.sweep = Sweep(b, self._order(b), now)
+        self.sweep = s
+        if 0 <= pos < len(s.rank):
+            r = s.rank[pos]
+            if s.times[r] is None:
+                s.times[r] = now - s.t0
+                s.seen.append(pos)
+            s.at = max(s.at, r)
         window = self.window if self.window is not None else self._first_window(b)
-        low = b.read_to
-        while low > 0 and at - seq[low - 1].cum0 <= window:
-            low -= 1
-            self._want(seq[low])
-        if low == pos > 0:
-            low -= 1  # the next entry at least, whatever the window
-            self._want(seq[low])
-        b.read_to = low
-        self.off.cuda.stage_ready()
+        order, cum, nxt = s.order, s.cum, s.at + 1
+        j = s.read_to + 1
+        while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
+            if not self._want(s.seq[order[j]]):
+                s.held.add(j)
+            j += 1
+        s.read_to = j - 1
+        if self.off.cuda.staging:
+            self.off.cuda.stage_ready()
+
+    def _order(self, b: Backward) -> list[int]:
+        learned = self.learned
+        if learned is not None and learned[0] == len(b.seq) and learned[1] == b.cum:
+            return learned[2]
+        return list(range(len(b.seq) - 1, -1, -1))
 
     def _first_window(self, b: Backward) -> int:
         """Before any backward was measured: a quarter of the largest layer's bytes (at least
@@ -130,20 +160,25 @@ class ReadAhead:
         return max(max(sizes.values(), default=0) // 4, max((e.nbytes for e in b.seq), default=0))
 
     def tune(self) -> None:
-        """After a backward (``auto``): the window the backward's pace needs, given the reads'
-        latency and bandwidth (a read started ``w`` bytes ahead is done in time if
-        ``w / pace >= latency + w / bandwidth``), twice over, times a margin that doubles
-        when the backward waited for a read the window started and halves back after three
-        backwards that did not. Reads slower than the backward: the most, AHEAD_MAX layers."""
+        """After a backward (``auto``): the smallest window with which, replayed on that
+        backward's timeline (when it first unpacked each entry) with the reads' measured
+        latency and bandwidth, every read would have been done in time; times a margin that
+        doubles when the backward waited for a read the window started and halves back after
+        three backwards that did not."""
         off = self.off
         with off._lock:  # a backward on another thread may still be adding to them
             reads, self.reads = self.reads, []
-            pace, self.pace = self.pace, []
-            b, self.sweep = self.sweep, None
-            if b is not None and b.first is not None:
-                pace.append((*b.first, *b.last))
-                b.first = None  # measured once; its next unpack starts a new sweep
-        stalled = off.res.stall_ahead > self.stall0
+            s, self.sweep = self.sweep, None
+            if s is not None:
+                s.round = -1  # measured once; an unpack after this starts a new sweep
+                # The order to read in next time: as this backward unpacked them.
+                seen = dict.fromkeys(s.seen)
+                order = [*seen, *(p for p in range(len(s.seq) - 1, -1, -1) if p not in seen)]
+                self.learned = (len(s.seq), sum(e.nbytes for e in s.seq), order)
+        # A wait for a read the window started, of more than 1% of the backward: a few
+        # milliseconds of a disk's jitter do not double the memory read ahead.
+        span = max((t for t in s.times if t is not None), default=0.0) if s is not None else 0.0
+        stalled = off.res.stall_ahead - self.stall0 > 0.01 * span
         self.stall0 = off.res.stall_ahead
         if stalled:
             self.ctl.stall()
@@ -151,24 +186,19 @@ class ReadAhead:
         elif self.margin > 1.0 and self.ctl.quiet():
             self.margin = max(1.0, self.margin / 2)
         done = [(t0, t0 + t.seconds, n) for t0, t, n in reads if t.seconds is not None]
-        pace = [(t1 - t0, b0 - b1) for t0, b0, t1, b1 in pace if t1 > t0 and b0 > b1]
-        if len(done) < 2 or not pace or b is None:
+        if len(done) < 2 or s is None or not any(t is not None for t in s.times):
             return
         layers: dict[int, int] = {}
-        for e in b.seq:
+        for e in s.seq:
             layers[e.layer] = layers.get(e.layer, 0) + e.nbytes
         most = AHEAD_MAX * max(layers.values())
-        largest = max(e.nbytes for e in b.seq)
-        speed = sum(n for _, n in pace) / sum(t for t, _ in pace)  # bytes per second of backward
         latency = min(t1 - t0 for t0, t1, _ in done)  # the others include waiting behind earlier reads
         bandwidth = sum(n for _, _, n in done) / _busy(done)
-        if bandwidth <= 1.1 * speed:
-            want = most
-        else:
-            want = round(2 * self.margin * speed * latency / (1 - speed / bandwidth))
+        sizes = [s.seq[p].nbytes for p in s.order]
+        need = min_window(sizes, s.times, latency, bandwidth, most, s.held)
         self._set(
-            min(max(want, largest), most),
-            f"backward at {speed / 1e6:.0f} MB/s; reads {latency * 1e3:.2f} ms latency, {bandwidth / 1e6:.0f} MB/s",
+            min(max(round(need * self.margin), max(sizes)), most),
+            f"reads {latency * 1e3:.2f} ms latency, {bandwidth / 1e6:.0f} MB/s; margin {self.margin:g}",
         )
 
     def _set(self, n: int, why: str) -> None:
@@ -185,3 +215,44 @@ def _busy(spans: list[tuple[float, float, int]]) -> float:
             total += t1 - max(t0, end)
             end = t1
     return max(total, 1e-9)
+
+
+def min_window(
+    sizes: list[int], times: list[float | None], latency: float, bandwidth: float, most: int, held: set[int]
+) -> int:
+    """The smallest window (bytes, at most ``most``) with which reads of entries of ``sizes``,
+    unpacked ``times`` seconds into the backward (None: not unpacked), one after another at
+    ``latency`` and ``bandwidth``, would all be done by then. Ranks in ``held`` need no read;
+    a read late even if started at once is late whatever the window."""
+    n = len(sizes)
+    cum = [0]
+    for x in sizes:
+        cum.append(cum[-1] + x)
+    # When the backward first reached rank r or beyond (reads are started from there).
+    reach, low = [math.inf] * n, math.inf
+    for r in range(n - 1, -1, -1):
+        low = low if times[r] is None else min(low, times[r])
+        reach[r] = low
+
+    def late(w: int) -> bool:
+        free = 0.0  # when the disk is free for the next read
+        for j in range(n):
+            # Read j starts when the backward reaches the first rank k - 1 with cum[j] - cum[k] < w.
+            if j in held:
+                continue
+            k = bisect.bisect_right(cum, cum[j] - w)
+            start = reach[k - 1] if k > 0 else 0.0
+            free = max(start + latency, free) + sizes[j] / bandwidth
+            if k > 0 and times[j] is not None and free > times[j]:
+                return True
+        return False
+
+    lo, hi = max(sizes, default=0), most
+    if not late(lo):
+        return lo
+    if late(hi):
+        return hi
+    while hi - lo > max(lo // 16, 1):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if not late(mid) else (mid, hi)
+    return hi
