@@ -56,10 +56,11 @@ class Sweep:
     the reverse of the pack order), how far along it is and has started reads, and when it
     first reached each rank."""
 
-    __slots__ = ("at", "cum", "held", "order", "rank", "read_to", "round", "seen", "seq", "t0", "times")
+    __slots__ = ("at", "cum", "guessed", "held", "order", "rank", "read_to", "round", "seen", "seq", "t0", "times")
 
-    def __init__(self, b: Backward, order: list[int], now: float) -> None:
+    def __init__(self, b: Backward, order: list[int], now: float, guessed: bool = False) -> None:
         self.seq, self.order, self.round = b.seq, order, b.round
+        self.guessed = guessed  # the reverse pack order, nothing learned: its stalls teach nothing
         self.rank = [0] * len(order)
         self.cum = [0]  # cum[r]: bytes of the entries before rank r
         for r, p in enumerate(order):
@@ -126,7 +127,8 @@ class ReadAhead:
         s = b.sweep
         now = time.perf_counter()
         if s is None or s.round != b.round:  # the first backward, or another of a retained graph
-            s = b.sweep = Sweep(b, self._order(b), now)
+            order = self._order(b)
+            s = b.sweep = Sweep(b, order or list(range(len(b.seq) - 1, -1, -1)), now, guessed=not order)
         self.sweep = s
         if 0 <= pos < len(s.rank):
             r = s.rank[pos]
@@ -146,10 +148,11 @@ class ReadAhead:
             self.off.cuda.stage_ready()
 
     def _order(self, b: Backward) -> list[int]:
+        """The order the last backward unpacked in, if the forward looks the same; else []."""
         learned = self.learned
         if learned is not None and learned[0] == len(b.seq) and learned[1] == b.cum:
             return learned[2]
-        return list(range(len(b.seq) - 1, -1, -1))
+        return []
 
     def _first_window(self, b: Backward) -> int:
         """Before any backward was measured: a quarter of the largest layer's bytes (at least
@@ -178,7 +181,7 @@ class ReadAhead:
         # A wait for a read the window started, of more than 1% of the backward: a few
         # milliseconds of a disk's jitter do not double the memory read ahead.
         span = max((t for t in s.times if t is not None), default=0.0) if s is not None else 0.0
-        stalled = off.res.stall_ahead - self.stall0 > 0.01 * span
+        stalled = off.res.stall_ahead - self.stall0 > 0.01 * span and not (s is not None and s.guessed)
         self.stall0 = off.res.stall_ahead
         if stalled:
             self.ctl.stall()
