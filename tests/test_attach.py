@@ -78,6 +78,28 @@ def assert_same(a, b):
             assert torch.equal(ga[name], gb[name]), name
 
 
+def test_two_forwards_then_one_backward(store_dir):
+    """Both forwards' windows start at their ends; the backward of the second comes first.
+    The first one's sweep, begun but not unpacked when the second forward starts, is not
+    taken for a finished backward."""
+    ref_model = build_model(CONFIGS["gpt"])
+    model = build_model(CONFIGS["gpt"])
+    model.load_state_dict(ref_model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    a, b = make_batch(CONFIGS["gpt"], 2, gen), make_batch(CONFIGS["gpt"], 2, gen)
+    torch.manual_seed(1)
+    (batch_loss(ref_model, a) + batch_loss(ref_model, b)).backward()
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        for _ in range(3):
+            model.zero_grad()
+            torch.manual_seed(1)
+            (batch_loss(model, a) + batch_loss(model, b)).backward()
+            for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad)
+        s = off.stats()
+    assert s.bytes_read_nvme > 0 and s.prefetch_bytes > 0
+
+
 def test_keep_last_layers_auto(store_dir):
     """ "auto" keeps no block on the CPU when the read-ahead is a byte window (it starts at the
     forward's end), and one with whole layers read ahead."""
@@ -948,7 +970,7 @@ def test_auto_read_ahead_margin(store_dir):
 
         def backward(stall=0.0):
             s = Sweep(b, list(range(9, -1, -1)), 0.0)
-            s.times = [0.010 * (r + 1) for r in range(10)]
+            s.times, s.seen = [0.010 * (r + 1) for r in range(10)], list(range(9, -1, -1))
             ahead.sweep = s
             ahead.reads = [(i * 0.008, _Read(0.008), 1_000_000) for i in range(4)]  # 125 MB/s
             off.res.stall_ahead += stall

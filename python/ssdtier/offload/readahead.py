@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ssdtier")
 
-AHEAD_MAX = 4  # prefetch_layers = "auto" reads at most AHEAD_MAX layers' bytes ahead
+AHEAD_MAX = 4  # prefetch_layers = "auto" reads at most AHEAD_MAX layers' bytes ahead ...
+AHEAD_MIN_CAP = 16 << 20  # ... or this many, if more
 
 
 class Backward:
@@ -170,18 +171,21 @@ class ReadAhead:
         three backwards that did not."""
         off = self.off
         with off._lock:  # a backward on another thread may still be adding to them
+            if self.sweep is None or not self.sweep.seen:
+                # None unpacked yet (begun at its forward's end, and another forward came
+                # first, as with two forwards before one backward): nothing to learn yet.
+                return
             reads, self.reads = self.reads, []
             s, self.sweep = self.sweep, None
-            if s is not None:
-                s.round = -1  # measured once; an unpack after this starts a new sweep
-                # The order to read in next time: as this backward unpacked them.
-                seen = dict.fromkeys(s.seen)
-                order = [*seen, *(p for p in range(len(s.seq) - 1, -1, -1) if p not in seen)]
-                self.learned = (len(s.seq), sum(e.nbytes for e in s.seq), order)
+            s.round = -1  # measured once; an unpack after this starts a new sweep
+            # The order to read in next time: as this backward unpacked them.
+            seen = dict.fromkeys(s.seen)
+            order = [*seen, *(p for p in range(len(s.seq) - 1, -1, -1) if p not in seen)]
+            self.learned = (len(s.seq), sum(e.nbytes for e in s.seq), order)
         # A wait for a read the window started, of more than 1% of the backward: a few
         # milliseconds of a disk's jitter do not double the memory read ahead.
-        span = max((t for t in s.times if t is not None), default=0.0) if s is not None else 0.0
-        stalled = off.res.stall_ahead - self.stall0 > 0.01 * span and not (s is not None and s.guessed)
+        span = max((t for t in s.times if t is not None), default=0.0)
+        stalled = off.res.stall_ahead - self.stall0 > 0.01 * span and not s.guessed
         self.stall0 = off.res.stall_ahead
         if stalled:
             self.ctl.stall()
@@ -189,12 +193,13 @@ class ReadAhead:
         elif self.margin > 1.0 and self.ctl.quiet():
             self.margin = max(1.0, self.margin / 2)
         done = [(t0, t0 + t.seconds, n) for t0, t, n in reads if t.seconds is not None]
-        if len(done) < 2 or s is None or not any(t is not None for t in s.times):
+        if len(done) < 2:
             return
         layers: dict[int, int] = {}
         for e in s.seq:
             layers[e.layer] = layers.get(e.layer, 0) + e.nbytes
-        most = AHEAD_MAX * max(layers.values())
+        # Tiny blocks: their backward is shorter than a read's latency, so blocks are no measure.
+        most = max(AHEAD_MAX * max(layers.values()), AHEAD_MIN_CAP)
         latency = min(t1 - t0 for t0, t1, _ in done)  # the others include waiting behind earlier reads
         bandwidth = sum(n for _, _, n in done) / _busy(done)
         sizes = [s.seq[p].nbytes for p in s.order]
