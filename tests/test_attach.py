@@ -89,7 +89,7 @@ def test_two_forwards_then_one_backward(store_dir):
     a, b = make_batch(CONFIGS["gpt"], 2, gen), make_batch(CONFIGS["gpt"], 2, gen)
     torch.manual_seed(1)
     (batch_loss(ref_model, a) + batch_loss(ref_model, b)).backward()
-    with ssdtier.attach(model, offload_config(store_dir)) as off:
+    with ssdtier.attach(model, offload_config(store_dir, prefetch_layers="auto")) as off:
         for _ in range(3):
             model.zero_grad()
             torch.manual_seed(1)
@@ -97,7 +97,8 @@ def test_two_forwards_then_one_backward(store_dir):
             for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
                 assert torch.equal(p.grad, q.grad)
         s = off.stats()
-    assert s.bytes_read_nvme > 0 and s.prefetch_bytes > 0
+    # Reads happen only for what the window does not hold at a forward's end: not asserted.
+    assert s.tensors_offloaded > 0 and s.bytes_written_nvme > 0
 
 
 def test_keep_last_layers_auto(store_dir):
@@ -200,15 +201,14 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
         assert off.stats().peak_resident_bytes > 0
 
 
-def test_default_policy_keeps_small_tensors_and_reads_ahead_by_bytes(store_dir):
+def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
     cfg = store_config(store_dir)
     cfg["policy"] = {"min_tensor_bytes": "4KiB"}
     got = train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64}), cfg)
     assert_same(train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64})), got)
     s = got[2]
-    assert s.layers_kept == 0 and s.layers_offloaded == 4  # on the CPU, with the byte window
-    assert s.tensors_kept > 0 and s.tensors_offloaded > 0
-    assert s.prefetch_layers == 0 and s.prefetch_bytes > 0
+    assert s.layers_kept == 1 and s.layers_offloaded == 3
+    assert s.tensors_kept > 0 and s.tensors_offloaded > 0 and s.prefetch_layers == 2
 
 
 def test_bf16_autocast(store_dir):

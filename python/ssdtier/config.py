@@ -529,7 +529,7 @@ class PolicyConfig:
 
     min_tensor_bytes: int = _key(_size_range(0), 1 * MiB, size=True)
     keep_last_layers: int | str = _key(_keep_last_layers, "auto")
-    prefetch_layers: int | str = _key(_prefetch_layers, "auto")
+    prefetch_layers: int | str = _key(_prefetch_layers, 2)
     eviction: str = _key(_choice("lifetime", "lru", "fifo"), "lifetime")
     dedup: bool = _key(_bool, True)
     layers: str | tuple[str, ...] | None = _key(_module_paths, None)
