@@ -192,10 +192,11 @@ class Saved:
         self.version = t._version
         # The entry's first tensor saved again, as it was (same version counter; ``resize_``
         # can change a view without bumping its version): one view serves both.
+        same = first is not None and first[0]() is t
         self.twin = first is None or (
-            first[0]() is t and first[2] == self.size and first[3] == self.stride and first[4] == self.offset
+            same and first[2] == self.size and first[3] == self.stride and first[4] == self.offset
         )
-        self.probe = first[1] if first is not None and first[0]() is t else version_probe(t)
+        self.probe = first[1] if same else version_probe(t)
         # A lazily conjugated view (``x.conj()`` of a complex tensor) holds the unconjugated
         # bytes: they are what is stored, and the view gets its conjugate bit back on unpack.
         self.conj = t.is_conj()

@@ -584,7 +584,7 @@ class Offloader:
             stall_seconds=self.res.stall,
             layers_offloaded=self.n_layers - self.layers_kept,
             layers_kept=self.layers_kept,
-            prefetch_layers=0 if self.ahead.auto else self.ahead.depth,
+            prefetch_layers=self.ahead.depth,
             prefetch_bytes=self.ahead.window or 0,
             plan=self.plan(),
             store=st,

@@ -57,16 +57,36 @@ class Sweep:
     the reverse of the pack order), how far along it is and has started reads, and when it
     first reached each rank."""
 
-    __slots__ = ("at", "cum", "guessed", "held", "order", "rank", "read_to", "round", "seen", "seq", "t0", "times")
+    __slots__ = (
+        "at",
+        "cum",
+        "guessed",
+        "held",
+        "largest",
+        "layer_max",
+        "order",
+        "rank",
+        "read_to",
+        "round",
+        "seen",
+        "seq",
+        "t0",
+        "times",
+    )
 
     def __init__(self, b: Backward, order: list[int], now: float, guessed: bool = False) -> None:
         self.seq, self.order, self.round = b.seq, order, b.round
         self.guessed = guessed  # the reverse pack order, nothing learned: its stalls teach nothing
         self.rank = [0] * len(order)
         self.cum = [0]  # cum[r]: bytes of the entries before rank r
+        layers: dict[int, int] = {}
         for r, p in enumerate(order):
+            e = b.seq[p]
             self.rank[p] = r
-            self.cum.append(self.cum[-1] + b.seq[p].nbytes)
+            self.cum.append(self.cum[-1] + e.nbytes)
+            layers[e.layer] = layers.get(e.layer, 0) + e.nbytes
+        self.layer_max = max(layers.values(), default=0)  # the largest layer's bytes
+        self.largest = max((b.seq[p].nbytes for p in order), default=0)  # the largest entry's
         self.at = -1  # the furthest rank unpacked (-1: none yet, the kept layers above them)
         self.read_to = -1  # the furthest rank whose read was started
         self.seen: list[int] = []  # positions, in the order of their first unpack
@@ -83,11 +103,11 @@ class ReadAhead:
     def __init__(self, off: Offloader, prefetch_layers: int | str) -> None:
         self.off = off
         self.auto = prefetch_layers == "auto"
-        self.depth = AHEAD_MAX if self.auto else int(prefetch_layers)
+        self.depth = 0 if self.auto else int(prefetch_layers)  # whole layers read ahead
         self.ctl = StepControl(patience=3)
         self.stall0 = 0.0
-        # auto: the window in bytes (None until a backward was measured: _first_window),
-        # a margin on it that stalls double, and this backward's sweep: (start, ticket) per read.
+        # auto: the window in bytes (None until a backward was measured: _first_window), a
+        # margin on it that stalls double, and the reads the window started this backward.
         self.window: int | None = None
         self.margin = 1.0
         self.reads: list[tuple[float, Any, int]] = []  # (start, ticket, bytes)
@@ -113,7 +133,7 @@ class ReadAhead:
         entry.wanted = True
         if entry.src is not None:
             return False
-        if entry.reading is None and entry.gpu is None and entry.src is None and entry.restored is None:
+        if entry.reading is None and entry.gpu is None and entry.restored is None:
             self.off._start_read(entry)
             if entry.cuda:
                 self.off.cuda.stage_later(entry)
@@ -137,7 +157,7 @@ class ReadAhead:
                 s.times[r] = now - s.t0
                 s.seen.append(pos)
             s.at = max(s.at, r)
-        window = self.window if self.window is not None else self._first_window(b)
+        window = self.window if self.window is not None else self._first_window(s)
         order, cum, nxt = s.order, s.cum, s.at + 1
         j = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
@@ -155,13 +175,11 @@ class ReadAhead:
             return learned[2]
         return []
 
-    def _first_window(self, b: Backward) -> int:
+    @staticmethod
+    def _first_window(s: Sweep) -> int:
         """Before any backward was measured: a quarter of the largest layer's bytes (at least
         its largest entry); a first backward that stalls on it doubles the margin."""
-        sizes: dict[int, int] = {}
-        for e in b.seq:
-            sizes[e.layer] = sizes.get(e.layer, 0) + e.nbytes
-        return max(max(sizes.values(), default=0) // 4, max((e.nbytes for e in b.seq), default=0))
+        return max(s.layer_max // 4, s.largest)
 
     def tune(self) -> None:
         """After a backward (``auto``): the smallest window with which, replayed on that
@@ -195,17 +213,14 @@ class ReadAhead:
         done = [(t0, t0 + t.seconds, n) for t0, t, n in reads if t.seconds is not None]
         if len(done) < 2:
             return
-        layers: dict[int, int] = {}
-        for e in s.seq:
-            layers[e.layer] = layers.get(e.layer, 0) + e.nbytes
         # Tiny blocks: their backward is shorter than a read's latency, so blocks are no measure.
-        most = max(AHEAD_MAX * max(layers.values()), AHEAD_MIN_CAP)
+        most = max(AHEAD_MAX * s.layer_max, AHEAD_MIN_CAP)
         latency = min(t1 - t0 for t0, t1, _ in done)  # the others include waiting behind earlier reads
         bandwidth = sum(n for _, _, n in done) / _busy(done)
         sizes = [s.seq[p].nbytes for p in s.order]
         need = min_window(sizes, s.times, latency, bandwidth, most, s.held)
         self._set(
-            min(max(round(need * self.margin), max(sizes)), most),
+            min(max(round(need * self.margin), s.largest), most),
             f"reads {latency * 1e3:.2f} ms latency, {bandwidth / 1e6:.0f} MB/s; margin {self.margin:g}",
         )
 
