@@ -54,6 +54,8 @@ BOOKS = (
     "adaptive.fwd",
     "adaptive.bytes",
     "adaptive.t0",
+    "adaptive.ev0",
+    "adaptive.marks",
 )
 
 

@@ -9,6 +9,7 @@ import torch
 
 import ssdtier
 from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.offload.cuda import CudaTransport
 
 from .test_attach import (
     TINY,
@@ -24,31 +25,41 @@ from .test_attach import (
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0):
+def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None):
+    """As test_attach.train, on the GPU; ``shard`` is applied to the model before attaching,
+    ``wrap`` (torch.compile) after."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
         model = build_model(cfg).cuda()
+        if shard is not None:
+            model = shard(model)
         gen = torch.Generator().manual_seed(2)
         batches = [make_batch(cfg, 2, gen, device="cuda") for _ in range(micro)]
         off = ssdtier.attach(model, ssd) if ssd is not None else None
+        runner = wrap(model) if wrap is not None else model
         torch.manual_seed(1)
         losses = []
         for b in batches:
-            loss = batch_loss(model, b)
+            loss = batch_loss(runner, b)
             if sleep_cycles:
                 # Keep the compute stream busy so offload copies are still in flight at backward.
                 torch.cuda._sleep(sleep_cycles)
             loss.backward()
             losses.append(loss.detach())
         torch.cuda.synchronize()
-        grads = {n: p.grad for n, p in model.named_parameters()}
+        grads = {n: _local(p.grad) for n, p in model.named_parameters()}
         stats = off.stats() if off else None
         if off:
             off.detach()
         return losses, grads, stats
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def _local(g):
+    to_local = getattr(g, "to_local", None)  # a DTensor shard under FSDP2
+    return to_local() if to_local is not None else g
 
 
 CFG = GPTConfig(n_layers=3, **TINY)
@@ -75,8 +86,9 @@ def run_with_copies_pending(store_dir, block, evict):
     """Six ``block``s, trained with and without ssdtier: every copy to the arena is done
     before the backward (synchronize); with ``evict`` every entry is then on NVMe only. The
     GPU sleep keeps the compute stream busy, so the copies back to the GPU on the prefetch
-    stream (which wait for the work queued before them) are still pending when the unpacks
-    come. Asserts exact gradients; returns the offloader's stats."""
+    stream may still be pending when the unpacks
+    come (they wait for nothing on the compute stream, but the unpack must wait for them).
+    Asserts exact gradients; returns the offloader's stats."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
@@ -225,3 +237,220 @@ def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_d
     assert warned("cudaHostRegister of the host arena failed")
     assert stats.tensors_offloaded > 0
     assert_same(ref, (losses, grads, stats))
+
+
+class _Wide(torch.nn.Module):
+    """Saves one new storage per block: its ReLU's output (the next block's input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def _busy_forward(cfg, n=8, batch=4096, sleep_cycles=200_000_000, keep_graph=True):
+    """A forward launched while the GPU is busy (a sleep on the compute stream), as the host
+    runs ahead in training: every copy to the arena is still queued at its end. Returns
+    the forward's peak allocation above the start, the copies pending at its end, the
+    gradients (after the backward), the stats and the offloader's transport calls."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Wide() for _ in range(n)]).cuda()
+    x = torch.randn(batch, 1024, device="cuda")
+    off = ssdtier.attach(model, cfg) if cfg is not None else None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda._sleep(sleep_cycles)
+    y = model(x)
+    peak = torch.cuda.max_memory_allocated() - base
+    pending = len(off.cuda.pending) if off is not None else 0
+    if keep_graph:
+        y.square().sum().backward()
+    else:
+        del y  # the graph goes while its copies to the arena are in flight
+    torch.cuda.synchronize()
+    grads = [p.grad for p in model.parameters()]
+    stats = off.stats() if off is not None else None
+    if off is not None:
+        off.cuda.poll()
+        live = off.store.stats().entries
+        off.detach()
+        stats = (stats, live)
+    return peak, pending, grads, stats
+
+
+def test_sources_leave_gpu_memory_while_their_copies_are_queued(store_dir):
+    """The forward's peak allocation is keep's minus the offloaded bytes whose storage only
+    autograd held, although no copy to the arena has run when the forward ends: a source is
+    not held until its copy is seen done."""
+    block = 4096 * 1024 * 4
+    keep_peak, _, ref, _ = _busy_forward(None)
+    cfg = offload_config(store_dir, host="512MiB", keep_last_layers=1)
+    peak, pending, got, (stats, _) = _busy_forward(cfg)
+    assert pending >= 6, pending  # the copies were queued behind the sleep
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    # Offloaded: the input (the test holds it), blocks 1..7's outputs (block 7's is also
+    # saved by the kept block 8, so it stays). One block of slack for the block in use.
+    assert stats.bytes_offloaded == 8 * block, stats
+    assert keep_peak - peak >= stats.bytes_offloaded - 3 * block, (keep_peak, peak)
+
+
+def test_a_graph_freed_while_its_copies_are_queued_frees_their_slots_after(store_dir):
+    # A released entry's slot may be filled by a read as soon as it is free: not before its
+    # copy into it has run.
+    cfg = offload_config(store_dir, host="512MiB", keep_last_layers=1)
+    _, pending, _, (_, live) = _busy_forward(cfg, keep_graph=False)
+    assert pending >= 6
+    assert live == 0
+
+
+def test_unpacks_before_the_copies_landed_copy_from_the_slots_being_filled(store_dir, monkeypatch):
+    """No kept block and a busy GPU: the backward's first unpacks come before their copies to
+    the arena have run; they are copied back from those slots after the copies, in stream order."""
+    _, _, ref, _ = _busy_forward(None)
+    cfg = offload_config(store_dir, host="512MiB", keep_last_layers=0)
+    calls = []
+    real = CudaTransport._copy_landing
+
+    def counted(self, e, stream):
+        calls.append(e.nbytes)
+        return real(self, e, stream)
+
+    monkeypatch.setattr(CudaTransport, "_copy_landing", counted)
+    _, pending, got, _ = _busy_forward(cfg)
+    assert pending >= 7 and calls
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_small_arena_holds_the_forward_back_not_a_copy_per_tensor(store_dir, warned, monkeypatch):
+    """Copies in flight are bounded (half the arena): the forward waits for the oldest,
+    instead of a synchronous copy per tensor once the arena is full of slots being filled."""
+    _, _, ref, _ = _busy_forward(None, n=6, batch=1024)
+    waits = []
+    real = CudaTransport._wait_oldest
+
+    def counted(self):
+        waits.append(len(self.pending))
+        return real(self)
+
+    monkeypatch.setattr(CudaTransport, "_wait_oldest", counted)
+    cfg = offload_config(store_dir, host="12MiB", keep_last_layers=0)  # 4 MiB per block
+    _, _, got, (stats, live) = _busy_forward(cfg, n=6, batch=1024)
+    assert waits and live == 0
+    assert not warned("larger than the host arena")
+    assert stats.bytes_written_nvme > 0
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp16_with_grad_scaler(store_dir):
+    def run(ssd):
+        torch.manual_seed(0)
+        model = build_model(CFG).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cuda")
+        gen = torch.Generator().manual_seed(2)
+        batches = [make_batch(CFG, 2, gen, device="cuda") for _ in range(3)]
+        off = ssdtier.attach(model, ssd) if ssd else None
+        torch.manual_seed(1)
+        losses = []
+        for b in batches:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = batch_loss(model, b)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        if off:
+            off.detach()
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, None
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_same(run(None), run(offload_config(store_dir, host="64MiB")))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_on_cuda(store_dir, mode):
+    """Inductor's CUDA kernels; with reduce-overhead, CUDA graphs, whose memory their next
+    replay reuses whatever the allocator knows."""
+
+    def compiled(model):
+        torch._dynamo.reset()
+        return torch.compile(model, mode=mode)
+
+    ref = train_cuda(CFG, wrap=compiled)
+    got = train_cuda(CFG, offload_config(store_dir, host="64MiB"), wrap=compiled)
+    assert_same(ref, got)
+    assert got[2].tensors_offloaded > 0
+
+
+def test_fsdp2_on_nccl_one_rank(store_dir, tmp_path):
+    """FSDP2 gathers each block's parameters into new storages in its forward and frees them
+    after: they are recognised as parameters and never offloaded."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ref = train_cuda(CFG, micro=2, shard=shard)
+        got = train_cuda(CFG, offload_config(store_dir, host="64MiB"), micro=2, shard=shard)
+        plain = train_cuda(CFG, offload_config(store_dir, host="64MiB"), micro=2)
+    finally:
+        dist.destroy_process_group()
+    assert_same(ref, got)
+    assert got[2].tensors_offloaded == plain[2].tensors_offloaded > 0
+
+
+class _SleepyBlock(torch.nn.Module):
+    def __init__(self, cycles):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.cycles = cycles
+
+    def forward(self, x):
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+        return torch.tanh(self.fc(x))
+
+
+def test_adaptive_times_blocks_on_the_gpu_not_the_host(store_dir):
+    # A block that keeps the GPU busy for ~50 ms is launched in microseconds: host clocks
+    # would time its launch.
+    model = torch.nn.Sequential(*[_SleepyBlock(100_000_000 if i == 2 else 0) for i in range(4)]).cuda()
+    x = torch.randn(256, 64, device="cuda")
+    with ssdtier.attach(model, offload_config(store_dir, host="64MiB", mode="adaptive")) as off:
+        model(x).sum().backward()
+        times = dict(off.adaptive.forward_times())
+    assert times[3] > 0.02, times
+    assert all(t < times[3] / 5 for tag, t in times.items() if tag != 3), times
+
+
+def test_the_arena_is_unregistered_when_an_offloader_is_collected_undetached(store_dir):
+    import gc
+
+    model = build_model(CFG).cuda()
+    off = ssdtier.attach(model, offload_config(store_dir, host="64MiB"))
+    batch_loss(model, make_batch(CFG, 2, torch.Generator().manual_seed(2), device="cuda")).backward()
+    assert off.cuda.registered
+    arena = off.store.arena  # keeps the mapping alive, so it can be registered again below
+    del model, off
+    gc.collect()
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)) == 0  # not registered twice
+    assert int(cudart.cudaHostUnregister(arena.data_ptr())) == 0

@@ -34,6 +34,10 @@ class Adaptive:
         self.fwd: dict[int, float] = {}  # layer tag -> forward seconds
         self.bytes: dict[int, int] = {}  # layer tag -> bytes saved
         self.t0: dict[int, tuple[float, float]] = {}  # layer tag -> (start, store wait then)
+        # On a GPU host clocks time kernel launches: CUDA events time the blocks, read at replan.
+        self.gpu = any(p.is_cuda for p in off.model.parameters())
+        self.ev0: dict[int, torch.cuda.Event] = {}  # layer tag -> event at its start
+        self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (tag, start, end)
         self.stall0 = 0.0
         self.wait0 = 0.0
         self.bw = self.calibrate()
@@ -71,21 +75,41 @@ class Adaptive:
         return write, read
 
     def block_enter(self, tag: int) -> None:
+        if self.gpu:
+            if not torch.compiler.is_compiling():
+                ev = self.ev0[tag] = torch.cuda.Event(enable_timing=True)
+                ev.record()
+            return
         self.t0[tag] = (time.perf_counter(), self.off.store_wait())
 
     def block_exit(self, tag: int) -> None:
+        if self.gpu:
+            start_ev = self.ev0.pop(tag, None)
+            if start_ev is not None and not torch.compiler.is_compiling():
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.marks.append((tag, start_ev, end))
+            return
         start = self.t0.pop(tag, None)
         if start is not None:
             # Compute time: the time blocked on the store (a full arena) is not the layer's.
             spent = time.perf_counter() - start[0] - (self.off.store_wait() - start[1])
             self.fwd[tag] = self.fwd.get(tag, 0.0) + max(spent, 0.0)
 
+    def forward_times(self) -> dict[int, float]:
+        """Forward seconds per layer tag so far in this iteration (GPU events read now)."""
+        for tag, start_ev, end in self.marks:
+            end.synchronize()  # the last forward's, done long ago unless the host ran far ahead
+            self.fwd[tag] = self.fwd.get(tag, 0.0) + start_ev.elapsed_time(end) / 1e3
+        self.marks.clear()
+        return self.fwd
+
     def saved(self, tag: int, nbytes: int) -> None:
         self.bytes[tag] = self.bytes.get(tag, 0) + nbytes
 
     def replan(self) -> None:
         """At the start of an iteration: plan from the last one's profile, with stall feedback."""
-        if not self.fwd:
+        if not self.forward_times():
             return
         off = self.off
         n = off.n_layers

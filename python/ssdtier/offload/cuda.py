@@ -1,12 +1,13 @@
 """The CUDA transport: device-to-host copies into pinned arena slots on an offload stream,
 host-to-device copies back on a prefetch stream (read-ahead) or the compute stream (on
-demand), with events for what each stream must wait for."""
+demand), with events for what each stream must wait for. docs/offloader.md has the design."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -41,36 +42,76 @@ def _clear_cuda_error() -> None:
     warn(f"could not clear the CUDA error ({err}); torch may report it at its next kernel")
 
 
+class Pinned:
+    """The host arena registered with CUDA (page-locked) while this lives. It holds the arena
+    tensor, which keeps the native store's mapping alive, so the memory is unregistered before
+    it can be unmapped, also when an offloader is collected without ``detach()``."""
+
+    def __init__(self, arena: torch.Tensor) -> None:
+        self.arena: torch.Tensor | None = None
+        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        if _cuda_ok(rc):
+            self.arena = arena
+        else:
+            _clear_cuda_error()
+            warn(f"cudaHostRegister of the host arena failed ({rc}); copies will be synchronous")
+
+    def close(self) -> None:
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            rc = torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+            if not _cuda_ok(rc):
+                _clear_cuda_error()
+                warn(f"cudaHostUnregister of the host arena failed ({rc})")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: CUDA may be gone already
+            self.close()
+
+
+class D2H:
+    """An entry's copy into its arena slot, in flight. The source was dropped at once (the
+    allocator keeps its block until the offload stream is done with it); ``src`` is a weak
+    reference to its storage, to see at landing whether the storage was freed or resized."""
+
+    __slots__ = ("event", "slot", "src")
+
+    def __init__(self, event: Any, slot: int, src: weakref.ref) -> None:
+        # ``event``: when the slot may be committed: the copy into it, and any copy out of it
+        # made before it landed (each such copy waits for the previous event).
+        self.event, self.slot, self.src = event, slot, src
+
+
 class CudaTransport:
     def __init__(self, off: Offloader) -> None:
         self.off = off
         self.store = off.store
         self.native = off.store.native
         self.streams: dict[torch.device, tuple[Any, Any]] = {}  # (offload stream, prefetch stream)
-        self.registered = False
+        self.pinned: Pinned | None = None
         self.pending: deque[Entry] = deque()  # copies to the arena in flight, in order
+        self.inflight = 0  # their bytes
+        arena = self.store.arena
+        # Back-pressure: at most half the arena in flight, so that reserving a slot finds room
+        # (committed slots can be evicted, slots being filled cannot).
+        self.bound = arena.numel() // 2 if arena is not None else 0
         self.h2d: deque[tuple[Any, int]] = deque()  # (event, key): slots pinned until their copy to the GPU is done
         self.free_later: set[int] = set()  # keys of released entries freed once their h2d copies are done
         self.staging: list[Entry] = []  # read-aheads not copied to the GPU yet
         self.stage_off = False  # no copies ahead until the next forward (out of GPU memory)
 
+    @property
+    def registered(self) -> bool:
+        return self.pinned is not None and self.pinned.arena is not None
+
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
         s = self.streams.get(device)
         if s is None:
-            if not self.registered and self.store.arena is not None:
-                self._register_arena()
+            if self.pinned is None and self.store.arena is not None:
+                self.pinned = Pinned(self.store.arena)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
         return s
-
-    def _register_arena(self) -> None:
-        arena = self.store.arena
-        assert arena is not None
-        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-        self.registered = _cuda_ok(rc)
-        if not self.registered:
-            _clear_cuda_error()
-            warn(f"cudaHostRegister of the host arena failed ({rc}); copies will be synchronous")
 
     # ---------------------------------------------------------------- forward
 
@@ -78,39 +119,63 @@ class CudaTransport:
         native = self.native
         stream = self._streams(whole.device)[0]
         self.poll()  # committed slots can be evicted to make room
-        key, off = native.reserve(nbytes)
+        while self.pending and self.inflight + nbytes > self.bound:
+            self._wait_oldest()
+        while True:
+            key, off = native.reserve(nbytes)
+            if off is not None or not nbytes or not (self.pending or self.h2d):
+                break
+            native.free(key)  # no room: slots being filled or copied out; wait for the oldest
+            self._wait_oldest()
         entry = Entry(key, nbytes, whole.device, True, f)
         try:
             if off is None:
-                # Bigger than the arena: a synchronous copy, streamed to NVMe. The host copy is
-                # held by name: its bytes must outlive the write.
                 if nbytes:
-                    host = whole.cpu()
-                    native.write_staged(key, host.data_ptr(), host)
+                    self._write_through(key, whole, nbytes)
                 return entry
             entry.wrote = whole.data_ptr()
             slot = self.store.slot(off, nbytes)
             stream.wait_stream(torch.cuda.current_stream(whole.device))
             with torch.cuda.stream(stream):
                 slot.copy_(whole, non_blocking=True)
-                entry.event = torch.cuda.Event()
-                entry.event.record(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            # The allocator reuses the source's block only once the copy is done.
+            whole.record_stream(stream)
         except BaseException:
             if off is not None:
                 with contextlib.suppress(Exception):
                     stream.synchronize()  # a copy into the slot may be queued: it ends first
             native.free(key)
             raise
-        # Hold the source until the copy is done: its memory is not reused before.
-        entry.gpu = whole
-        self.off.res.gpu += nbytes
+        entry.d2h = D2H(event, off, weakref.ref(whole.untyped_storage()))
+        self.inflight += nbytes
         self.pending.append(entry)
-        self.poll()
         return entry
 
+    def _write_through(self, key: int, whole: torch.Tensor, nbytes: int) -> None:
+        """Bigger than the arena: a synchronous copy, streamed to NVMe."""
+        arena = self.store.arena
+        self.off.once.warn(
+            "bigger than arena",
+            f"a saved activation of {nbytes} bytes is larger than the host arena "
+            f"({arena.numel() if arena is not None else 0} bytes): such activations are copied "
+            "synchronously; raise host.capacity",
+        )
+        host = whole.cpu()  # held by name: its bytes must outlive the write
+        self.native.write_staged(key, host.data_ptr(), host)
+
+    def _wait_oldest(self) -> None:
+        """Back-pressure: the host waits for the oldest copy into or out of the arena."""
+        if self.pending:
+            self.pending[0].d2h.event.synchronize()
+        elif self.h2d:
+            self.h2d[0][0].synchronize()
+        self.poll()
+
     def poll(self) -> None:
-        """Commit the arena slots whose device-to-host copy is complete (dropping their GPU
-        sources), and unpin the slots whose host-to-device copy is complete."""
+        """Commit the arena slots whose device-to-host copy has landed, and unpin the slots
+        whose host-to-device copy is done."""
         off, native = self.off, self.native
         while self.h2d and self.h2d[0][0].query():
             key = self.h2d.popleft()[1]
@@ -118,22 +183,33 @@ class CudaTransport:
             if key in self.free_later and all(k != key for _, k in self.h2d):
                 self.free_later.discard(key)
                 off._free_key(key)
-        while self.pending and self.pending[0].event.query():
-            e = self.pending.popleft()
-            e.event = None
-            failed = off._moved(e, e.gpu.untyped_storage()) if e.refs else None
-            if not e.refs:
-                continue  # released meanwhile (a collection in _moved): its key is freed already
-            if failed is not None:
-                off._copy_lost(e, failed)  # e.gpu stays (resident) and serves the unpack
-                continue
-            native.commit(e.key)
-            off.res.gpu -= e.nbytes
-            e.gpu = None
+        while self.pending and self.pending[0].d2h.event.query():
+            self._landed(self.pending.popleft())
+
+    def _landed(self, e: Entry) -> None:
+        off = self.off
+        d2h, e.d2h = e.d2h, None
+        self.inflight -= e.nbytes
+        if not e.refs:  # released while in flight: its key was left to free now
+            key, e.key = e.key, None
+            off._free_key(key)
+            return
+        src = d2h.src()
+        failed = off._moved(e, src) if src is not None else None
+        if failed is not None:
+            # The storage lives on with other bytes (freed or resized meanwhile): it serves
+            # the unpack, as autograd without ssdtier would read it.
+            e.gpu = torch.empty(0, dtype=torch.uint8, device=e.device).set_(src)
+            off.res.gpu += e.nbytes
+            off._copy_lost(e, failed)
+            return
+        self.native.commit(e.key)
 
     # ---------------------------------------------------------------- backward
 
     def start_read(self, e: Entry, from_host: bool) -> None:
+        if e.d2h is not None:  # still being copied to the arena: copied back from its slot
+            from_host = True
         e.reading = (None, 0, None if from_host else self.native.prefetch(e.key), from_host)
 
     def stage_later(self, e: Entry) -> None:
@@ -158,39 +234,41 @@ class CudaTransport:
         self.staging = waiting
 
     def _stage(self, e: Entry) -> None:
-        native = self.native
-        assert e.key is not None
-        if not native.location(e.key)[0]:
-            return  # not in the arena (no room for the read, or it failed): the unpack reads it
-        compute = torch.cuda.current_stream(e.device)
         prefetch = self._streams(e.device)[1]
-        off = native.acquire(e.key)
-        if off is None:
-            return
         try:
-            out, ev = self._copy_from_slot(e, off, prefetch)
+            if e.d2h is not None:
+                out, ev = self._copy_landing(e, prefetch)
+            else:
+                assert e.key is not None
+                if not self.native.location(e.key)[0]:
+                    return  # not in the arena (no room for the read, or it failed): the unpack reads it
+                off = self.native.acquire(e.key)
+                if off is None:
+                    return
+                out, ev = self._copy_from_slot(e, off, prefetch)
         except torch.cuda.OutOfMemoryError:
             # Reading ahead is a bet: the unpack copies it on demand (the slot was released). Each
             # failed allocation empties the allocator's cache, so no more copies ahead until the
             # next forward.
             self.stage_off = True
             return
-        e.staged = (out, ev, compute)
+        e.staged = (out, ev, prefetch)
         self.off._track(out.untyped_storage(), e.nbytes)
         self.off.c["copied_ahead"] += 1
 
+    @staticmethod
+    def _new_on(e: Entry, stream: Any) -> torch.Tensor:
+        """GPU bytes for an entry, from ``stream``'s pool: the copy into them on that stream
+        needs to wait for nothing else."""
+        with torch.cuda.stream(stream):
+            return torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+
     def _copy_from_slot(self, e: Entry, off: int, stream: Any) -> tuple[torch.Tensor, Any]:
-        """Copy an entry's acquired arena slot to new GPU bytes (allocated for the current
-        stream) on ``stream``; returns them and the copy's event. The slot stays pinned until
-        the copy has read it (poll unpins it); on failure it is released at once."""
+        """Copy an entry's acquired arena slot to new GPU bytes on ``stream``; returns them and
+        the copy's event. The slot stays pinned until the copy has read it (poll unpins it);
+        on failure it is released at once."""
         try:
-            out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-            current = torch.cuda.current_stream(e.device)
-            if stream != current:
-                # The block is allocated for the current stream, which uses it: the copy waits for
-                # the work queued there, which may still use the block's previous tenant, and which
-                # includes the fill of new memory that deterministic mode adds to torch.empty.
-                stream.wait_stream(current)
+            out = self._new_on(e, stream)
             with torch.cuda.stream(stream):
                 out.copy_(self.store.slot(off, e.nbytes), non_blocking=True)
                 ev = torch.cuda.Event()
@@ -199,6 +277,19 @@ class CudaTransport:
             self.native.release(e.key)
             raise
         self.h2d.append((ev, e.key))
+        return out, ev
+
+    def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
+        """Copy an entry back from the slot its copy to the arena is still filling: ``stream``
+        waits for that copy, and the slot is committed (may be evicted) only after this one."""
+        d2h = e.d2h
+        out = self._new_on(e, stream)
+        stream.wait_event(d2h.event)
+        with torch.cuda.stream(stream):
+            out.copy_(self.store.slot(d2h.slot, e.nbytes), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        d2h.event = ev
         return out, ev
 
     def restore(self, e: Entry) -> torch.UntypedStorage:
@@ -211,10 +302,13 @@ class CudaTransport:
             self.use_on_current_stream(e, st)
             return st
         self.poll()
-        out, ev = self._copy_now(e)
+        current = torch.cuda.current_stream(e.device)
+        if e.d2h is not None:
+            out, ev = self._copy_landing(e, current)
+        else:
+            out, ev = self._copy_now(e)
         st = out.untyped_storage()
         self.off._track(st, e.nbytes)
-        current = torch.cuda.current_stream(e.device)
         if ev is None:
             ev = torch.cuda.Event()
             ev.record(current)
@@ -256,41 +350,36 @@ class CudaTransport:
     # ---------------------------------------------------------------- release, close
 
     def release(self, e: Entry) -> None:
-        """What an entry holds on the GPU side goes when its last handle does."""
-        res = self.off.res
-        if e.event is not None:
-            # A copy into its arena slot is in flight: the slot must not be reused under it.
-            e.event.synchronize()
-            self.pending.remove(e)
-            e.event = None
-            res.gpu -= e.nbytes
-        elif e.gpu is not None:  # its copy was lost (poll): the source served it
-            res.gpu -= e.nbytes
-        if e.staged is not None:
-            # Copied ahead and never unpacked: its block goes back to the compute stream's
-            # pool, so that stream must not reuse it before the copy into it is done.
-            e.staged[2].wait_event(e.staged[1])
-            e.staged = None
+        """What an entry holds on the GPU side goes when its last handle does. A copy to the
+        arena still in flight stays in ``pending``: the slot is freed when it lands."""
+        if e.gpu is not None:  # its copy was lost (poll): the source served it
+            self.off.res.gpu -= e.nbytes
+        # Copied ahead and never unpacked: its block is the prefetch stream's, which is done
+        # with it only after the copy into it, in stream order.
+        e.staged = None
         e.gpu = None
         e.made = None
 
-    def free_key(self, key: int | None) -> None:
-        """Free a released entry's key, or once the copies out of its slot are done."""
-        if key is not None and any(k == key for _, k in self.h2d):
+    def free_key(self, e: Entry) -> None:
+        """Free a released entry's key, or once the copies into and out of its slot are done."""
+        key = e.key
+        if e.d2h is not None:
+            pass  # poll frees it when its copy lands
+        elif key is not None and any(k == key for _, k in self.h2d):
             self.free_later.add(key)  # the slot stays pinned until then (poll frees it)
         else:
             self.off._free_key(key)
-        if self.h2d:
+        if self.h2d or self.pending:
             self.poll()  # so deferred keys go soon after the backward, not next forward
 
     def close(self) -> None:
+        for e in self.pending:  # copies into the arena still running
+            e.d2h.event.synchronize()
         for ev, _ in self.h2d:  # copies out of the arena still running (their keys freed later)
             ev.synchronize()
+        self.pending.clear()
+        self.inflight = 0
         self.h2d.clear()
         self.free_later.clear()
-        if self.registered and self.store.arena is not None:
-            rc = torch.cuda.cudart().cudaHostUnregister(self.store.arena.data_ptr())
-            if not _cuda_ok(rc):
-                _clear_cuda_error()
-                warn(f"cudaHostUnregister of the host arena failed ({rc})")
-            self.registered = False
+        if self.pinned is not None:
+            self.pinned.close()

@@ -110,9 +110,9 @@ class Entry:
     __slots__ = (
         "backward",
         "cuda",
+        "d2h",
         "device",
         "dkey",
-        "event",
         "first",
         "forward",
         "gpu",
@@ -146,7 +146,8 @@ class Entry:
         # storage shared by several saved tensors is read back once.
         self.waiting = 0
         self.hold: torch.UntypedStorage | None = None
-        self.gpu: torch.Tensor | None = None  # CUDA: the source, held until its copy is done
+        # CUDA: the source, held only when its copy to the arena was lost (it serves the unpack).
+        self.gpu: torch.Tensor | None = None
         # CPU, zero copy: the source storage, held until its write from its own pages is
         # done (for good if the write failed), the write's ticket, and the bytes of the first
         # page before the data (the write covers whole pages).
@@ -154,7 +155,7 @@ class Entry:
         self.ticket: Any = None
         self.lead = 0
         self.wrote = 0  # the source's data pointer when its write was issued
-        self.event: Any = None
+        self.d2h: Any = None  # CUDA: its copy to the arena in flight (cuda.D2H)
         # The restored storage and the byte offset of the data in it, while some unpacked view
         # still uses it.
         self.restored: tuple[weakref.ref, int] | None = None

@@ -330,6 +330,10 @@ class Offloader:
             if self._first is not None:
                 self._first.held(nbytes, "small" if small else "excluded" if excluded else "layer")
             return self._keep(t, nbytes, f, (dev, ptr))
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A CUDA graph's memory is reused by its next replay, whatever the allocator knows.
+            self.once.warn("graph", "activations saved while a CUDA graph is captured stay in memory")
+            return self._keep(t, nbytes, f, (dev, ptr))
         with self._lock:
             if self._closed:
                 return Same(t)  # detach() on another thread since the check above
@@ -549,7 +553,7 @@ class Offloader:
             self._live -= 1
             if e.ticket is None:
                 if e.cuda:
-                    self.cuda.free_key(e.key)
+                    self.cuda.free_key(e)
                 else:
                     self.cpu.drop_src(e)
                     self._free_key(e.key)

@@ -97,7 +97,7 @@ class Resident:
 
     def __init__(self) -> None:
         self.kept = 0  # kept tensors, each storage once
-        self.gpu = 0  # CUDA sources whose copy to the arena is in flight
+        self.gpu = 0  # CUDA sources held because their copy to the arena was lost
         self.writing = 0  # CPU sources whose write from their own pages is in flight
         self.restored = 0  # restored or read-ahead storages still alive
         self.peak = 0

@@ -1,0 +1,236 @@
+"""The CUDA transport's books, run on the CPU against fake streams and events: a copy's
+event is done only when the test lets the fake GPU run, so the transport sees copies in
+flight as it would on a GPU (the bytes themselves move at once). What this cannot check,
+stream ordering on real hardware, is tests/test_cuda.py's."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+import ssdtier
+from ssdtier.errors import SsdtierError
+from ssdtier.offload.cuda import Pinned
+from ssdtier.store import ByteStore
+
+from .test_attach import offload_config
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.done = False
+
+    def record(self, stream=None) -> None:
+        (stream or FakeGPU.now.current).events.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        FakeGPU.now.run(until=self)
+
+
+class FakeStream:
+    def __init__(self, device=None) -> None:
+        self.events: list[FakeEvent] = []
+        self.waits: list[object] = []
+
+    def wait_stream(self, other) -> None:
+        self.waits.append(other)
+
+    def wait_event(self, ev) -> None:
+        self.waits.append(ev)
+
+    def synchronize(self) -> None:
+        FakeGPU.now.run()
+
+
+class FakeGPU:
+    """Streams whose events complete only in ``run``."""
+
+    now: FakeGPU
+
+    def __init__(self) -> None:
+        self.current = FakeStream()
+        self.registered: dict[int, int] = {}
+        self.recorded: list[tuple[int, FakeStream]] = []
+        FakeGPU.now = self
+
+    def run(self, until: FakeEvent | None = None) -> None:
+        for s in self.streams():
+            for ev in s.events:
+                ev.done = True
+                if ev is until:
+                    return
+
+    def streams(self) -> list[FakeStream]:
+        return [*self.made, self.current]
+
+    made: list[FakeStream] = []
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    g = FakeGPU()
+    g.made = []
+
+    def new_stream(device=None):
+        s = FakeStream(device)
+        g.made.append(s)
+        return s
+
+    @contextlib.contextmanager
+    def use(stream):
+        before, g.current = g.current, stream
+        try:
+            yield
+        finally:
+            g.current = before
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, n, flags):
+            if ptr in g.registered:
+                return 712  # cudaErrorHostMemoryAlreadyRegistered
+            g.registered[ptr] = n
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0 if g.registered.pop(ptr, None) is not None else 713
+
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: g.recorded.append((t.data_ptr(), s)))
+    return g
+
+
+@pytest.fixture
+def transport(store_dir, gpu):
+    """A CUDA transport over a 1 MiB arena (at most 512 KiB in flight)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
+    yield off.cuda
+    off.detach()
+
+
+def source(nbytes: int, value: int) -> torch.Tensor:
+    return torch.full((nbytes,), value, dtype=torch.uint8)
+
+
+def offload(tr, src: torch.Tensor):
+    e = tr.offload(src, src.numel(), tr.off._last_fwd)
+    e.refs = 1  # as its Saved handle would
+    return e
+
+
+def in_store(tr, key) -> bool:
+    try:
+        tr.native.location(key)
+    except SsdtierError:
+        return False
+    return True
+
+
+def test_a_source_is_dropped_at_once_and_committed_when_its_copy_lands(transport, gpu):
+    src = source(64 << 10, 7)
+    e = offload(transport, src)
+    assert gpu.recorded == [(src.data_ptr(), transport.streams[src.device][0])]
+    assert e.gpu is None and list(transport.pending) == [e] and transport.inflight == 64 << 10
+    transport.poll()
+    assert e.d2h is not None  # not landed: nothing ran
+    gpu.run()
+    transport.poll()
+    assert e.d2h is None and not transport.pending and transport.inflight == 0
+    off = transport.native.acquire(e.key)  # committed: readable
+    assert torch.equal(transport.store.slot(off, e.nbytes), src)
+    transport.native.release(e.key)
+
+
+def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu):
+    es = [offload(transport, source(192 << 10, i)) for i in range(4)]
+    # 3 x 192 KiB would pass 512 KiB: the host waited for the oldest copies first.
+    assert transport.inflight <= 512 << 10
+    assert es[0].d2h is None and es[-1].d2h is not None
+    assert transport.store.arena is not None
+
+
+def test_an_entry_released_in_flight_keeps_its_slot_until_the_copy_lands(transport, gpu):
+    e = offload(transport, source(64 << 10, 1))
+    key = e.key
+    e.refs = 0
+    transport.release(e)
+    transport.free_key(e)
+    assert in_store(transport, key)  # a read could fill a free slot under the copy
+    gpu.run()
+    transport.poll()
+    assert not in_store(transport, key) and e.key is None and not transport.pending
+
+
+def test_an_unpack_before_landing_copies_from_the_slot_after_the_copy(transport, gpu):
+    src = source(64 << 10, 9)
+    e = offload(transport, src)
+    first = e.d2h.event
+    st = transport.restore(e)
+    assert bytes(st) == bytes(src.numpy())
+    # The copy back waited for the copy in; the slot is committed only after the copy back.
+    assert first in gpu.current.waits and e.d2h.event is not first
+    gpu.run(until=first)
+    transport.poll()
+    assert e.d2h is not None
+    gpu.run()
+    transport.poll()
+    assert e.d2h is None and transport.native.location(e.key)[0]
+
+
+def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(transport, gpu):
+    src = source(64 << 10, 3)
+    e = offload(transport, src)
+    transport.start_read(e, False)
+    assert e.reading[2] is None  # no NVMe read: its bytes are on their way to the arena
+    transport.stage_later(e)
+    transport.stage_ready()
+    out, ev, stream = e.staged
+    prefetch = transport.streams[src.device][1]
+    assert stream is prefetch and ev in prefetch.events and torch.equal(out, src)
+    st = transport.restore(e)
+    # The compute stream waits for the copy and its use of the prefetch stream's block is recorded.
+    assert ev in gpu.current.waits and (st.data_ptr(), gpu.current) in gpu.recorded
+
+
+def test_a_source_resized_while_copied_serves_its_unpack(transport, gpu, warned):
+    src = source(64 << 10, 5)
+    e = offload(transport, src)
+    key = e.key
+    src.untyped_storage().resize_(0)
+    gpu.run()
+    transport.poll()
+    assert e.key is None and e.gpu is not None and not in_store(transport, key)
+    assert transport.off.c["failed_writes"] == 1
+    assert warned("freed or resized while it was being copied out")
+
+
+def test_the_arena_is_unregistered_before_it_can_be_unmapped(store_dir, gpu):
+    store = ByteStore(offload_config(store_dir, host="1MiB"))
+    arena = store.arena
+    p = Pinned(arena)
+    assert gpu.registered == {arena.data_ptr(): arena.numel()}
+    del store
+    gc.collect()
+    assert gpu.registered  # the pin holds the arena, and so the mapping
+    del p
+    assert not gpu.registered
+
+
+def test_an_offloader_collected_undetached_unregisters_its_arena(store_dir, gpu):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
+    offload(off.cuda, source(4096, 1))
+    assert off.cuda.registered
+    del model, off
+    gc.collect()
+    assert not gpu.registered
