@@ -75,6 +75,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cuda-python     yes")
     except ImportError:
         print("cuda-python     no")
+    from .gds import probe as probe_gds
+
+    print(f"GPUDirect Storage: {probe_gds()}")  # without CUDA: at once, no child process
     return 0
 
 
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = command("check", cmd_check, "validate a TOML config file and print the effective config")
     p.add_argument("file", help="the TOML file")
-    p = command("info", cmd_info, "what this machine supports in a directory: io_uring, O_DIRECT, CUDA")
+    p = command("info", cmd_info, "what this machine supports in a directory: io_uring, O_DIRECT, CUDA, GDS")
     p.add_argument("dir", nargs="?", help=f"the directory (default: {default_dir}); not created")
     p = command("demo", cmd_demo, "train a small GPT with and without ssdtier; compare memory and step time")
     p.add_argument("--dir", help=f"NVMe directory (default: {default_dir})")
