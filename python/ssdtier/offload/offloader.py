@@ -534,7 +534,7 @@ class Offloader:
             if e.cuda:
                 self.cuda.release(e)
             e.restored = None
-            e.hold = e.view = None
+            e.hold = e.view = e.first = None
             if e.reading is not None and e.reading[2] is not None:
                 # The buffer must outlive its read. A read that failed is of no concern here:
                 # nobody will unpack this entry (raising would skip freeing it, from __del__).
