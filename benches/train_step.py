@@ -1110,8 +1110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--nvme-capacity", default="16GiB", help="capacity of --dir given to ssdtier")
     g.add_argument("--arena", default="64MiB", help="host arena (host.capacity)")
     g.add_argument("--min-tensor-bytes", default="64KiB", help="policy.min_tensor_bytes")
-    g.add_argument("--keep-last-layers", default="1", help="policy.keep_last_layers (an int or 'auto')")
-    g.add_argument("--prefetch-layers", type=_keep_last, default=2, help="policy.prefetch_layers (an int or 'auto')")
+    g.add_argument("--keep-last-layers", default="auto", help="policy.keep_last_layers (an int or 'auto')")
+    g.add_argument(
+        "--prefetch-layers", type=_keep_last, default="auto", help="policy.prefetch_layers (an int or 'auto')"
+    )
     g.add_argument(
         "--profile",
         type=int,

@@ -202,14 +202,19 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
         assert off.stats().peak_resident_bytes > 0
 
 
-def test_default_policy_keeps_small_tensors_and_the_last_layer(store_dir):
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_default_policy_keeps_small_tensors(store_dir, prefetch):
+    """The default read-ahead is the byte window, which keeps no block on the CPU; with
+    whole layers the last block is kept."""
     cfg = store_config(store_dir)
-    cfg["policy"] = {"min_tensor_bytes": "4KiB"}
+    cfg["policy"] = {"min_tensor_bytes": "4KiB"} | ({"prefetch_layers": prefetch} if prefetch else {})
     got = train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64}), cfg)
     assert_same(train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64})), got)
     s = got[2]
-    assert s.layers_kept == 1 and s.layers_offloaded == 3
-    assert s.tensors_kept > 0 and s.tensors_offloaded > 0 and s.prefetch_layers == 2
+    kept = 0 if prefetch is None else 1
+    assert s.layers_kept == kept and s.layers_offloaded == 4 - kept
+    assert s.tensors_kept > 0 and s.tensors_offloaded > 0
+    assert (s.prefetch_layers, s.prefetch_bytes > 0) == ((0, True) if prefetch is None else (2, False))
 
 
 def test_bf16_autocast(store_dir):

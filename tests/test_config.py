@@ -187,7 +187,7 @@ def test_defaults():
     assert cfg.policy == PolicyConfig(
         min_tensor_bytes=MiB,
         keep_last_layers="auto",
-        prefetch_layers=2,
+        prefetch_layers="auto",
         eviction="lifetime",
         dedup=True,
         layers=None,

@@ -95,7 +95,7 @@ def run_with_copies_pending(store_dir, block, evict):
         ref, model = (torch.nn.Sequential(*[block() for _ in range(6)]).cuda() for _ in range(2))
         model.load_state_dict(ref.state_dict())
         x = torch.randn(128, 64, device="cuda")
-        with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
+        with ssdtier.attach(model, offload_config(store_dir, host="64MiB", prefetch_layers=2)) as off:
             for m in (ref, model):
                 loss = m(x).square().sum()
                 torch.cuda.synchronize()

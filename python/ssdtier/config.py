@@ -511,8 +511,9 @@ class PolicyConfig:
         min_tensor_bytes: Smaller tensors stay on the device.
         keep_last_layers: How many final layers stay on device, or ``"auto"``: none on the CPU
             with ``prefetch_layers = "auto"`` (its window starts at the forward's end), else one.
-        prefetch_layers: Layers read ahead during backward, 0..64, or ``"auto"``: a window of
-            bytes, set after each backward from its pace and the reads' latency and bandwidth.
+        prefetch_layers: ``"auto"``: a window of bytes read ahead during backward, set after
+            each backward from its pace and the reads' latency and bandwidth; or whole layers,
+            0..64.
         eviction: ``"lifetime"``, ``"lru"`` or ``"fifo"``.
         dedup: Store tensors that share storage only once.
         layers: Dotted path of the ModuleList, Sequential or ModuleDict holding the layers
@@ -529,7 +530,7 @@ class PolicyConfig:
 
     min_tensor_bytes: int = _key(_size_range(0), 1 * MiB, size=True)
     keep_last_layers: int | str = _key(_keep_last_layers, "auto")
-    prefetch_layers: int | str = _key(_prefetch_layers, 2)
+    prefetch_layers: int | str = _key(_prefetch_layers, "auto")
     eviction: str = _key(_choice("lifetime", "lru", "fifo"), "lifetime")
     dedup: bool = _key(_bool, True)
     layers: str | tuple[str, ...] | None = _key(_module_paths, None)
