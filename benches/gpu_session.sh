@@ -1,21 +1,53 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (no network; python3 there has torch, pytest and hypothesis):
-# install the carried wheel, run the CUDA tests and the whole suite, then the training-step
-# bench on the GPU. Logs and JSON go to $OUT; a summary is printed last.
+# A lent GPU machine (no network; python3 there has torch, pytest and hypothesis), in calls of
+# under 10 minutes each: the parts named as arguments run in order (none named: all of them).
+# Logs, JSON and Markdown go to $OUT; machine.txt and a summary come with every call.
 #
 # Here:    .venv/bin/maturin build --release -o .wheels      (an abi3 wheel, git-ignored)
-# There:   bash benches/gpu_session.sh                          (device tool: carry [".wheels"])
+#          (optional) torchtune's wheel and those it imports (torchao...) in .wheels/extra/
+# There (device tool: carry [".wheels"]), calls in this order of importance, each starting with
+# the cheap install, since a fresh machine has none (30 device-minutes a session in all):
+#   bash benches/gpu_session.sh install import info test_cuda pytest_all          # 5-8 min
+#   bash benches/gpu_session.sh install bench_1b                                  # ~9 min
+#   bash benches/gpu_session.sh install bench_quick cufile                        # ~4 min
+#   bash benches/gpu_session.sh install fit                                       # ~9 min
 #
-# Each part has its own time limit, so that one hang does not eat the call's 10 minutes.
+# Parts: install (pip install of the carried wheels), import (the installed wheel, not the source
+# tree, is what tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda,
+# pytest_all, cufile (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_quick (benches/gpu_step.py --quick),
+# bench_1b (the 1B GPT, every mode side by side), fit (the largest micro-batch of each mode);
+# on request only: train_step_cuda, train_step_cuda_big (benches/train_step.py --device cuda).
+# Each part has its own time limit, cut to what is left of SESSION_S (default 570) seconds, so
+# that one hang does not eat the call's 10 minutes and the summary is still printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ALL=(install import info test_cuda pytest_all bench_quick bench_1b cufile fit)
+KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big "
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
+for p in "${parts[@]}"; do
+    if [[ "$KNOWN" != *" $p "* ]]; then
+        echo "gpu_session: unknown part '$p'; parts:$KNOWN" >&2
+        exit 2
+    fi
+done
+
 OUT="${OUT:-benches/out/gpu}"
 PY="${PY:-python3}"
+SESSION_S="${SESSION_S:-570}"
 mkdir -p "$OUT"
 summary=()
+limit() { # a part's own limit, cut to the session's time left (less 5 s for the summary)
+    local left=$((SESSION_S - SECONDS - 5))
+    echo $(($1 < left ? $1 : left))
+}
 part() { # name, seconds, command...
     local name=$1 secs=$2
     shift 2
+    if [ "$secs" -lt 20 ]; then
+        summary+=("$(printf '%-22s skipped: %ss left of SESSION_S=%s' "$name" "$secs" "$SESSION_S")")
+        return 124
+    fi
     local t0=$SECONDS
     timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
@@ -26,28 +58,64 @@ part() { # name, seconds, command...
 {
     nvidia-smi
     "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
-    df -hT .
+    df -hT . /tmp
+    lsblk -d -o NAME,ROTA,SIZE,MODEL 2>/dev/null
+    command -v fio >/dev/null && fio --version || echo "fio: not installed"
     nproc
     free -g
 } >"$OUT/machine.txt" 2>&1
 
-wheel=$(ls .wheels/ssdtier-*.whl 2>/dev/null | head -n 1)
-if [ -z "$wheel" ]; then
-    echo "gpu_session: no wheel in .wheels/ (build one here and carry .wheels)" >&2
-    exit 2
-fi
-part install 120 "$PY" -m pip install --no-deps --no-index --force-reinstall "$wheel" || {
-    cat "$OUT/install.log"
-    exit 1
-}
-# The installed wheel, not the source tree, must be what the tests import.
-part import 60 "$PY" -c "import ssdtier, ssdtier._native as n; print(ssdtier.__file__)"
-
-part test_cuda 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_io_errors.py -k cuda -v
-part pytest_all 300 "$PY" -m pytest -q -p no:cacheprovider -x
-part train_step_cuda 240 "$PY" benches/train_step.py --device cuda --skip-per-tensor --json "$OUT/train_step_cuda.json"
-part train_step_cuda_big 300 "$PY" benches/train_step.py --device cuda --skip-per-tensor \
-    --layers 12 --d-model 1024 --seq 1024 --batch 8 --heads 16 --arena 2GiB --json "$OUT/train_step_cuda_big.json"
+for p in "${parts[@]}"; do
+    case "$p" in
+    install)
+        wheel=$(ls .wheels/ssdtier-*.whl 2>/dev/null | head -n 1)
+        if [ -z "$wheel" ]; then
+            echo "gpu_session: no wheel in .wheels/ (build one here and carry .wheels)" >&2
+            exit 2
+        fi
+        extra=(.wheels/extra/*.whl)
+        [ -e "${extra[0]}" ] || extra=()
+        part install "$(limit 120)" "$PY" -m pip install --no-deps --no-index --force-reinstall "$wheel" ${extra[@]+"${extra[@]}"} || {
+            cat "$OUT/install.log"
+            exit 1
+        }
+        ;;
+    import)
+        part import "$(limit 60)" "$PY" -c "import ssdtier, ssdtier._native as n; print(ssdtier.__file__)"
+        ;;
+    info)
+        part info "$(limit 60)" "$PY" -m ssdtier info benches/out
+        ;;
+    cufile)
+        part cufile "$(limit 300)" "$PY" benches/cufile_bandwidth.py --json "$OUT/cufile_bandwidth.json"
+        ;;
+    test_cuda)
+        part test_cuda "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_io_errors.py -k cuda -v
+        ;;
+    pytest_all)
+        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider -x
+        ;;
+    bench_quick | bench_1b | fit)
+        # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
+        case "$p" in
+        bench_quick) secs=$(limit 180) args=(--quick) margin=40 ;;
+        bench_1b) secs=$(limit 560) args=() margin=80 ;;
+        fit) secs=$(limit 560) args=(--fit) margin=80 ;;
+        esac
+        part "$p" "$secs" "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
+            --json "$OUT/gpu_step_$p.json" --md "$OUT/gpu_step_$p.md"
+        ;;
+    train_step_cuda)
+        part train_step_cuda "$(limit 240)" "$PY" benches/train_step.py --device cuda --skip-per-tensor \
+            --json "$OUT/train_step_cuda.json"
+        ;;
+    train_step_cuda_big)
+        part train_step_cuda_big "$(limit 300)" "$PY" benches/train_step.py --device cuda --skip-per-tensor \
+            --layers 12 --d-model 1024 --seq 1024 --batch 8 --heads 16 --arena 2GiB \
+            --json "$OUT/train_step_cuda_big.json"
+        ;;
+    esac
+done
 
 echo "== gpu_session summary (logs in $OUT) =="
 printf '%s\n' "${summary[@]}"

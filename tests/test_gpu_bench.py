@@ -1,0 +1,215 @@
+"""benches/gpu_step.py without a GPU: options, batch search, report, and every mode end to end
+on the CPU (``DEVICE = "cpu"``, torch.cuda's memory counters stubbed), so that the script
+cannot rot between the rare runs on a GPU machine."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ssdtier.models import build_model
+
+BENCHES = Path(__file__).resolve().parents[1] / "benches"
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--vocab", "64", "--batch", "2"]
+TINY += ["--steps", "1", "--warmup", "1", "--min-tensor-bytes", "0", "--keep-last-layers", "0"]
+
+
+@pytest.fixture
+def gs(monkeypatch):
+    """The bench module, imported from its path (benches/ is not a package)."""
+    monkeypatch.syspath_prepend(str(BENCHES))  # for its `import _machine`
+    spec = importlib.util.spec_from_file_location("gpu_step", BENCHES / "gpu_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def on_cpu(gs, monkeypatch):
+    """Modes run on the CPU; torch.cuda's synchronize and memory counters are stubs."""
+    monkeypatch.setattr(gs, "DEVICE", "cpu")
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    props = SimpleNamespace(name="fake GPU", total_memory=80 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first use imports torch._dynamo
+    gc.freeze()  # the bench collects garbage between modes: only the new objects get scanned
+    yield gs
+    gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+def test_defaults_are_the_1b_model_and_quick_is_small(gs):
+    a = gs.parse_args([])
+    assert (a.layers, a.d_model, a.heads, a.seq, a.vocab, a.batch) == (24, 2048, 16, 2048, 32000, "auto")
+    assert a.dtype == "bf16" and a.modes == gs.MODES and a.budget_s == 540
+    assert 0.9e9 < gs.param_count(a) < 1.5e9
+    small = gs.parse_args(TINY)
+    built = sum(p.numel() for p in build_model(gs.gpt_config(small, False)).parameters())
+    assert gs.param_count(small) == built
+    q = gs.parse_args(["--quick", "--layers", "2"])
+    assert (q.layers, q.d_model, q.batch, q.nvme_arena) == (2, 512, 8, "64MiB")
+    assert gs.parse_args(["--modes", "checkpoint,ssdtier_nvme"]).modes == ("keep", "checkpoint", "ssdtier_nvme")
+    for bad in (["--modes", "nope"], ["--batch", "x"], ["--warmup", "0"], ["--d-model", "100", "--heads", "3"]):
+        with pytest.raises(SystemExit):
+            gs.parse_args(bad)
+
+
+def test_host_capacity_follows_keep_within_ram(gs):
+    a = gs.parse_args([])
+    assert gs.host_capacity(a, 10 << 30, 128 << 30) == (15 << 30, "1.5 x keep's activations")
+    got, why = gs.host_capacity(a, 100 << 30, 128 << 30)
+    assert got <= 0.6 * (128 << 30) and "capped" in why
+    assert gs.host_capacity(gs.parse_args(["--host-capacity", "3GiB"]), 1, 1)[0] == 3 << 30
+
+
+def test_nvme_batch_fits_the_disk(gs):
+    ssd = gs.ssdtier_config(gs.parse_args([]), 2 << 30, 38 << 30)  # 40 GiB of room
+    assert gs.nvme_batch(gs.parse_args([]), 4, 32 << 30, ssd) == (4, "")
+    b, why = gs.nvme_batch(gs.parse_args([]), 4, 64 << 30, ssd)  # 16 GiB per sample
+    assert b == 2 and "not 4" in why
+    assert gs.nvme_batch(gs.parse_args(["--nvme-batch", "3"]), 4, 64 << 30, ssd)[0] == 3
+    assert gs.nvme_batch(gs.parse_args([]), 4, None, ssd) == (4, "")
+
+
+def test_tmpfs_dir_is_refused(gs):
+    from ssdtier.config import is_tmpfs
+
+    if not is_tmpfs("/dev/shm"):
+        pytest.skip("/dev/shm is not tmpfs here")
+    with pytest.raises(gs.BenchError, match="tmpfs"):
+        gs.check_dir(Path("/dev/shm/gpu_step-test"))
+
+
+def test_batch_search_doubles_then_bisects(gs):
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= 37
+
+    assert gs.search_batches(fits, 256) == {"largest": 37, "failed": 38, "cut": False}
+    assert tried[:7] == [1, 2, 4, 8, 16, 32, 64] and len(tried) < 14
+    assert gs.search_batches(lambda b: True, 12) == {"largest": 12, "failed": None, "cut": False}
+    assert gs.search_batches(lambda b: None if b > 2 else True, 64)["cut"]
+
+
+def fake_run(mode, act, step, status="ok", batch=4, **extra):
+    r = {"mode": mode, "status": status, "batch": batch}
+    if status == "ok":
+        r.update(peak_bytes=act + (20 << 30), act_bytes=act, median_step_s=step, tokens_per_s=1000.0)
+        r.update(losses=["0x1.0p+0", "0x1.1p+0"], **extra)
+    else:
+        r["error"] = extra.get("error", "")
+    return r
+
+
+def fake_results(gs):
+    args = gs.args_dict(gs.parse_args(["--quick"]))
+    machine = {
+        "hostname": "h", "gpu": "H100", "gpu_memory": 80 << 30, "torch": "2.11", "cuda": "12.8", "python": "3.12",
+        "cpu": "x", "nproc": 16, "kernel": "6", "mem_total": 128 << 30, "dir": "/d", "disk_free": 50 << 30,
+        "mount": {"device": "/dev/nvme0n1p1", "fstype": "ext4"},
+    }  # fmt: skip
+    nvme = {
+        "per_step": {"nvme_written": 4e9, "nvme_read": 4e9, "offloaded": 4e9, "stall_s": 0.1, "failed_writes": 0},
+        "nvme_write_bps": 2e9, "nvme_read_bps": 3e9, "offload": {"store": {"host_peak": 1, "nvme_peak": 2}},
+    }  # fmt: skip
+    modes = {
+        "keep": fake_run("keep", 40 << 30, 1.0),
+        "ssdtier_nvme": fake_run("ssdtier_nvme", 5 << 30, 0.51, batch=2, **nvme),  # per sample as below
+        "checkpoint": fake_run("checkpoint", 8 << 30, 1.3),
+        "save_on_cpu": fake_run("save_on_cpu", 0, 0, status="OOM", error="CUDA out of memory"),
+        "torchtune": fake_run("torchtune", 0, 0, status="not installed", error="not installed (ImportError)"),
+    }
+    fio = {"status": "ok", "bytes": 1 << 30, "block": 1 << 20, "depth": 64, "write": 4e9, "read": 6e9}
+    return {"machine": machine, "args": args, "params": 1.3e9, "modes": modes, "fit": {}, "batch": 4, "fio": fio}
+
+
+def test_report_has_ratios_goal_and_failures(gs):
+    res = fake_results(gs)
+    gs.compare(SimpleNamespace(compare_losses=2), res)
+    text = gs.render_steps(res)
+    assert re.search(r"\| save_on_cpu +\| +OOM \|", text) and re.search(r"\| torchtune +\| +not installed \|", text)
+    assert re.search(r"\| +0\.250 \|", text)  # ssdtier_nvme's activations / keep's
+    assert "4.0 + 4.0" in text and "2.00 / 3.00" in text and "0.50 of fio's write" in text
+    assert "(a row at another batch than keep's: its activations and step time x keep are per sample)" in text
+    assert "goal: activations <= 0.3 of keep" in text
+    assert "ssdtier_nvme MET (0.250, 1.020)" in text and "checkpoint NOT MET" in text
+    json.dumps(res)
+
+
+def test_fit_report_has_the_rok_view(gs):
+    res = fake_results(gs)
+
+    def probes(*pairs):
+        return [{"batch": b, "fits": s is not None, "s_per_sample": s, "peak_bytes": 1 << 30} for b, s in pairs]
+
+    res["fit"] = {
+        "keep": {"status": "ok", "largest": 4, "failed": 5, "probes": probes((1, 0.3), (2, 0.25), (4, 0.2), (5, None))},
+        "ssdtier_host": {"status": "ok", "largest": 16, "failed": 17, "probes": probes((4, 0.205), (16, 0.3))},
+        "checkpoint": {"status": "ok", "largest": 64, "failed": None, "cut": True, "probes": probes((64, 0.27))},
+    }
+    for r in res["fit"].values():
+        r["at_largest"] = next(p for p in r["probes"] if p["batch"] == r["largest"])
+    res["rok_reference_s_per_sample"] = gs.rok(res["fit"], 1.05)
+    assert res["rok_reference_s_per_sample"] == 0.2
+    assert [res["fit"][m]["rok_batch"] for m in ("keep", "ssdtier_host", "checkpoint")] == [4, 4, 0]
+    text = gs.render_fit(res)
+    assert "ROK: largest micro-batch at <= 1.05x keep's time per sample: keep 4, ssdtier_host 4, checkpoint 0" in text
+    assert re.search(r"\| checkpoint +\| +64 \(cut\) \|", text)
+
+
+def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
+    gs = on_cpu
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    monkeypatch.setattr(gs, "torchtune_maker", lambda: (lambda model: hooks, "stand-in hooks"))
+    out = store_dir / "r.json"
+    argv = [*TINY, "--dir", str(store_dir / "nvme"), "--nvme-arena", "0", "--no-fio", "--json", str(out)]
+    assert gs.main(argv) == 0
+    res = json.loads(out.read_text())
+    for mode in gs.MODES:
+        assert res["modes"][mode]["status"] == "ok", res["modes"][mode]
+        assert res["modes"][mode]["losses_equal_keep"], mode
+    assert res["modes"]["ssdtier_nvme"]["per_step"]["nvme_written"] > 0  # (on the CPU, ssdtier_host's too: zero copy)
+
+
+def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch):
+    gs = on_cpu
+    step = gs.Setup.step
+    limit = {"keep": 3, "ssdtier_nvme": 4}  # samples that "fit"; save_on_cpu: any, but the RAM bounds it
+
+    def limited(self, batch):
+        if batch[0].shape[0] > limit.get(self.mode, 100):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+        return step(self, batch)
+
+    monkeypatch.setattr(gs.Setup, "step", limited)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 << 30)  # keep: 1 GiB per sample
+    monkeypatch.setattr(gs, "mem_available", lambda: 6 << 30)  # save_on_cpu: at most 0.7 x 6 GiB / 1 GiB
+    out = store_dir / "fit.json"
+    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "8", "--dtype", "fp32"]
+    argv += ["--modes", "save_on_cpu,ssdtier_nvme", "--nvme-arena", "1MiB"]
+    assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out)]) == 0
+    fit = json.loads(out.read_text())["fit"]
+    got = [(fit[m]["largest"], fit[m]["failed"]) for m in ("keep", "save_on_cpu", "ssdtier_nvme")]
+    assert got == [(3, 4), (4, None), (4, 5)]
+    assert fit["save_on_cpu"]["max_batch"] == 4 and fit["keep"]["rok_batch"] == 3
+
+
+def test_without_cuda_it_says_so(gs, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gs.main(["--quick"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
