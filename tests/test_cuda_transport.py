@@ -234,3 +234,13 @@ def test_an_offloader_collected_undetached_unregisters_its_arena(store_dir, gpu)
     del model, off
     gc.collect()
     assert not gpu.registered
+
+
+def test_an_activation_larger_than_the_arena_is_copied_through_once_said(transport, gpu, warned):
+    src = source(2 << 20, 4)
+    e = offload(transport, src)
+    assert e.d2h is None and not transport.pending  # written already, synchronously
+    assert warned("is larger than the host arena") and transport.native.location(e.key) == (False, True)
+    out = torch.empty(2 << 20, dtype=torch.uint8)
+    transport.native.read_staged(e.key, out.data_ptr(), out.numel(), out)
+    assert torch.equal(out, src)

@@ -154,13 +154,13 @@ class CudaTransport:
         return entry
 
     def _write_through(self, key: int, whole: torch.Tensor, nbytes: int) -> None:
-        """Bigger than the arena: a synchronous copy, streamed to NVMe."""
-        arena = self.store.arena
+        """No slot (bigger than the arena, or none free): a synchronous copy, streamed to NVMe."""
+        size = self.store.arena.numel() if self.store.arena is not None else 0
+        why = "is larger than" if nbytes > size else "found no free slot in"
         self.off.once.warn(
-            "bigger than arena",
-            f"a saved activation of {nbytes} bytes is larger than the host arena "
-            f"({arena.numel() if arena is not None else 0} bytes): such activations are copied "
-            "synchronously; raise host.capacity",
+            "no slot",
+            f"a saved activation of {nbytes} bytes {why} the host arena ({size} bytes): it was "
+            "copied synchronously (said once); raise host.capacity",
         )
         host = whole.cpu()  # held by name: its bytes must outlive the write
         self.native.write_staged(key, host.data_ptr(), host)
