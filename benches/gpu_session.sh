@@ -12,6 +12,9 @@
 #   bash benches/gpu_session.sh install bench_quick cufile                        # ~4 min
 #   bash benches/gpu_session.sh install fit                                       # ~9 min
 #
+# The lent machines run gVisor (kernel 4.4): io_uring or O_DIRECT may be refused there, and then
+# the store says so and uses its POSIX engine; `info` and machine.txt record what was found.
+#
 # Parts: install (pip install of the carried wheels), import (the installed wheel, not the source
 # tree, is what tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda,
 # pytest_all, cufile (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_quick (benches/gpu_step.py --quick),
