@@ -522,11 +522,21 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
+    def floor_pack(t: torch.Tensor) -> tuple:
+        # What any hook that stores a tensor's bytes elsewhere must read to rebuild it.
+        st = t.untyped_storage()
+        return (t, st.data_ptr(), st.nbytes(), t.dtype, t.storage_offset(), t.shape, t.stride(), t._version)
+
+    def floor_unpack(h: tuple) -> torch.Tensor:
+        t, _, _, dtype, offset, size, stride, _ = h
+        return torch.empty(0, dtype=dtype).set_(t.untyped_storage(), offset, size, stride)
+
     variants = {
         "plain": lambda: run(plain, None),
         "ssdtier": lambda: run(ssd_model, None),
         "ssdtier-arena": lambda: run(arena_model, None),
         "save_on_cpu": lambda: run(plain, torch.autograd.graph.save_on_cpu(pin_memory=False)),
+        "view_floor": lambda: run(plain, torch.autograd.graph.saved_tensors_hooks(floor_pack, floor_unpack)),
     }
     for _ in range(args.pt_warmup):
         for fn in variants.values():
@@ -574,7 +584,12 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
         med[k] = {"fwd_s": fwd, "bwd_s": bwd, "total_s": tot}
     out["median"] = med
     base = med["plain"]
-    for k, n in (("ssdtier", packs), ("ssdtier-arena", packs), ("save_on_cpu", float(n_saved))):
+    for k, n in (
+        ("ssdtier", packs),
+        ("ssdtier-arena", packs),
+        ("save_on_cpu", float(n_saved)),
+        ("view_floor", float(n_saved)),
+    ):
         m = med[k]
         out[f"{k}_us_per_tensor"] = (m["total_s"] - base["total_s"]) / n * 1e6
         out[f"{k}_us_per_pack_fwd"] = (m["fwd_s"] - base["fwd_s"]) / n * 1e6
@@ -636,7 +651,9 @@ def render_per_tensor(pt: dict[str, Any]) -> list[str]:
         f"batch {pt['batch']}, {pt['reps']} interleaved reps, in one process; ssdtier with "
         f"min_tensor_bytes 0, keep_last_layers 0, arena {pt['arena']} (ssdtier: zero copy, every storage "
         "written to NVMe and read back; ssdtier-arena: io.zero_copy false, everything stays in the arena, "
-        f"no NVMe I/O: the Python layer's own cost); CPU use "
+        "no NVMe I/O: the Python layer's own cost; view_floor: Python hooks that only read a tensor's "
+        "storage, dtype, shape, strides, offset and version and rebuild the view from them, the least a "
+        "hook that moves bytes does); CPU use "
         f"{pt['cpu_utilisation']:.2f} cores, rest of machine {pt['other_cpu_cores']:.2f} cores"
     )
     lines.append(
@@ -660,7 +677,7 @@ def render_per_tensor(pt: dict[str, Any]) -> list[str]:
         f"  ssdtier per offloaded storage (the same time / {pt['ssdtier_offloaded_per_iter']:.0f}): "
         f"{per_store * 1e6:.1f} us"
     )
-    for k in ("ssdtier", "ssdtier-arena", "save_on_cpu"):
+    for k in ("ssdtier", "ssdtier-arena", "save_on_cpu", "view_floor"):
         if f"{k}_us_per_tensor" not in pt:
             continue
         lines.append(

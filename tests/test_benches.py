@@ -63,7 +63,7 @@ def test_train_step_refuses_an_allocator_it_cannot_find(store_dir):
 def test_per_tensor_only(store_dir):
     p = run("train_step.py", "--dir", str(store_dir), "--per-tensor-only", "--pt-layers", "4", "--pt-reps", "2")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "ssdtier-arena:" in p.stdout and "save_on_cpu:" in p.stdout
+    assert "ssdtier-arena:" in p.stdout and "save_on_cpu:" in p.stdout and "view_floor:" in p.stdout
 
 
 def test_heap_trace_prints_every_block_boundary(store_dir):

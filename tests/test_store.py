@@ -174,6 +174,24 @@ def test_prefetch_and_locations(store_dir):
         assert store.stats().nvme_hits == 0 and store.stats().host_hits == 1
 
 
+def test_read_into_says_whether_it_copied_at_once(store_dir):
+    from ssdtier.offload._util import aligned_storage
+
+    t = torch.arange(5000, dtype=torch.int32)
+    with TieredStore(store_config(store_dir)) as store:
+        k = store.put(t)
+        for resident in (True, False):
+            buf, pad = aligned_storage(t.nbytes)
+            ticket = store.native.read_into(k, buf.data_ptr() + pad, buf.nbytes() - pad, buf)
+            # None: copied from the arena before the call returned; else a read from NVMe.
+            assert (ticket is None) == resident
+            if ticket is not None:
+                ticket.wait()
+            got = torch.empty(0, dtype=torch.int32).set_(buf, pad // 4, t.shape, t.stride())
+            assert torch.equal(got, t)
+            store.evict(k)
+
+
 def test_fixed_buffers_off_and_on_agree(store_dir):
     t = torch.randn(300_000)
     for fixed in (True, False):

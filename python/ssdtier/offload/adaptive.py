@@ -69,7 +69,8 @@ class Adaptive:
                 for k, (b, pad) in zip(keys, bufs, strict=True)
             ]
             for t in tickets:
-                t.wait()
+                if t is not None:
+                    t.wait()
             read = n * chunk / max(time.perf_counter() - t0, 1e-9)
         log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
         return write, read

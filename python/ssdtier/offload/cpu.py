@@ -71,14 +71,14 @@ class CpuTransport:
             e.src = None
             self.off.res.writing -= e.nbytes
 
-    def start_read(self, e: Entry, from_host: bool) -> None:
+    def start_read(self, e: Entry) -> None:
         """The bytes go from NVMe straight into the page-aligned buffer that becomes the
         restored storage; the arena is not used, so read-ahead never evicts what is about to
         be needed. The entry starts `lead` bytes before the data (a write covers whole pages)."""
         st, pad = aligned_storage(e.lead + e.nbytes)
         self.off._track(st, e.nbytes)
         ticket = self.native.read_into(e.key, st.data_ptr() + pad, st.nbytes() - pad, st)
-        e.reading = (st, pad + e.lead, ticket, from_host)
+        e.reading = (st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
 
     def close(self) -> None:
         for e in self.writing:

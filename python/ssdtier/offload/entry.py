@@ -12,16 +12,18 @@ if TYPE_CHECKING:
     from .forward import Fwd
     from .offloader import Offloader
 
-_set_versions = torch._C._autograd._unsafe_set_version_counter
+_EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
 def version_probe(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor that shares ``t``'s version counter (and nothing else): its
     ``_version`` tells whether ``t``, or any view of its base, was modified in place."""
     probe = t.detach()  # shares the version counter, and for now the storage
-    v = probe._version
-    probe.set_()  # lets go of the storage, bumping the shared counter ...
-    _set_versions((probe,), (v,))  # ... which is put back as it was
+    empty = _EMPTY.get(t.device)
+    if empty is None:
+        empty = _EMPTY[t.device] = torch.empty(0, device=t.device)
+    # Swaps the storage for an empty one, keeping the counter and not bumping it (set_() would).
+    probe.data = empty
     return probe
 
 

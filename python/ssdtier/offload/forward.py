@@ -83,8 +83,13 @@ class BlockExit(BlockEnter):
             off.adaptive.block_exit(self.tag)
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def autocasting(cuda: bool) -> bool:
     """Autocast with its cache is on here (asked outside an op: inside one it reads as off)."""
+    if not _any_autocast():  # one call instead of two for the common case
+        return False
     on = torch.is_autocast_enabled("cpu") or (cuda and torch.is_autocast_enabled("cuda"))
     return on and torch.is_autocast_cache_enabled()
 

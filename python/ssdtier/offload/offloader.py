@@ -363,7 +363,7 @@ class Offloader:
             if self._dedup_on:
                 entry.dkey = (dev, ptr)
                 entry.first = (weakref.ref(t), saved.probe, saved.size, saved.stride, saved.offset)
-                self._dedup[entry.dkey] = (weakref.ref(st), t._version, entry)
+                self._dedup[entry.dkey] = (weakref.ref(st), saved.version, entry)
             self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
             if self.ahead.auto:
                 b = entry.backward
@@ -405,24 +405,11 @@ class Offloader:
     # ---------------------------------------------------------------- unpack
 
     def _unpack(self, h: Any) -> torch.Tensor:
-        if type(h) is Distributed:
-            return type_dtensor()(self._unpack(h.local), h.spec, requires_grad=False)
-        if type(h) is Same:
-            if h.version is not None:
-                check_version(h.tensor, h.version, version_of(h.tensor))
-            return h.tensor
-        self.c["unpacks"] += 1
-        if isinstance(h, Kept):
-            check_version(h.tensor, h.version, h.tensor._version)
-            self.c["forwarded"] += 1  # served from memory, with no read
-            if h.backward.due(h.layer):
-                self.cpu.poll()
-                with self._lock:
-                    if self.ahead.auto:
-                        self.ahead.advance(h.backward, -1)
-                    else:
-                        self.ahead.start(h.forward, h.layer)
-            return h.tensor
+        tp = type(h)
+        if tp is not Saved:
+            return self._unpack_other(h, tp)
+        c = self.c
+        c["unpacks"] += 1
         if h.probe._version != h.version:
             check_version(h, h.version, h.probe._version)
         e: Entry = h.entry
@@ -440,18 +427,19 @@ class Offloader:
                 out = e.view
                 if not e.waiting:
                     e.view = None
-                self.c["forwarded"] += 1
+                c["forwarded"] += 1
                 return out
-            if e.backward.due(e.layer):
+            b = e.backward
+            if e.layer != b.last and b.due(e.layer):
                 self.cpu.poll()  # writes done since the last block let their sources go
                 if not self.ahead.auto:
                     self.ahead.start(e.forward, e.layer)
-            if self.ahead.auto and e.pos >= 0:
-                self.ahead.advance(e.backward, e.pos)
+            if e.pos >= 0 and self.ahead.auto:
+                self.ahead.advance(b, e.pos)
             try:
                 storage, pad = self._restore(e)
             except SsdtierOSError as err:
-                self.c["failed_reads"] += 1
+                c["failed_reads"] += 1
                 raise type(err)(
                     err.errno,
                     f"a saved activation ({e.nbytes} bytes) could not be read back, so this backward "
@@ -468,6 +456,31 @@ class Offloader:
         if h.twin and e.waiting:
             e.view = out  # held like e.hold, until the entry's last handle is unpacked
         return out
+
+    def _unpack_other(self, h: Any, tp: type) -> torch.Tensor:
+        """A handle of a tensor that was not offloaded, or of a DTensor."""
+        if tp is Kept:
+            self.c["unpacks"] += 1
+            t = h.tensor
+            if t._version != h.version:
+                check_version(t, h.version, t._version)
+            self.c["forwarded"] += 1  # served from memory, with no read
+            b = h.backward
+            if h.layer != b.last and b.due(h.layer):
+                self.cpu.poll()
+                with self._lock:
+                    if self.ahead.auto:
+                        self.ahead.advance(b, -1)
+                    else:
+                        self.ahead.start(h.forward, h.layer)
+            return t
+        if tp is Same:
+            if h.version is not None:
+                check_version(h.tensor, h.version, version_of(h.tensor))
+            return h.tensor
+        if tp is Distributed:
+            return type_dtensor()(self._unpack(h.local), h.spec, requires_grad=False)
+        raise TypeError(f"ssdtier cannot unpack a {tp.__name__}")
 
     def _restore(self, e: Entry) -> tuple[torch.UntypedStorage, int]:
         """The entry's storage, and where its data starts in it."""
@@ -491,15 +504,16 @@ class Offloader:
         e.reading = None
         if from_host:
             self.c["forwarded"] += 1
-        if ticket is not None and not ticket.done():
-            t0 = time.perf_counter()
-            ticket.wait()
-            waited = time.perf_counter() - t0
-            self.res.stall += waited
-            if ahead:
-                self.res.stall_ahead += waited
-        elif ticket is not None:
-            ticket.wait()  # raises the read's error, if any
+        if ticket is not None:
+            if not ticket.done():
+                t0 = time.perf_counter()
+                ticket.wait()
+                waited = time.perf_counter() - t0
+                self.res.stall += waited
+                if ahead:
+                    self.res.stall_ahead += waited
+            else:
+                ticket.wait()  # raises the read's error, if any
         if st is None:
             st = self.cuda.restore(e)
         e.restored = (weakref.ref(st), pad)
@@ -518,11 +532,10 @@ class Offloader:
 
     def _start_read(self, e: Entry) -> None:
         """Begin bringing an entry back."""
-        from_host = self._native.location(e.key)[0]
         if e.cuda:
-            self.cuda.start_read(e, from_host)
+            self.cuda.start_read(e, self._native.location(e.key)[0])
         else:
-            self.cpu.start_read(e, from_host)
+            self.cpu.start_read(e)
 
     # ---------------------------------------------------------------- release
 

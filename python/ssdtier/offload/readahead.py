@@ -29,11 +29,14 @@ class Backward:
     With a byte window (``prefetch_layers = "auto"``) it also holds the forward's entries in
     pack order (``seq``, ``Entry.pos``) and the sweep of the backward under way."""
 
-    __slots__ = ("cum", "done", "low", "round", "seq", "sweep")
+    __slots__ = ("cum", "done", "last", "low", "round", "seq", "sweep")
 
     def __init__(self) -> None:
         self.round = 0
         self.low: int | None = None
+        # The layer of the last call of due(): called again with it, due() is False and
+        # changes nothing, so callers skip the call.
+        self.last = -1
         self.done: dict[int, int] = {}  # layer -> the round its read-ahead started in
         self.seq: list[Any] = []
         self.cum = 0  # bytes in seq
@@ -41,6 +44,7 @@ class Backward:
 
     def due(self, layer: int) -> bool:
         """Whether ``layer``'s read-ahead should start now (at an unpack of ``layer``)."""
+        self.last = layer
         if self.low is not None and layer > self.low:
             self.round += 1
             self.low = None

@@ -96,6 +96,12 @@ impl Ticket {
         s.finished.map(|f| f - s.created)
     }
 
+    /// True for a ticket that had nothing to wait for from its creation (bytes copied at once).
+    pub fn immediate(&self) -> bool {
+        let s = self.lock();
+        s.finished == Some(s.created)
+    }
+
     pub fn is_done(&self) -> bool {
         self.lock().pending == 0
     }

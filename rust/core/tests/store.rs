@@ -324,7 +324,7 @@ fn read_into_caller_memory_skips_the_arena() {
     // Resident: copied from the slot, the ticket is done at once.
     // Safety: dst is aligned and large enough.
     let t = unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.unwrap();
-    assert!(t.is_done());
+    assert!(t.is_done() && t.immediate());
     assert!(&dst.slice()[..data.len()] == data.as_slice());
     s.evict(k).unwrap();
     dst.slice_mut().fill(0);
@@ -332,6 +332,7 @@ fn read_into_caller_memory_skips_the_arena() {
     // Safety: as above.
     let t = unsafe { s.read_into(k, dst.as_mut_ptr(), dst.len() as u64, None) }.unwrap();
     t.wait().unwrap();
+    assert!(!t.immediate(), "a read from NVMe is not reported as copied at once");
     assert!(&dst.slice()[..data.len()] == data.as_slice());
     let after = s.stats();
     assert_eq!(after.host_used, 0, "the arena was not used");

@@ -82,6 +82,9 @@ impl Ticket {
     /// Block until the transfer has finished; raises its error, if any. Ctrl-C interrupts the
     /// wait (the transfer goes on, and its memory stays held until it ends).
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some(r) = self.inner.poll() {
+            return r.py_err(py); // done: no GIL round trip
+        }
         loop {
             let t = self.inner.clone();
             if let Some(r) = py.detach(move || t.wait_timeout(Duration::from_millis(50))) {
@@ -227,15 +230,22 @@ impl Store {
     }
 
     /// Read an entry into page-aligned host memory at `address` (`nbytes` of room, at least
-    /// the length rounded up to 4096), bypassing the arena; returns a Ticket, which holds
-    /// `owner` until the read has landed.
-    fn read_into(&self, py: Python<'_>, key: u64, address: usize, nbytes: u64, owner: Py<PyAny>) -> PyResult<Ticket> {
+    /// the length rounded up to 4096), bypassing the arena: None when the bytes were copied
+    /// from the host arena at once, else a Ticket of the read, holding `owner` until it lands.
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        key: u64,
+        address: usize,
+        nbytes: u64,
+        owner: Py<PyAny>,
+    ) -> PyResult<Option<Ticket>> {
         let s = self.inner.clone();
         let owner: core::Owner = Box::new(owner);
         // Safety: the Python layer passes a page-aligned buffer of `nbytes` that `owner` keeps
         // alive, and the ticket holds `owner` until the read has landed.
         let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8, nbytes, Some(owner)) }).py_err(py)?;
-        Ok(Ticket { inner: t })
+        Ok((!t.immediate()).then_some(Ticket { inner: t }))
     }
 
     /// Start reading the entry back into the host tier; returns a Ticket.
