@@ -966,6 +966,7 @@ def test_auto_read_ahead_margin(store_dir):
     did not; a fixed prefetch_layers is never tuned."""
     from types import SimpleNamespace
 
+    from ssdtier.offload import readahead
     from ssdtier.offload.readahead import Backward, Sweep
 
     model = build_model(CONFIGS["gpt"])
@@ -989,6 +990,18 @@ def test_auto_read_ahead_margin(store_dir):
         assert backward(stall=0.0005) == one, "0.5 ms of a 100 ms backward is jitter"
         assert backward(stall=0.002) == 2 * one, "a stall doubles the margin"
         assert [backward() for _ in range(3)] == [2 * one, 2 * one, one], "three clean ones halve it"
+        # Steady: the search (about 1 ms for 200 entries) runs every 8th backward; a stall
+        # brings it back at once.
+        searches = []
+        real = readahead.min_window
+        readahead.min_window = lambda *a: searches.append(1) or real(*a)
+        try:
+            assert all(backward() == one for _ in range(24))
+            assert 3 <= len(searches) <= 6, len(searches)
+            searches.clear()
+            assert backward(stall=0.002) == 2 * one and searches == [1], "a stall searches again"
+        finally:
+            readahead.min_window = real
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=3)) as off:
         assert off.stats().prefetch_layers == 3
         off.res.stall_ahead += 1.0

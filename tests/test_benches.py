@@ -96,3 +96,59 @@ def test_store_bandwidth_both_engines(store_dir):
     for row in ("io_uring  write", "io_uring  read", "posix     write", "posix     read"):
         assert row in p.stdout, p.stdout
     assert "read amplification 1.00x" in p.stdout
+
+
+def _hook_profile():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hook_profile", BENCHES / "hook_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_hook_profile_charges_samples_to_the_hook_torch_called():
+    hp = _hook_profile()
+    step = "<module> (hook_profile.py:9);child.<locals>.ssdtier_steps (hook_profile.py:99);forward (x.py:1)"
+    raw = "\n".join(
+        [
+            f"{step};Offloader._pack (ssdtier/offload/offloader.py:260);Saved.__init__ (ssdtier/offload/entry.py:5) 30",
+            f"{step};Offloader._unpack (ssdtier/offload/offloader.py:400) 20",
+            f"{step};Saved.__del__ (ssdtier/offload/entry.py:9);Offloader._release (ssdtier/offload/offloader.py:5) 10",
+            f"{step};addmm (torch/x.py:3) 40",  # torch's own work: counted in the total only
+            "<module> (hook_profile.py:9);child.<locals>.plain_steps (hook_profile.py:90) 500",  # not ssdtier's steps
+        ]
+    )
+    total, by_entry, by_inner = hp.attribute(raw)
+    assert total == 100
+    assert by_entry == {"pack": 30, "unpack": 20, "release": 10}
+    assert by_inner[("pack", "Saved.__init__")] == 30 and by_inner[("release", "Offloader._release")] == 10
+    t = {"plain_s": 0.010, "ssdtier_s": 0.016, "ssdtier_mean_s": 0.016, "saved_per_step": 100}
+    text = hp.report({**t, "offloaded_per_step": 50, "steps": 3}, total, by_entry, by_inner)
+    # 16 ms / 100 saved = 160 us of a step per saved tensor; pack had 30% of it.
+    assert "| pack | 48.00 | 30.0% |" in text and "ssdtier over plain: 60.00 us" in text
+    assert "| outside any ssdtier frame (hook calls, handles freed, caches) | -36.00 |" in text
+
+
+def test_hook_profile_child_times_plain_and_ssdtier(store_dir, tmp_path):
+    import json
+
+    out = tmp_path / "t.json"
+    p = run(
+        "hook_profile.py",
+        "--child",
+        str(out),
+        "--mode",
+        "zero-copy",
+        "--dir",
+        str(store_dir),
+        "--layers",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    t = json.loads(out.read_text())
+    assert t["saved_per_step"] == 12 and t["offloaded_per_step"] >= 4 and t["ssdtier_s"] > 0

@@ -115,6 +115,9 @@ class ReadAhead:
         self.window: int | None = None
         self.margin = 1.0
         self.reads: list[tuple[float, Any, int]] = []  # (start, ticket, bytes)
+        # Backwards in a row with no stall and the same margin: from 3 on, the search
+        # (about 1 ms for 200 entries) runs only every 8th backward.
+        self.calm = 0
         self.sweep: Sweep | None = None  # the sweep under way
         self.learned: tuple[int, int, list[int]] | None = None  # (entries, bytes, order) of the last
 
@@ -209,11 +212,15 @@ class ReadAhead:
         span = max((t for t in s.times if t is not None), default=0.0)
         stalled = off.res.stall_ahead - self.stall0 > 0.01 * span and not s.guessed
         self.stall0 = off.res.stall_ahead
+        margin = self.margin
         if stalled:
             self.ctl.stall()
             self.margin = min(self.margin * 2, 64.0)
         elif self.margin > 1.0 and self.ctl.quiet():
             self.margin = max(1.0, self.margin / 2)
+        self.calm = 0 if stalled or self.margin != margin else self.calm + 1
+        if self.calm > 3 and self.calm % 8:
+            return
         done = [(t0, t0 + t.seconds, n) for t0, t, n in reads if t.seconds is not None]
         if len(done) < 2:
             return
