@@ -47,33 +47,14 @@ FRAME = re.compile(r"^(?P<fn>[^ ]+) \((?P<file>[^:)]+)(?::\d+)?\)$")
 def child(args: argparse.Namespace) -> None:
     """Plain steps, then ssdtier's; writes the timings as JSON to ``--child``."""
     import torch
-    from torch import nn
+    from train_step import tiny_stack
 
     import ssdtier
 
     torch.set_num_threads(1)
 
-    class Tiny(nn.Module):
-        def __init__(self, width: int) -> None:
-            super().__init__()
-            self.fc = nn.Linear(width, width)
-            self.act = nn.Tanh()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.act(self.fc(x))
-
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Tiny(args.width) for _ in range(args.layers))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = b(x)
-            return x.square().mean()
-
     torch.manual_seed(0)
-    model = Stack()
+    model = tiny_stack(args.layers, args.width)
     x = torch.randn(args.batch, args.width)
     n_saved = 0
 

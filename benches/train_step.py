@@ -460,6 +460,34 @@ def run_worker(
 # ---------------------------------------------------------------- cost per saved tensor
 
 
+def tiny_stack(n: int, width: int) -> Any:
+    """``n`` blocks of Linear(width)+Tanh and a mean-square loss: 3 saved tensors per block
+    (the input, the weight's transpose, the output), every storage small."""
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+            self.act = nn.Tanh()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.fc(x))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Tiny() for _ in range(n))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x.square().mean()
+
+    return Stack()
+
+
 def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     """µs per saved tensor (pack + unpack) of ssdtier and save_on_cpu on a deep stack of tiny layers."""
     import copy
@@ -469,27 +497,8 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
 
     import ssdtier
 
-    class Tiny(nn.Module):
-        def __init__(self, width: int) -> None:
-            super().__init__()
-            self.fc = nn.Linear(width, width)
-            self.act = nn.Tanh()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.act(self.fc(x))
-
-    class Stack(nn.Module):
-        def __init__(self, n: int, width: int) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Tiny(width) for _ in range(n))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = b(x)
-            return x.square().mean()
-
     torch.manual_seed(args.seed)
-    plain = Stack(args.pt_layers, args.pt_width)
+    plain = tiny_stack(args.pt_layers, args.pt_width)
     ssd_model = copy.deepcopy(plain)
     arena_model = copy.deepcopy(plain)
     x = torch.randn(args.pt_batch, args.pt_width, generator=torch.Generator().manual_seed(args.seed))
