@@ -260,20 +260,15 @@ class Offloader:
 
     # ---------------------------------------------------------------- pack
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        if self._closed:
-            return Same(t)  # hooks an interrupted forward left on another thread, after detach()
-        self.c["packs"] += 1
-        if type(t) is not torch.Tensor:
-            return self._pack_subclass(t)
-        return self._classify(t)
-
     def _pack_subclass(self, t: torch.Tensor) -> Any:
         """A DTensor goes through its local tensor (tensor parallelism's activations); other
         subclasses (float8, NF4, ...) stay in memory, said once."""
+        if self._closed:
+            return Same(t)
         if _is_dtensor(t):
-            local = self._classify(t._local_tensor)
+            local = self._pack(t._local_tensor)  # counted there
             return Same(t) if type(local) is Same else Distributed(local, t._spec)
+        self.c["packs"] += 1
         if not isinstance(t, nn.Parameter) and not torch.compiler.is_compiling():
             self.once.warn(
                 f"subclass {type(t).__name__}",
@@ -282,9 +277,14 @@ class Offloader:
             )
         return Same(t)
 
-    def _classify(self, t: torch.Tensor) -> Any:
-        """Keep, pass through or offload a plain tensor; the handle autograd holds."""
+    def _pack(self, t: torch.Tensor) -> Any:
+        """Keep, pass through or offload a saved tensor; the handle autograd holds."""
+        if type(t) is not torch.Tensor:
+            return self._pack_subclass(t)
         c = self.c
+        c["packs"] += 1
+        if self._closed:
+            return Same(t)  # hooks an interrupted forward left on another thread, after detach()
         base = t._base
         if base is not None and isinstance(base, nn.Parameter):
             return Same(t)  # a view of a parameter (weight.t()): the commonest case first
