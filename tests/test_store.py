@@ -192,6 +192,52 @@ def test_read_into_says_whether_it_copied_at_once(store_dir):
             store.evict(k)
 
 
+def test_transfers_outside_the_store(store_dir):
+    """What a cuFile transport does: the store hands out NVMe extents of its files, the
+    caller moves the bytes itself (here with pwrite and pread), then says so."""
+    import mmap
+
+    from ssdtier import SsdtierError
+
+    data = torch.arange((3 << 20) // 4 + 5, dtype=torch.int32)
+    nbytes = data.nbytes
+    with TieredStore(store_config(store_dir, host="1MiB")) as store:
+        native = store.native
+        (fd,) = native.device_fds
+        key, slot = native.reserve(nbytes)
+        assert slot is None  # larger than the arena
+        extents = native.begin_external_write(key)
+        assert sum(n for *_, n in extents) == -(-nbytes // 4096) * 4096
+        raw = data.numpy().tobytes()
+        for _, file_off, entry_off, n in extents:
+            buf = mmap.mmap(-1, n)  # page-aligned, as O_DIRECT wants
+            buf[: max(0, min(n, nbytes - entry_off))] = raw[entry_off : entry_off + n]
+            assert os.pwrite(fd, buf, file_off) == n
+        native.end_external(key)
+        out = torch.empty_like(data)
+        native.read_staged(key, out.data_ptr(), nbytes, out)
+        assert torch.equal(out, data)
+        # Read back outside the store.
+        got = bytearray(nbytes)
+        for _, file_off, entry_off, n in native.begin_external_read(key):
+            buf = mmap.mmap(-1, n)
+            assert os.preadv(fd, [buf], file_off) == n
+            got[entry_off : entry_off + n] = buf[: max(0, min(n, nbytes - entry_off))]
+        native.end_external(key)
+        assert bytes(got) == raw
+        # A failed write leaves no bytes, says why, and frees its space.
+        k2, _ = native.reserve(nbytes)
+        native.begin_external_write(k2)
+        with pytest.raises(SsdtierError, match="cuFile said no"):
+            native.end_external(k2, "cuFile said no")
+        with pytest.raises(SsdtierError):
+            native.begin_external_read(k2)
+        with pytest.raises(SsdtierError):
+            native.end_external(key)  # none in flight
+        native.free(k2)
+        native.free(key)
+
+
 def test_fixed_buffers_off_and_on_agree(store_dir):
     t = torch.randn(300_000)
     for fixed in (True, False):

@@ -13,5 +13,5 @@ pub mod ticket;
 
 pub use device::ALIGN;
 pub use error::{Error, Result};
-pub use store::{Backend, DeviceConfig, Eviction, Stats, Store, StoreConfig};
+pub use store::{Backend, DeviceConfig, Eviction, Extent, Stats, Store, StoreConfig};
 pub use ticket::{Owner, Ticket};

@@ -518,3 +518,89 @@ fn files_are_grown_a_step_ahead_of_their_use() {
         assert!(get(&s, k) == data);
     }
 }
+
+/// Write `data` at the extents into the devices' files, as cuFile would (O_DIRECT: aligned).
+fn pwrite_extents(s: &Store, extents: &[ssdtier_core::Extent], data: &[u8]) {
+    let fds = s.device_fds();
+    for x in extents {
+        let mut buf = Aligned::new(x.len as usize);
+        let lo = (x.entry_off as usize).min(data.len());
+        let hi = ((x.entry_off + x.len) as usize).min(data.len());
+        buf.slice_mut()[..hi - lo].copy_from_slice(&data[lo..hi]);
+        // Safety: buf holds x.len bytes; the fd is the store's open device file.
+        let n =
+            unsafe { libc::pwrite(fds[x.dev].unwrap(), buf.as_mut_ptr().cast(), x.len as usize, x.file_off as i64) };
+        assert_eq!(n, x.len as isize, "{}", std::io::Error::last_os_error());
+    }
+}
+
+fn pread_extents(s: &Store, extents: &[ssdtier_core::Extent], len: usize) -> Vec<u8> {
+    let fds = s.device_fds();
+    let mut out = vec![0u8; len];
+    for x in extents {
+        let buf = Aligned::new(x.len as usize);
+        // Safety: buf holds x.len bytes; the fd is the store's open device file.
+        let n = unsafe { libc::pread(fds[x.dev].unwrap(), buf.as_mut_ptr().cast(), x.len as usize, x.file_off as i64) };
+        assert_eq!(n, x.len as isize, "{}", std::io::Error::last_os_error());
+        let lo = (x.entry_off as usize).min(len);
+        let hi = ((x.entry_off + x.len) as usize).min(len);
+        out[lo..hi].copy_from_slice(&buf.slice()[..hi - lo]);
+    }
+    out
+}
+
+#[test]
+fn transfers_outside_the_store_use_the_extents_they_are_given() {
+    let (a, b) = (real_dir(), real_dir());
+    let s = Store::new(cfg(&[a.path(), b.path()], 1 << 20, Backend::Auto)).unwrap();
+    let data = pattern((3 << 20) + 5, 7);
+    // Larger than the arena: reserved without a slot, as an entry written from GPU memory.
+    let (k, slot) = s.reserve(data.len() as u64).unwrap();
+    assert!(slot.is_none());
+    let before = s.stats();
+    let extents = s.begin_external_write(k).unwrap();
+    assert_eq!(extents.iter().map(|x| x.len).sum::<u64>(), (data.len() as u64).next_multiple_of(4096));
+    assert!(extents.iter().any(|x| x.dev == 0) && extents.iter().any(|x| x.dev == 1), "striped");
+    pwrite_extents(&s, &extents, &data);
+    s.end_external(k, Ok(())).unwrap();
+    assert_eq!(s.stats().nvme_bytes_written - before.nvme_bytes_written, extents.iter().map(|x| x.len).sum::<u64>());
+    assert_eq!(s.location(k).unwrap(), (false, true));
+    assert!(get(&s, k) == data, "the store reads what was written outside it");
+    // And back out: the store's own write, read outside it.
+    let k2 = put(&s, &data[..700_001]);
+    s.evict(k2).unwrap();
+    let ext2 = s.begin_external_read(k2).unwrap();
+    assert!(s.end_external(k, Ok(())).is_err(), "k has no transfer outside the store");
+    assert!(pread_extents(&s, &ext2, 700_001) == data[..700_001]);
+    s.end_external(k2, Ok(())).unwrap();
+    assert_eq!(s.location(k2).unwrap(), (false, true));
+    // A failed write leaves no bytes and gives its space back; the entry can be freed.
+    let (k3, _) = s.reserve(data.len() as u64).unwrap();
+    let used = s.stats().nvme_used;
+    s.begin_external_write(k3).unwrap();
+    let err = s.end_external(k3, Err(Error::Failed("cuFile said no".into()))).unwrap_err();
+    assert!(err.to_string().contains("cuFile said no"));
+    assert_eq!(s.stats().nvme_used, used);
+    assert!(s.begin_external_read(k3).is_err(), "no bytes");
+    // An entry with a slot is not written outside the store.
+    let k4 = put(&s, &data[..1000]);
+    assert!(s.begin_external_write(k4).is_err());
+    for k in [k, k2, k3, k4] {
+        s.free(k).unwrap();
+    }
+    s.close().unwrap();
+}
+
+#[test]
+fn a_discard_during_a_transfer_outside_the_store_frees_it_at_the_end() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    let (k, _) = s.reserve(2 << 20).unwrap();
+    s.begin_external_write(k).unwrap();
+    s.discard(k).unwrap();
+    assert!(s.stats().nvme_used > 0, "the space is the writer's until it ends");
+    s.end_external(k, Ok(())).unwrap();
+    assert_eq!(s.stats().nvme_used, 0);
+    assert_eq!(s.stats().entries, 0);
+    s.close().unwrap();
+}

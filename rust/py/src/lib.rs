@@ -192,6 +192,40 @@ impl Store {
         Ok((key, Ticket { inner: t }))
     }
 
+    /// Begin writing an entry reserved without a slot outside the store (cuFile): its extents
+    /// `(device, file offset, entry offset, length)`, covering its length rounded up to 4096.
+    /// `end_external` must follow, even after an error.
+    fn begin_external_write(&self, py: Python<'_>, key: u64) -> PyResult<Vec<(usize, u64, u64, u64)>> {
+        let x = self.inner.begin_external_write(key).py_err(py)?;
+        Ok(x.iter().map(|x| (x.dev, x.file_off, x.entry_off, x.len)).collect())
+    }
+
+    /// Begin reading an entry that is on NVMe only outside the store; as `begin_external_write`.
+    /// Waits for a write of it in flight.
+    fn begin_external_read(&self, py: Python<'_>, key: u64) -> PyResult<Vec<(usize, u64, u64, u64)>> {
+        let s = self.inner.clone();
+        let x = py.detach(move || s.begin_external_read(key)).py_err(py)?;
+        Ok(x.iter().map(|x| (x.dev, x.file_off, x.entry_off, x.len)).collect())
+    }
+
+    /// The transfer begun outside the store ended; `error` says why it failed (the write's
+    /// entry then has no bytes). Raises that error as the store's.
+    #[pyo3(signature = (key, error = None))]
+    fn end_external(&self, py: Python<'_>, key: u64, error: Option<String>) -> PyResult<()> {
+        let s = self.inner.clone();
+        let res = match error {
+            None => Ok(()),
+            Some(why) => Err(Error::Failed(why)),
+        };
+        py.detach(move || s.end_external(key, res)).py_err(py)
+    }
+
+    /// The file descriptor of each device's file (None: simulated), open until `close`.
+    #[getter]
+    fn device_fds(&self) -> Vec<Option<i32>> {
+        self.inner.device_fds()
+    }
+
     /// Make the entry resident and pin it: its arena offset, or None (use read_direct).
     fn acquire(&self, py: Python<'_>, key: u64) -> PyResult<Option<u64>> {
         let s = self.inner.clone();

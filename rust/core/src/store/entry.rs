@@ -34,6 +34,8 @@ pub(crate) enum WriteSrc {
     Caller,
     /// Caller memory copied through staging by the calling thread, which finishes it.
     Staged,
+    /// Written by the caller outside the store (cuFile), finished by `end_external`.
+    External,
 }
 
 pub(crate) enum ReadDst {
@@ -43,6 +45,8 @@ pub(crate) enum ReadDst {
     Caller,
     /// Caller memory through staging, by the calling thread, which finishes it.
     Staged,
+    /// Read by the caller outside the store (cuFile), finished by `end_external`.
+    External,
 }
 
 pub(crate) struct Entry {

@@ -82,6 +82,11 @@ impl Inner {
         self.entries.get(&key).filter(|e| !e.doomed).ok_or(Error::UnknownKey(key))
     }
 
+    /// An entry, discarded ones (whose transfer is still in flight) included.
+    pub fn get_any(&self, key: u64) -> Result<&Entry> {
+        self.entries.get(&key).ok_or(Error::UnknownKey(key))
+    }
+
     /// The transfer of any entry still in flight, discarded ones included.
     pub fn any_io(&self) -> Option<std::sync::Arc<crate::Ticket>> {
         self.entries.values().find_map(|e| e.io().cloned())
@@ -216,7 +221,7 @@ impl Inner {
                 State::Disk { disk }
             }
             (WriteSrc::Slot { slot, .. }, Ok(())) => State::Clean { slot, disk },
-            (WriteSrc::Caller | WriteSrc::Staged, Ok(())) => State::Disk { disk },
+            (WriteSrc::Caller | WriteSrc::Staged | WriteSrc::External, Ok(())) => State::Disk { disk },
             (src, Err(err)) => {
                 // The file's range may still be written by the kernel if abandoned: keep it out of use.
                 if abandoned {
@@ -232,7 +237,7 @@ impl Inner {
                         State::Host { slot }
                     }
                     // From caller memory the caller has the bytes and learns of it from its ticket.
-                    WriteSrc::Caller | WriteSrc::Staged => State::NoBytes,
+                    WriteSrc::Caller | WriteSrc::Staged | WriteSrc::External => State::NoBytes,
                 }
             }
         }
@@ -252,7 +257,7 @@ impl Inner {
                 self.note_error(&err);
                 State::Disk { disk }
             }
-            (ReadDst::Caller | ReadDst::Staged, res) => {
+            (ReadDst::Caller | ReadDst::Staged | ReadDst::External, res) => {
                 if let Err(err) = res {
                     self.note_error(&err);
                 }

@@ -15,6 +15,7 @@ mod stats;
 mod transfer;
 
 pub use config::{Backend, DeviceConfig, Eviction, StoreConfig};
+pub use placement::Extent;
 pub use stats::Stats;
 
 use crate::alloc::RangeAllocator;
@@ -25,7 +26,8 @@ use crate::error::{Error, Result};
 use crate::ticket::{Owner, Ticket};
 use entry::{Entry, ReadDst, State, WriteSrc};
 use inner::{Inner, Status};
-use placement::Space;
+use placement::{Piece, Space};
+use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use transfer::{Mem, Staging, FIXED_BUF};
 
@@ -46,6 +48,26 @@ pub struct Store {
     cfg: StoreConfig,
     backend_name: &'static str,
     notices: Mutex<Vec<String>>,
+}
+
+/// An entry's pieces handed out for a transfer outside the store, counted as the engine's are.
+fn external(g: &mut Inner, pieces: &[Piece], dir: Dir) -> Vec<Extent> {
+    for p in pieces {
+        let s = &mut g.stats;
+        match dir {
+            Dir::Write => {
+                s.nvme_bytes_written += p.len;
+                s.nvme_write_ops += 1;
+                s.device_bytes_written[p.dev] += p.len;
+            }
+            Dir::Read => {
+                s.nvme_bytes_read += p.len;
+                s.nvme_read_ops += 1;
+                s.device_bytes_read[p.dev] += p.len;
+            }
+        }
+    }
+    pieces.iter().map(|p| Extent { dev: p.dev, file_off: p.file_off, entry_off: p.entry_off, len: p.len }).collect()
 }
 
 /// A null caller buffer with bytes to move is refused (a zero tensor, say, has no storage).
@@ -388,6 +410,74 @@ impl Store {
         self.write_staged_with(key, &mut unsafe { copy_from(src) })
     }
 
+    /// Begin writing an entry reserved without a slot (`reserve` gave None) outside the
+    /// store, as cuFile does from GPU memory: its NVMe extents, covering its length rounded
+    /// up to 4096. The caller writes them to the files of [`Store::device_fds`] and then must
+    /// call [`Store::end_external`]; until then `free` and `close` wait for it.
+    pub fn begin_external_write(&self, key: u64) -> Result<Vec<Extent>> {
+        let mut g = self.lock()?;
+        g.reap();
+        let mut e = g.take(key)?;
+        if !matches!(e.state, State::NoBytes) {
+            g.put_back(key, e);
+            return Err(Error::Invalid(format!("entry {key} is not reserved without a slot and bytes")));
+        }
+        let disk = match self.alloc_disk(&mut g, e.len) {
+            Ok(d) => d,
+            Err(err) => {
+                g.put_back(key, e);
+                return Err(err);
+            }
+        };
+        let extents = external(&mut g, &disk.pieces, Dir::Write);
+        e.state = State::Writing { src: WriteSrc::External, disk, io: Ticket::new(1) };
+        g.put_back(key, e);
+        Ok(extents)
+    }
+
+    /// Begin reading an entry that is on NVMe only outside the store (cuFile, into GPU
+    /// memory): its extents, as for [`Store::begin_external_write`]; a write in flight is
+    /// waited for first. [`Store::end_external`] must follow.
+    pub fn begin_external_read(&self, key: u64) -> Result<Vec<Extent>> {
+        let mut g = self.settle(self.lock()?, key)?;
+        let mut e = g.take(key)?;
+        let disk = match std::mem::replace(&mut e.state, State::Empty) {
+            State::Disk { disk } => disk,
+            other => {
+                e.state = other;
+                g.put_back(key, e);
+                return Err(Error::Invalid(format!("entry {key} is not on NVMe only")));
+            }
+        };
+        let extents = external(&mut g, &disk.pieces, Dir::Read);
+        e.state = State::Reading { dst: ReadDst::External, disk, io: Ticket::new(1) };
+        g.stats.nvme_hits += 1;
+        g.put_back(key, e);
+        Ok(extents)
+    }
+
+    /// The transfer begun by `begin_external_*` ended with `res`. A failed write leaves the
+    /// entry without bytes (its caller still has them); a failed read leaves it on NVMe.
+    pub fn end_external(&self, key: u64, res: Result<()>) -> Result<()> {
+        let marker = {
+            let g = self.lock_any();
+            match &g.get_any(key)?.state {
+                // a discarded entry too: its space waits for this
+                State::Writing { src: WriteSrc::External, io, .. }
+                | State::Reading { dst: ReadDst::External, io, .. } => io.clone(),
+                _ => return Err(Error::Invalid(format!("entry {key} has no transfer outside the store"))),
+            }
+        };
+        self.end_staged(key, &marker, &res, |_| {});
+        res
+    }
+
+    /// The file of each device, for transfers outside the store; open until `close`.
+    pub fn device_fds(&self) -> Vec<Option<RawFd>> {
+        let devs = self.devices.read().unwrap_or_else(PoisonError::into_inner);
+        devs.iter().map(|d| d.file.as_ref().map(|f| f.raw_fd())).collect()
+    }
+
     /// A staged transfer ended: the entry's new state, then its marker completes.
     fn end_staged(&self, key: u64, marker: &Ticket, res: &Result<()>, count: impl FnOnce(&mut Inner)) {
         let lost = self.staging.lock().unwrap_or_else(PoisonError::into_inner).lost;
@@ -469,7 +559,8 @@ impl Store {
             let e = g.get(key)?;
             let io = match &e.state {
                 State::Filling { .. } => return Err(Error::Busy { key, what: "it is still being filled" }),
-                State::Reading { io, .. } | State::Writing { src: WriteSrc::Caller | WriteSrc::Staged, io, .. } => {
+                State::Reading { io, .. }
+                | State::Writing { src: WriteSrc::Caller | WriteSrc::Staged | WriteSrc::External, io, .. } => {
                     io.clone()
                 }
                 _ => return Ok(g),

@@ -7,6 +7,16 @@ use crate::error::{Error, Result};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 
+/// A range of an entry's bytes in one device's file, for a transfer outside the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub dev: usize,
+    pub file_off: u64,
+    /// Offset of these bytes within the entry.
+    pub entry_off: u64,
+    pub len: u64,
+}
+
 /// One range of an entry on one device.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Piece {
