@@ -6,6 +6,8 @@ depends on how threads happen to interleave."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 import signal
 import threading
@@ -62,6 +64,13 @@ def _random_entry(rng: random.Random, gen: torch.Generator) -> torch.Tensor:
     return t
 
 
+class _Done:
+    """The ticket of a write that has finished."""
+
+    def wait(self) -> None:
+        pass
+
+
 def _run_threads(targets: list) -> None:
     threads = [threading.Thread(target=f, name=f"racer-{i}") for i, f in enumerate(targets)]
     for t in threads:
@@ -105,6 +114,8 @@ class _Racer:
         "zc_write": 1,
         "zc_read": 1,
         "zc_free": 1,
+        "ext_write": 1,
+        "ext_read": 1,
         "shared_get": 3,
         "shared_prefetch": 1,
         "shared_evict": 2,
@@ -156,6 +167,45 @@ class _Racer:
             if ticket is not None:  # None: copied from the arena at once
                 ticket.wait()
             assert torch.equal(out[: want.numel()], want), f"zero-copy key {k}"
+
+    def ext_write(self, rng, gen):
+        # As a cuFile transport writes: the store gives extents of its files, the bytes go in
+        # from outside it (pwrite here), then end_external.
+        nbytes = rng.randrange(ARENA + 1, 3 * ARENA)
+        want = random_tensor(nbytes, torch.uint8, gen)
+        native = self.store._native
+        key, slot = native.reserve(nbytes)
+        assert slot is None
+        raw = want.numpy().tobytes()
+        (fd,) = native.device_fds
+        for _, file_off, entry_off, n in native.begin_external_write(key):
+            buf = mmap.mmap(-1, n)
+            buf[: min(n, nbytes - entry_off)] = raw[entry_off : entry_off + n]
+            assert os.pwrite(fd, buf, file_off) == n
+        native.end_external(key)
+        self.zero_copy[key] = (_Done(), want)
+
+    def ext_read(self, rng, gen):
+        if not self.zero_copy:
+            return
+        k = rng.choice(list(self.zero_copy))
+        want = self.zero_copy[k][1]
+        native = self.store._native
+        try:
+            extents = native.begin_external_read(k)
+        except InvalidUseError as e:
+            assert want.numel() == 0 and "not on NVMe only" in str(e), e  # an empty entry has no extents
+            return
+        got = bytearray(want.numel())
+        try:
+            (fd,) = native.device_fds
+            for _, file_off, entry_off, n in extents:
+                buf = mmap.mmap(-1, n)
+                assert os.preadv(fd, [buf], file_off) == n
+                got[entry_off : entry_off + n] = buf[: min(n, want.numel() - entry_off)]
+        finally:
+            native.end_external(k)
+        assert bytes(got) == want.numpy().tobytes(), f"external read of key {k}"
 
     def zc_free(self, rng, gen):
         if self.zero_copy:
