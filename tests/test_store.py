@@ -197,7 +197,7 @@ def test_transfers_outside_the_store(store_dir):
     caller moves the bytes itself (here with pwrite and pread), then says so."""
     import mmap
 
-    from ssdtier import SsdtierError
+    from ssdtier import SsdtierError, SsdtierOSError
 
     data = torch.arange((3 << 20) // 4 + 5, dtype=torch.int32)
     nbytes = data.nbytes
@@ -236,6 +236,13 @@ def test_transfers_outside_the_store(store_dir):
             native.end_external(key)  # none in flight
         native.free(k2)
         native.free(key)
+        # Small enough for the arena, but reserved without a slot: written outside the store.
+        k3 = native.reserve_unslotted(1000)
+        assert [n for *_, n in native.begin_external_write(k3)] == [4096]
+        with pytest.raises(SsdtierOSError, match="a transfer outside the store failed: not written"):
+            native.end_external(k3, "not written")
+        native.free(k3)
+        native.reserve_unslotted(0)  # the store takes new work after such failures
 
 
 def test_fixed_buffers_off_and_on_agree(store_dir):

@@ -22,6 +22,8 @@ pub enum Error {
     /// A device's I/O engine stopped (its ring failed, or its thread died): this
     /// transfer did not happen.
     EngineFailed { path: PathBuf, detail: String },
+    /// A transfer the caller made outside the store (`end_external`) failed, as it says.
+    External(String),
     /// The store refuses new work since an earlier failure, which `0` describes.
     Failed(String),
     /// The store was used after `close()`.
@@ -40,7 +42,7 @@ impl Error {
         match self {
             Error::Io { errno, .. } => Some(*errno),
             Error::OutOfSpace { .. } => Some(libc::ENOSPC),
-            Error::EngineFailed { .. } | Error::Failed(_) => Some(libc::EIO),
+            Error::EngineFailed { .. } | Error::Failed(_) | Error::External(_) => Some(libc::EIO),
             _ => None,
         }
     }
@@ -105,6 +107,7 @@ impl fmt::Display for Error {
             Error::UnknownKey(k) => write!(f, "unknown key {k} (freed already, or never put)"),
             Error::Busy { key, what } => write!(f, "entry {key} is busy: {what}"),
             Error::EngineFailed { path, detail } => write!(f, "the I/O engine of {} failed: {detail}", path.display()),
+            Error::External(why) => write!(f, "a transfer outside the store failed: {why}"),
             Error::Failed(why) => write!(f, "the store refuses new work after a failure: {why}"),
             Error::Closed => f.write_str("the store is closed"),
         }

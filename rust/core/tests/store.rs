@@ -578,13 +578,21 @@ fn transfers_outside_the_store_use_the_extents_they_are_given() {
     let (k3, _) = s.reserve(data.len() as u64).unwrap();
     let used = s.stats().nvme_used;
     s.begin_external_write(k3).unwrap();
-    let err = s.end_external(k3, Err(Error::Failed("cuFile said no".into()))).unwrap_err();
+    let err = s.end_external(k3, Err(Error::External("cuFile said no".into()))).unwrap_err();
     assert!(err.to_string().contains("cuFile said no"));
     assert_eq!(s.stats().nvme_used, used);
     assert!(s.begin_external_read(k3).is_err(), "no bytes");
-    // An entry with a slot is not written outside the store.
+    // An entry with a slot is not written outside the store; one reserved without a slot
+    // is, however small.
     let k4 = put(&s, &data[..1000]);
     assert!(s.begin_external_write(k4).is_err());
+    let k5 = s.reserve_unslotted(1000).unwrap();
+    let ext5 = s.begin_external_write(k5).unwrap();
+    assert_eq!(ext5.iter().map(|x| x.len).sum::<u64>(), 4096);
+    pwrite_extents(&s, &ext5, &data[..1000]);
+    s.end_external(k5, Ok(())).unwrap();
+    assert!(get(&s, k5) == data[..1000]);
+    s.free(k5).unwrap();
     for k in [k, k2, k3, k4] {
         s.free(k).unwrap();
     }

@@ -12,7 +12,7 @@ use std::time::Duration;
 /// Turn a core error into the matching `ssdtier.errors` exception.
 fn to_py(py: Python<'_>, err: Error) -> PyErr {
     let kind = match &err {
-        Error::Io { .. } | Error::OutOfSpace { .. } | Error::EngineFailed { .. } => "os",
+        Error::Io { .. } | Error::OutOfSpace { .. } | Error::EngineFailed { .. } | Error::External(_) => "os",
         Error::Failed(_) => "failed",
         Error::Config(_) => "config",
         Error::Invalid(_) => "invalid",
@@ -153,6 +153,11 @@ impl Store {
         py.detach(move || s.reserve(nbytes)).py_err(py)
     }
 
+    /// Create an entry of `nbytes` with no arena slot (for `begin_external_write`): its key.
+    fn reserve_unslotted(&self, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
+        self.inner.reserve_unslotted(nbytes).py_err(py)
+    }
+
     /// The reserved slot is filled.
     fn commit(&self, py: Python<'_>, key: u64) -> PyResult<()> {
         self.inner.commit(key).py_err(py)
@@ -215,7 +220,7 @@ impl Store {
         let s = self.inner.clone();
         let res = match error {
             None => Ok(()),
-            Some(why) => Err(Error::Failed(why)),
+            Some(why) => Err(Error::External(why)),
         };
         py.detach(move || s.end_external(key, res)).py_err(py)
     }

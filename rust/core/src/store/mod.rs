@@ -321,6 +321,15 @@ impl Store {
         Ok((key, off))
     }
 
+    /// Create an entry of `len` bytes with no arena slot, for a write outside the store
+    /// ([`Store::begin_external_write`]) or through staging: its key.
+    pub fn reserve_unslotted(&self, len: u64) -> Result<u64> {
+        let mut g = self.lock()?;
+        let state = if len == 0 { State::Empty } else { State::NoBytes };
+        let seq = g.next_seq();
+        Ok(g.insert(Entry::new(len, state, seq)))
+    }
+
     /// The slot of a reserved entry is filled: it may now be evicted.
     pub fn commit(&self, key: u64) -> Result<()> {
         let mut g = self.lock()?;
