@@ -47,7 +47,7 @@ FRAME = re.compile(r"^(?P<fn>[^ ]+) \((?P<file>[^:)]+)(?::\d+)?\)$")
 def child(args: argparse.Namespace) -> None:
     """Plain steps, then ssdtier's; writes the timings as JSON to ``--child``."""
     import torch
-    from train_step import tiny_stack
+    from train_step import count_saved, tiny_stack
 
     import ssdtier
 
@@ -56,15 +56,7 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = tiny_stack(args.layers, args.width)
     x = torch.randn(args.batch, args.width)
-    n_saved = 0
-
-    def count(t: torch.Tensor) -> torch.Tensor:
-        nonlocal n_saved
-        n_saved += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-        model(x).backward()
+    n_saved = count_saved(model, x)
 
     def steps(n: int) -> list[float]:
         out = []

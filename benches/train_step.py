@@ -488,6 +488,22 @@ def tiny_stack(n: int, width: int) -> Any:
     return Stack()
 
 
+def count_saved(model: Any, x: Any) -> int:
+    """Saved tensors in one forward and backward of ``model`` on ``x``."""
+    import torch
+
+    n = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal n
+        n += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        model(x).backward()
+    return n
+
+
 def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     """µs per saved tensor (pack + unpack) of ssdtier and save_on_cpu on a deep stack of tiny layers."""
     import copy
@@ -503,15 +519,7 @@ def per_tensor_cost(args: argparse.Namespace) -> dict[str, Any]:
     arena_model = copy.deepcopy(plain)
     x = torch.randn(args.pt_batch, args.pt_width, generator=torch.Generator().manual_seed(args.seed))
 
-    n_saved = 0
-
-    def count(t: torch.Tensor) -> torch.Tensor:
-        nonlocal n_saved
-        n_saved += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-        plain(x).backward()
+    n_saved = count_saved(plain, x)
 
     cfg = ssdtier_config(args, args.pt_arena, 0, 0)
     off = ssdtier.attach(ssd_model, cfg)

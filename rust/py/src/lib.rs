@@ -58,6 +58,11 @@ fn copy_in(address: usize) -> impl FnMut(u64, &mut [u8]) {
     }
 }
 
+/// Extents as Python sees them: `(device, file offset, entry offset, length)`.
+fn extent_tuples(x: Vec<core::Extent>) -> Vec<(usize, u64, u64, u64)> {
+    x.iter().map(|x| (x.dev, x.file_off, x.entry_off, x.len)).collect()
+}
+
 /// A null address with bytes to move is refused (a zero-size storage has none).
 fn check_address(address: usize, len: u64) -> PyResult<()> {
     if address == 0 && len > 0 {
@@ -201,16 +206,16 @@ impl Store {
     /// `(device, file offset, entry offset, length)`, covering its length rounded up to 4096.
     /// `end_external` must follow, even after an error.
     fn begin_external_write(&self, py: Python<'_>, key: u64) -> PyResult<Vec<(usize, u64, u64, u64)>> {
-        let x = self.inner.begin_external_write(key).py_err(py)?;
-        Ok(x.iter().map(|x| (x.dev, x.file_off, x.entry_off, x.len)).collect())
+        let s = self.inner.clone();
+        // Allocating NVMe space may grow a file (fallocate): without the GIL.
+        py.detach(move || s.begin_external_write(key)).py_err(py).map(extent_tuples)
     }
 
     /// Begin reading an entry that is on NVMe only outside the store; as `begin_external_write`.
     /// Waits for a write of it in flight.
     fn begin_external_read(&self, py: Python<'_>, key: u64) -> PyResult<Vec<(usize, u64, u64, u64)>> {
         let s = self.inner.clone();
-        let x = py.detach(move || s.begin_external_read(key)).py_err(py)?;
-        Ok(x.iter().map(|x| (x.dev, x.file_off, x.entry_off, x.len)).collect())
+        py.detach(move || s.begin_external_read(key)).py_err(py).map(extent_tuples)
     }
 
     /// The transfer begun outside the store ended; `error` says why it failed (the write's

@@ -82,6 +82,20 @@ impl Inner {
         self.entries.get(&key).filter(|e| !e.doomed).ok_or(Error::UnknownKey(key))
     }
 
+    /// Take out an entry that is on NVMe only, with its placement; else leave it and say
+    /// the entry `why_not`.
+    pub fn take_disk(&mut self, key: u64, why_not: &str) -> Result<(Entry, Placement)> {
+        let mut e = self.take(key)?;
+        match std::mem::replace(&mut e.state, State::Empty) {
+            State::Disk { disk } => Ok((e, disk)),
+            other => {
+                e.state = other;
+                self.put_back(key, e);
+                Err(Error::Invalid(format!("entry {key} {why_not}")))
+            }
+        }
+    }
+
     /// An entry, discarded ones (whose transfer is still in flight) included.
     pub fn get_any(&self, key: u64) -> Result<&Entry> {
         self.entries.get(&key).ok_or(Error::UnknownKey(key))

@@ -53,19 +53,7 @@ pub struct Store {
 /// An entry's pieces handed out for a transfer outside the store, counted as the engine's are.
 fn external(g: &mut Inner, pieces: &[Piece], dir: Dir) -> Vec<Extent> {
     for p in pieces {
-        let s = &mut g.stats;
-        match dir {
-            Dir::Write => {
-                s.nvme_bytes_written += p.len;
-                s.nvme_write_ops += 1;
-                s.device_bytes_written[p.dev] += p.len;
-            }
-            Dir::Read => {
-                s.nvme_bytes_read += p.len;
-                s.nvme_read_ops += 1;
-                s.device_bytes_read[p.dev] += p.len;
-            }
-        }
+        g.stats.count_io(dir, p.dev, p.len, 1);
     }
     pieces.iter().map(|p| Extent { dev: p.dev, file_off: p.file_off, entry_off: p.entry_off, len: p.len }).collect()
 }
@@ -449,15 +437,7 @@ impl Store {
     /// waited for first. [`Store::end_external`] must follow.
     pub fn begin_external_read(&self, key: u64) -> Result<Vec<Extent>> {
         let mut g = self.settle(self.lock()?, key)?;
-        let mut e = g.take(key)?;
-        let disk = match std::mem::replace(&mut e.state, State::Empty) {
-            State::Disk { disk } => disk,
-            other => {
-                e.state = other;
-                g.put_back(key, e);
-                return Err(Error::Invalid(format!("entry {key} is not on NVMe only")));
-            }
-        };
+        let (mut e, disk) = g.take_disk(key, "is not on NVMe only")?;
         let extents = external(&mut g, &disk.pieces, Dir::Read);
         e.state = State::Reading { dst: ReadDst::External, disk, io: Ticket::new(1) };
         g.stats.nvme_hits += 1;
@@ -668,16 +648,10 @@ impl Store {
             drop(g);
             return self.release(key);
         }
-        let mut e = g.take(key)?;
-        let disk = match std::mem::replace(&mut e.state, State::Empty) {
-            State::Disk { disk } => disk,
-            other => {
-                let empty = matches!(other, State::Empty);
-                e.state = other;
-                g.put_back(key, e);
-                return if empty { Ok(()) } else { Err(Error::Invalid(format!("entry {key} has no bytes"))) };
-            }
-        };
+        if matches!(g.get(key)?.state, State::Empty) {
+            return Ok(());
+        }
+        let (mut e, disk) = g.take_disk(key, "has no bytes")?;
         let pieces = disk.pieces.clone();
         let marker = Ticket::new(1);
         e.state = State::Reading { dst: ReadDst::Staged, disk, io: marker.clone() };
@@ -732,15 +706,7 @@ impl Store {
             return Ok(Ticket::done());
         }
         aligned(dst, "read_into")?;
-        let mut e = g.take(key)?;
-        let disk = match std::mem::replace(&mut e.state, State::Empty) {
-            State::Disk { disk } => disk,
-            other => {
-                e.state = other;
-                g.put_back(key, e);
-                return Err(Error::Invalid(format!("entry {key} has no bytes")));
-            }
-        };
+        let (mut e, disk) = g.take_disk(key, "has no bytes")?;
         // Safety: passed on from this function's contract; the ticket holds the owner.
         let io = unsafe { self.submit_pieces(&mut g, &disk.pieces, Dir::Read, Mem::Caller(dst), owner) };
         e.state = State::Reading { dst: ReadDst::Caller, disk, io: io.clone() };

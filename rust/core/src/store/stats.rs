@@ -40,3 +40,21 @@ pub struct Stats {
     /// Why the store refuses new work, once it does.
     pub failure: Option<String>,
 }
+
+impl Stats {
+    /// `ops` requests of `bytes` in all, to or from device `dev`.
+    pub(crate) fn count_io(&mut self, dir: crate::engine::Dir, dev: usize, bytes: u64, ops: u64) {
+        match dir {
+            crate::engine::Dir::Write => {
+                self.nvme_bytes_written += bytes;
+                self.nvme_write_ops += ops;
+                self.device_bytes_written[dev] += bytes;
+            }
+            crate::engine::Dir::Read => {
+                self.nvme_bytes_read += bytes;
+                self.nvme_read_ops += ops;
+                self.device_bytes_read[dev] += bytes;
+            }
+        }
+    }
+}

@@ -90,20 +90,7 @@ impl Store {
                 continue;
             }
             let bytes: u64 = reqs.iter().map(|r| r.len() as u64).sum();
-            let ops = reqs.len() as u64;
-            let s = &mut g.stats;
-            match dir {
-                Dir::Write => {
-                    s.nvme_bytes_written += bytes;
-                    s.nvme_write_ops += ops;
-                    s.device_bytes_written[d] += bytes;
-                }
-                Dir::Read => {
-                    s.nvme_bytes_read += bytes;
-                    s.nvme_read_ops += ops;
-                    s.device_bytes_read[d] += bytes;
-                }
-            }
+            g.stats.count_io(dir, d, bytes, reqs.len() as u64);
             match devices.get(d) {
                 Some(dev) => dev.queue.submit(reqs),
                 // Closed under a racing caller: fail the requests rather than lose them.
