@@ -18,7 +18,7 @@
 # Parts: install (pip install of the carried wheels), import (the installed wheel, not the source
 # tree, is what tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda,
 # pytest_all, cufile (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_quick (benches/gpu_step.py --quick),
-# bench_1b (the 1B GPT, every mode side by side), fit (the largest micro-batch of each mode);
+# bench_1b (the 1B GPT, every mode side by side, ssdtier_cufile last), fit (the largest micro-batch of each mode);
 # on request only: train_step_cuda, train_step_cuda_big (benches/train_step.py --device cuda).
 # Each part has its own time limit, cut to what is left of SESSION_S (default 570) seconds, so
 # that one hang does not eat the call's 10 minutes and the summary is still printed.

@@ -13,6 +13,8 @@ seeds (so their losses can be compared bitwise with keep's):
                   with the output head left alone), when torchtune imports.
 ``ssdtier_nvme``  ``ssdtier.attach`` with a small arena (``--nvme-arena``), the rest on ``--dir``;
                   at keep's batch unless its activations would not fit there (``--nvme-batch``).
+``ssdtier_cufile`` as ``ssdtier_nvme`` with ``io.backend = "cufile"``: GPU memory to the disk
+                  and back through cuFile (GDS, or its compatibility mode), the arena unused.
 
 The model is ssdtier.models.GPT: plain-op attention, so each block saves its T x T scores.
 A step is forward + backward + fused AdamW under bf16 autocast (``--dtype``). After
@@ -57,10 +59,11 @@ from train_step import gpt_config, md_table
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "benches" / "out" / "gpu_step-nvme"  # benches/out is git-ignored
 # In the order they run: the disk bounds ssdtier_nvme's time, so a slow one cuts only it.
-MODES = ("keep", "ssdtier_host", "checkpoint", "save_on_cpu", "torchtune", "ssdtier_nvme")
+MODES = ("keep", "ssdtier_host", "checkpoint", "save_on_cpu", "torchtune", "ssdtier_nvme", "ssdtier_cufile")
 HOST_MODES = ("save_on_cpu", "torchtune")  # keep every activation in pinned host memory
 HOST_RAM_USE = 0.7  # --fit: their batch stays within this share of the RAM available
-SSDTIER_MODES = ("ssdtier_host", "ssdtier_nvme")
+SSDTIER_MODES = ("ssdtier_host", "ssdtier_nvme", "ssdtier_cufile")
+DISK_MODES = ("ssdtier_nvme", "ssdtier_cufile")
 # Defaults of the 1B run, and of --quick; an option given on the command line wins over both.
 FULL = {
     "layers": 24, "d_model": 2048, "heads": 16, "seq": 2048, "vocab": 32000, "batch": "auto",
@@ -417,6 +420,7 @@ class Setup:
         arena = getattr(st, "arena", None)
         return {
             "backend": getattr(st, "backend", "?"),
+            "cufile": self.off.uses_cufile,  # CUDA activations through cuFile, not the arena
             "direct": getattr(st, "direct", "?"),
             "fixed_buffers": getattr(st, "fixed_buffers", "?"),
             "arena_bytes": arena.numel() if arena is not None else 0,
@@ -661,7 +665,10 @@ def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: di
     else:
         host = parse_size(args.nvme_arena, key="--nvme-arena", source="command line")
         notes[mode] = f"host.capacity {host / GiB:.2f} GiB (--nvme-arena); nvme capacity {nvme / GiB:.1f} GiB"
-    return ssdtier_config(args, host, nvme)
+    cfg = ssdtier_config(args, host, nvme)
+    if mode == "ssdtier_cufile":
+        cfg["io"] = {"backend": "cufile"}
+    return cfg
 
 
 def nvme_batch(args: argparse.Namespace, batch: int, keep_act: int | None, ssd: dict[str, Any]) -> tuple[int, str]:
@@ -690,7 +697,7 @@ def run_steps(args: argparse.Namespace, results: dict[str, Any], deadline: float
     tt, tt_what = torchtune_maker() if "torchtune" in args.modes else (None, "")
     if tt is not None:
         results["config_notes"]["torchtune"] = tt_what
-    if "ssdtier_nvme" in args.modes and not args.no_fio:
+    if any(m in args.modes for m in DISK_MODES) and not args.no_fio:
         results["fio"] = fio_bandwidth(args)
     batch = args.batch
     if batch == "auto":
@@ -713,7 +720,7 @@ def run_steps(args: argparse.Namespace, results: dict[str, Any], deadline: float
         keep_act = keep.get("act_bytes") if keep.get("status") == "ok" else None
         ssd = ssd_for(mode, args, keep_act, notes)
         mode_batch = batch
-        if mode == "ssdtier_nvme":
+        if mode in DISK_MODES:
             mode_batch, why = nvme_batch(args, batch, keep_act, ssd)
             notes[mode] += why
         log(f"[{mode}] started at batch {mode_batch}" + (f": {notes[mode]}" if mode in notes else ""))
@@ -889,13 +896,14 @@ def render_steps(results: dict[str, Any]) -> str:
                 f"fio on --dir ({fio['bytes'] / GiB:.2f} GiB, io_uring, O_DIRECT, block {fio['block'] >> 10} KiB, "
                 f"depth {fio['depth']}): write {fio['write'] / 1e9:.2f} GB/s, read {fio['read'] / 1e9:.2f} GB/s"
             )
-            r = runs.get("ssdtier_nvme", {})
-            if r.get("status") == "ok":
-                lines.append(
-                    f"ssdtier_nvme reached {r['nvme_write_bps'] / fio['write']:.2f} of fio's write and "
-                    f"{r['nvme_read_bps'] / fio['read']:.2f} of its read bandwidth (bytes per step / median step; "
-                    "the I/O runs during part of the step only)"
-                )
+            for m in DISK_MODES:
+                r = runs.get(m, {})
+                if r.get("status") == "ok":
+                    lines.append(
+                        f"{m} reached {r['nvme_write_bps'] / fio['write']:.2f} of fio's write and "
+                        f"{r['nvme_read_bps'] / fio['read']:.2f} of its read bandwidth (bytes per step / median step; "
+                        "the I/O runs during part of the step only)"
+                    )
     goal = results.get("goal", {})
     if goal:
         parts = [

@@ -521,7 +521,11 @@ def test_a_copy_of_an_attached_model_is_a_plain_model(store_dir, tmp_path):
 
 
 def test_out_of_space_keeps_activations_in_memory_with_exact_gradients(store_dir, warned):
-    cfg = offload_config(store_dir, host="8KiB")
+    check_out_of_space(offload_config(store_dir, host="8KiB"), warned)
+
+
+def check_out_of_space(cfg, warned):
+    """A 16 KiB disk: what does not fit stays in memory, said once, gradients exact."""
     cfg["nvme"][0]["capacity"] = "16KiB"
     got = train(CONFIGS["gpt"], cfg)
     assert_same(train(CONFIGS["gpt"]), got)

@@ -391,7 +391,7 @@ BAD_FILES = [
         "bad-backend",
         '[io]\nbackend = "io-uring"\n',
         (
-            r"io\.backend: expected one of 'auto', 'io_uring', 'posix', "
+            r"io\.backend: expected one of 'auto', 'io_uring', 'posix', 'cufile', "
             r"got 'io-uring'; did you mean 'io_uring'\?$"
         ),
     ),

@@ -184,6 +184,7 @@ def test_info_reports_gds(store_dir):
     assert len(lines) == 1, r.stdout
     if not torch.cuda.is_available():
         assert lines[0] == "GPUDirect Storage: unavailable (no CUDA device)"
+        assert "CUDA activations go through the host arena" in r.stdout.splitlines()
     else:
         assert lines[0].split(": ", 1)[1].startswith(tuple(s.value for s in GdsState)), lines
 

@@ -75,9 +75,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cuda-python     yes")
     except ImportError:
         print("cuda-python     no")
+    from .gds import GdsState
     from .gds import probe as probe_gds
 
-    print(f"GPUDirect Storage: {probe_gds()}")  # without CUDA: at once, no child process
+    gds = probe_gds()  # without CUDA: at once, no child process
+    print(f"GPUDirect Storage: {gds}")
+    path_of = {
+        GdsState.USABLE: 'through cuFile (io.backend "auto" or "cufile")',
+        GdsState.COMPAT: 'through the host arena; through cuFile\'s compatibility mode with io.backend "cufile"',
+        GdsState.UNAVAILABLE: "through the host arena",
+    }
+    print(f"CUDA activations go {path_of[gds.state]}")
     return 0
 
 

@@ -469,7 +469,11 @@ class IoConfig:
     """I/O engine settings.
 
     Attributes:
-        backend: ``"auto"``, ``"io_uring"`` or ``"posix"``.
+        backend: ``"auto"``, ``"io_uring"``, ``"posix"`` or ``"cufile"``. ``"cufile"``
+            moves CUDA activations between GPU memory and NVMe with cuFile (GPUDirect
+            Storage, or its compatibility mode; without cuFile: the host arena, said once);
+            ``"auto"`` does so only where GPUDirect Storage is usable. The store's own
+            transfers use io_uring (``"auto"``: posix where io_uring is refused).
         queue_depth: Submission queue depth, 1..4096.
         block_size: I/O block size, a power of two from 4 KiB to 64 MiB.
         direct: Use ``O_DIRECT``.
@@ -489,7 +493,7 @@ class IoConfig:
 
     _TABLE: ClassVar[str] = "io"
 
-    backend: str = _key(_choice("auto", "io_uring", "posix"), "auto")
+    backend: str = _key(_choice("auto", "io_uring", "posix", "cufile"), "auto")
     queue_depth: int = _key(_int_range(1, 4096), 64)
     block_size: int = _key(_size_range(4 * KiB, 64 * MiB, power_of_two=True), 1 * MiB, size=True)
     direct: bool = _key(_bool, True)

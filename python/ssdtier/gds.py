@@ -1,6 +1,5 @@
-"""Whether GPUDirect Storage (cuFile) is usable here: a probe for ``ssdtier info``.
-
-Only a probe: ssdtier does no I/O through cuFile."""
+"""Whether GPUDirect Storage (cuFile) is usable here: a probe for ``ssdtier info`` and for
+choosing ``io.backend`` (offload/cufile.py), run in a child process."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ class ByteStore:
         self._native = _native.Store(
             self._devices,
             cfg.host.capacity,
-            backend=cfg.io.backend,
+            backend="auto" if cfg.io.backend == "cufile" else cfg.io.backend,  # cufile: the offloader's
             queue_depth=cfg.io.queue_depth,
             block_size=cfg.io.block_size,
             direct=cfg.io.direct,

@@ -1,32 +1,40 @@
-"""The CPU transport: a CPU storage goes to NVMe from its own pages (zero copy) and comes
+"""The direct transport: a CPU storage goes to NVMe from its own pages (zero copy) and comes
 back straight into the page-aligned buffer that becomes the restored storage; the arena
-takes only what cannot (with ``io.zero_copy`` off, or a storage not 64-byte aligned)."""
+takes only what cannot (with ``io.zero_copy`` off, or a storage not 64-byte aligned). With
+cuFile, a CUDA storage goes the same way between GPU memory and NVMe (cufile.py)."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import SsdtierError
+from . import cufile
 from ._util import PAGE, aligned_storage
 from .entry import Entry
 
 if TYPE_CHECKING:
+    from .cufile import CuFile
     from .forward import Fwd
     from .offloader import Offloader
 
 
 class CpuTransport:
-    def __init__(self, off: Offloader) -> None:
+    def __init__(self, off: Offloader, gds: CuFile | None = None) -> None:
         self.off = off
         self.native = off.store.native
         self.zero_copy = off.config.io.zero_copy
-        self.writing: deque[Entry] = deque()  # writes from the tensors' own pages in flight, in order
+        self.writing: deque[Entry] = deque()  # writes from the tensors' own memory in flight, in order
+        self.gds = gds
+        self.gds_types: tuple[str, ...] = cufile.DEVICE_TYPES if gds is not None else ()
+        self.side: dict[torch.device, Any] = {}  # per GPU: the stream cuFile's reads allocate on
 
     def offload(self, st: torch.UntypedStorage, nbytes: int, f: Fwd) -> Entry:
         ptr = st.data_ptr()
+        if st.device.type in self.gds_types:
+            return self._offload_gds(st, ptr, nbytes, f)
         lead = ptr % PAGE
         # The restored view starts `lead` bytes into its page as the original did; a
         # multiple of 64 keeps every dtype's views aligned (torch allocates at 64).
@@ -40,6 +48,22 @@ class CpuTransport:
             return e
         key = self.native.put_from(ptr, nbytes, st)  # a copy into the arena (or to NVMe)
         return Entry(key, nbytes, st.device, False, f)
+
+    def _offload_gds(self, st: torch.UntypedStorage, ptr: int, nbytes: int, f: Fwd) -> Entry:
+        """cuFile writes the storage from GPU memory once the work queued so far is done; the
+        storage is held until then."""
+        assert self.gds is not None
+        key = self.native.reserve_unslotted(nbytes)
+        try:
+            ticket = self.gds.write(key, ptr, nbytes, _ready(st.device))
+        except BaseException:
+            self.native.free(key)
+            raise
+        e = Entry(key, nbytes, st.device, False, f)
+        e.src, e.ticket, e.wrote = st, ticket, ptr
+        self.off.res.writing += nbytes
+        self.writing.append(e)
+        return e
 
     def poll(self) -> None:
         """Drop the sources of writes that are done."""
@@ -75,13 +99,46 @@ class CpuTransport:
         """The bytes go from NVMe straight into the page-aligned buffer that becomes the
         restored storage; the arena is not used, so read-ahead never evicts what is about to
         be needed. The entry starts `lead` bytes before the data (a write covers whole pages)."""
+        if e.device.type in self.gds_types:
+            self._read_gds(e)
+            return
         st, pad = aligned_storage(e.lead + e.nbytes)
         self.off._track(st, e.nbytes)
         ticket = self.native.read_into(e.key, st.data_ptr() + pad, st.nbytes() - pad, st)
         e.reading = (st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
+
+    def _read_gds(self, e: Entry) -> None:
+        """cuFile reads into new memory padded to whole extents. On a GPU it comes from a
+        stream that runs no work, so nothing queued can still use it; the unpack records its
+        use on its own stream (``made``, as the arena's copies do)."""
+        assert self.gds is not None and e.key is not None
+        size = -(-e.nbytes // PAGE) * PAGE
+        if e.device.type == "cuda":
+            side = self.side.get(e.device)
+            if side is None:
+                side = self.side[e.device] = torch.cuda.Stream(e.device)
+            with torch.cuda.stream(side):
+                buf = torch.empty(size, dtype=torch.uint8, device=e.device)
+                made = torch.cuda.Event()
+                made.record(side)
+            e.made = (made, side, [side])
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        st = buf.untyped_storage()
+        self.off._track(st, e.nbytes)
+        e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), None), False)
 
     def close(self) -> None:
         for e in self.writing:
             e.ticket = None
             self.drop_src(e)
         self.writing.clear()
+
+
+def _ready(device: torch.device) -> Any:
+    """An event after the work queued on the current stream, for a transfer outside stream order."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev

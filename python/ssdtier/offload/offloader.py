@@ -23,6 +23,7 @@ from ._util import Once, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
+from .cufile import open_cufile
 from .entry import Distributed, Entry, Kept, Same, Saved, check_version, version_of
 from .forward import (
     NO_OFFLOAD,
@@ -129,6 +130,7 @@ class Offloader:
         self.c = dict.fromkeys(COUNTS, 0)
         self.res = Resident()
         self.once = Once()
+        self._gds = None
         self.cpu = CpuTransport(self)
         self.cuda = CudaTransport(self)
         self.ahead = ReadAhead(self, pol.prefetch_layers)
@@ -137,6 +139,9 @@ class Offloader:
         self._handles: list[Any] = []
         self.adaptive: Adaptive | None = None
         try:
+            self._gds = open_cufile(model, config, self._native)
+            if self._gds is not None:
+                self.cpu = CpuTransport(self, self._gds)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
             self._handles += [
@@ -159,6 +164,8 @@ class Offloader:
                 h.remove()
             self._handles.clear()
             self._closed = True
+            if self._gds is not None:
+                self._gds.close()
             self.store.close()
             raise
         log.info(
@@ -342,7 +349,7 @@ class Offloader:
                 c["dedup_hits"] += 1
                 return Saved(self, hit[2], t, hit[2].first)
             try:
-                if t.is_cuda:
+                if t.is_cuda and (self._gds is None or not nbytes):
                     whole = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
                     entry = self.cuda.offload(whole, nbytes, f)
                 else:
@@ -516,6 +523,8 @@ class Offloader:
                 ticket.wait()  # raises the read's error, if any
         if st is None:
             st = self.cuda.restore(e)
+        elif e.made is not None:  # read by cuFile into memory of another stream
+            self.cuda.use_on_current_stream(e, st)
         e.restored = (weakref.ref(st), pad)
         return st, pad
 
@@ -587,6 +596,11 @@ class Offloader:
 
     # ---------------------------------------------------------------- public
 
+    @property
+    def uses_cufile(self) -> bool:
+        """Whether CUDA activations move through cuFile (``io.backend``), not the host arena."""
+        return self._gds is not None
+
     def plan(self) -> Plan | None:
         """The adaptive plan in force (per layer: bytes, time, decision and why); None before one is made."""
         return self.adaptive.plan if self.adaptive is not None else None
@@ -646,6 +660,8 @@ class Offloader:
 
     def _close_store(self) -> None:
         self.cuda.close()
+        if self._gds is not None:
+            self._gds.close()  # its transfers end first; its handles go before the files close
         try:
             self.store.close()  # waits for every write, so the sources still held can go
         except SsdtierOSError as err:

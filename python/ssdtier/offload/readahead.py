@@ -10,6 +10,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .control import StepControl
 
 if TYPE_CHECKING:
@@ -141,7 +143,16 @@ class ReadAhead:
         if entry.src is not None:
             return False
         if entry.reading is None and entry.gpu is None and entry.restored is None:
-            self.off._start_read(entry)
+            if not entry.cuda and entry.device.type in self.off.cpu.gds_types:  # cuFile: into GPU memory
+                if self.off.cuda.stage_off:
+                    return True  # out of GPU memory: the unpack reads it
+                try:
+                    self.off._start_read(entry)
+                except torch.cuda.OutOfMemoryError:
+                    self.off.cuda.stage_off = True  # until the next forward, as the arena's copies ahead
+                    return True
+            else:
+                self.off._start_read(entry)
             if entry.cuda:
                 self.off.cuda.stage_later(entry)
             elif self.auto and entry.reading[2] is not None:

@@ -1,0 +1,219 @@
+"""GPU memory to NVMe and back through cuFile (GPUDirect Storage), with no host bounce. The
+store allocates each entry's extents and keeps its state (``begin_external_*`` and
+``end_external``); worker threads move the bytes with cuFile's synchronous calls.
+docs/offloader.md ("cuFile") has the design."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import SsdtierError
+from ..gds import GdsState, probe
+from ._util import warn
+
+log = logging.getLogger("ssdtier")
+
+MODULE = "cuda.bindings.cufile"  # the tests give a stand-in that moves host memory
+DEVICE_TYPES = ("cuda",)  # whose storages it moves (the tests add "cpu")
+ALIGN = 4096  # the store's extents cover an entry's length rounded up to this
+
+# cuFile's driver is opened once per process and closed when its last user closes.
+_driver_lock = threading.Lock()
+_driver_users = 0
+
+
+class Transfer:
+    """One entry's transfer on a worker, as the store's tickets: ``done()``, ``wait()``
+    (raises the transfer's error as the store's OS error), ``seconds`` from submit to end."""
+
+    __slots__ = ("fut", "t0", "t1")
+
+    def __init__(self, fut: Future) -> None:
+        self.fut, self.t0, self.t1 = fut, time.perf_counter(), None
+        fut.add_done_callback(self._ended)
+
+    def _ended(self, fut: Future) -> None:
+        self.t1 = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait(self) -> None:
+        self.fut.result()
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.t1 is None else self.t1 - self.t0
+
+
+class CuFile:
+    """cuFile's driver, a handle on each of the store's files, and the workers."""
+
+    def __init__(self, native: Any, threads: int, device: torch.device | None, module: Any) -> None:
+        global _driver_users
+        self.native, self.mod = native, module
+        fds = native.device_fds
+        if not fds or any(fd is None for fd in fds):
+            raise SsdtierError("cuFile needs the store's NVMe files (none is configured, or one is simulated)")
+        with _driver_lock:
+            if _driver_users == 0:
+                module.driver_open()
+            _driver_users += 1
+        self.handles: list[int] = []
+        try:
+            for fd in fds:
+                descr = module.Descr()
+                descr.type = module.FileHandleType.OPAQUE_FD
+                descr.handle.fd = fd
+                descr.fs_ops = 0
+                self.handles.append(module.handle_register(descr.ptr))
+        except BaseException:
+            self._close_driver()
+            raise
+        index = device.index if device is not None and device.type == "cuda" else None
+        # cuFile needs the device's context current on the thread that calls it.
+        init = (lambda: torch.cuda.set_device(index)) if index is not None else None
+        self.pool = ThreadPoolExecutor(threads, "ssdtier-cufile", initializer=init)
+
+    # ---------------------------------------------------------------- transfers
+
+    def write(self, key: int, ptr: int, nbytes: int, ready: Any) -> Transfer:
+        """Write ``nbytes`` at ``ptr`` as entry ``key`` (reserved without a slot) once the
+        ``ready`` event is done. Raises the store's errors (out of space) at once."""
+        extents = self.native.begin_external_write(key)
+        return self._submit(key, extents, ptr, nbytes, ready, self.mod.write)
+
+    def read(self, key: int, ptr: int, ready: Any) -> Transfer:
+        """Read entry ``key`` (on NVMe only) to ``ptr``, which has room for its length rounded
+        up to 4096 bytes, once the ``ready`` event is done."""
+        extents = self.native.begin_external_read(key)
+        return self._submit(key, extents, ptr, None, ready, self.mod.read)
+
+    def _submit(self, key: int, extents: list, ptr: int, nbytes: int | None, ready: Any, fn: Any) -> Transfer:
+        try:
+            return Transfer(self.pool.submit(self._run, key, extents, ptr, nbytes, ready, fn))
+        except BaseException as e:  # the pool is shut down: the store must hear of it all the same
+            self.native.end_external(key, f"not started: {e}")
+            raise
+
+    def _run(self, key: int, extents: list, ptr: int, nbytes: int | None, ready: Any, fn: Any) -> None:
+        """On a worker: the extents, then ``end_external`` whatever happened (it raises the
+        transfer's error as the store's)."""
+        why = None
+        try:
+            if ready is not None:
+                ready.synchronize()  # cuFile works outside stream order
+            for dev, file_off, entry_off, length in extents:
+                # A write stops at the source's end (the block after it may be unmapped); a read
+                # fills the whole extent, which the destination has room for.
+                n = length if nbytes is None else min(length, nbytes - entry_off)
+                if n > 0:
+                    self._move(fn, self.handles[dev], ptr + entry_off, n, file_off)
+        except BaseException as e:
+            why = f"cuFile {fn.__name__}: {e}"
+        self.native.end_external(key, why)
+
+    @staticmethod
+    def _move(fn: Any, handle: int, ptr: int, n: int, file_off: int) -> None:
+        done = 0
+        while done < n:
+            # Older bindings return None (all moved, or raised); newer ones the byte count.
+            r = fn(handle, ptr, n - done, file_off + done, done)
+            if r is None:
+                return
+            if r <= 0:
+                raise OSError(f"{n - done} bytes at file offset {file_off + done}: returned {r}")
+            done += r
+
+    # ---------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Wait for the transfers queued, then let cuFile go."""
+        self.pool.shutdown(wait=True)
+        for h in self.handles:
+            with contextlib.suppress(Exception):
+                self.mod.handle_deregister(h)
+        self.handles.clear()
+        self._close_driver()
+
+    def _close_driver(self) -> None:
+        global _driver_users
+        with _driver_lock:
+            _driver_users -= 1
+            if _driver_users == 0:
+                with contextlib.suppress(Exception):
+                    self.mod.driver_close()
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
+def open_cufile(model: torch.nn.Module, config: Any, native: Any) -> CuFile | None:
+    """cuFile for this offloader's CUDA activations, or None (the pinned arena's path).
+    ``io.backend = "cufile"`` asks for it (in compatibility mode too; a fallback is said
+    once); ``"auto"`` takes it only where GPUDirect Storage is usable."""
+    backend = config.io.backend
+    if backend not in ("cufile", "auto"):
+        return None
+    device = _model_device(model)
+    if backend == "auto" and (device is None or device.type != "cuda" or not config.nvme):
+        return None  # nothing for cuFile to do: not worth a probe
+    if not config.nvme:
+        warn('io.backend = "cufile" needs an [[nvme]] device; activations go through the host arena')
+        return None
+    gds = probe_once()
+    if gds.state is GdsState.UNAVAILABLE or (backend == "auto" and gds.state is not GdsState.USABLE):
+        if backend == "cufile":
+            warn(f"cuFile is {gds}; activations go through the host arena instead")
+        return None
+    if gds.state is GdsState.COMPAT:
+        warn(f"cuFile runs in {gds}; it moves the bytes through host memory")
+    try:
+        # cuFile writes cufile.log into the working directory unless told otherwise.
+        os.environ.setdefault("CUFILE_LOGFILE_PATH", os.path.join(_log_dir(), "cufile.log"))
+        module = importlib.import_module(MODULE)
+        return CuFile(native, config.io.threads, device, module)
+    except Exception as e:
+        msg = f"cuFile could not be set up ({type(e).__name__}: {e}); activations go through the host arena"
+        if backend == "auto":
+            log.info("ssdtier: %s", msg)
+        else:
+            warn(msg)
+        return None
+
+
+_probed: Any = None
+
+
+def probe_once() -> Any:
+    """:func:`ssdtier.gds.probe`, once per process (it starts a child)."""
+    global _probed
+    if _probed is None:
+        _probed = probe()
+    return _probed
+
+
+def _log_dir() -> str:
+    """A directory of this user's own under the temporary directory."""
+    d = os.path.join(tempfile.gettempdir(), f"ssdtier-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        d = tempfile.mkdtemp(prefix="ssdtier-")  # someone else's: a fresh one
+    return d

@@ -1,0 +1,97 @@
+"""A stand-in for ``cuda.bindings.cufile`` that moves host memory: "device" pointers are CPU
+addresses. It records its calls and can fail, shorten or slow them, so the cuFile transport's
+books run on the CPU; real GPU memory is tests/test_cuda.py's."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+lock = threading.Lock()
+state: dict = {}
+
+
+def reset() -> None:
+    """Forget every call; no fault armed."""
+    with lock:
+        state.clear()
+        state.update(
+            opens=0,
+            closes=0,
+            fds={},  # handle -> our own fd on the same file, without O_DIRECT
+            calls=[],  # (op, handle, ptr, size, file_offset, thread name)
+            fail=None,  # "write" or "read": that call returns -5 (EIO)
+            short=0,  # calls move at most this many bytes (0: all)
+            delay=0.0,  # seconds each call sleeps
+            next=1,
+        )
+
+
+reset()
+
+
+class FileHandleType:
+    OPAQUE_FD = 1
+
+
+class _Handle:
+    fd = -1
+
+
+class Descr:
+    _all: dict = {}
+
+    def __init__(self) -> None:
+        self.handle, self.type, self.fs_ops = _Handle(), None, None
+        self.ptr = id(self)
+        Descr._all[self.ptr] = self
+
+
+def driver_open() -> None:
+    state["opens"] += 1
+
+
+def driver_close() -> None:
+    state["closes"] += 1
+
+
+def handle_register(ptr: int) -> int:
+    d = Descr._all.pop(ptr)
+    assert d.type == FileHandleType.OPAQUE_FD and d.fs_ops == 0, "descriptor not filled in"
+    with lock:
+        h = state["next"]
+        state["next"] += 1
+        # The store's fd is O_DIRECT; unaligned host buffers need one without it.
+        state["fds"][h] = os.open(f"/proc/self/fd/{d.handle.fd}", os.O_RDWR)
+    return h
+
+
+def handle_deregister(h: int) -> None:
+    with lock:
+        os.close(state["fds"].pop(h))
+
+
+def _call(op: str, h: int, base: int, size: int, off: int, buf_off: int) -> int:
+    ptr = base + buf_off
+    state["calls"].append((op, h, ptr, size, off, threading.current_thread().name))
+    if state["delay"]:
+        time.sleep(state["delay"])
+    if state["fail"] == op:
+        return -5
+    n = min(size, state["short"] or size)
+    fd = state["fds"][h]
+    if op == "write":
+        return os.pwrite(fd, ctypes.string_at(ptr, n), off)
+    data = os.pread(fd, n, off)
+    ctypes.memmove(ptr, data, len(data))
+    return len(data)
+
+
+def write(h: int, base: int, size: int, off: int, buf_off: int) -> int:
+    return _call("write", h, base, size, off, buf_off)
+
+
+def read(h: int, base: int, size: int, off: int, buf_off: int) -> int:
+    return _call("read", h, base, size, off, buf_off)

@@ -1,0 +1,310 @@
+"""The cuFile transport on the CPU, against a stand-in cufile module that moves host memory
+(tests/fake_cufile.py): extents across striped devices, short and failed calls, out of
+space, close with transfers queued, the driver opened once, and exact gradients through
+attach(). GPU memory itself is tests/test_cuda.py's."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import ssdtier
+from ssdtier.errors import OutOfSpaceError, SsdtierOSError
+from ssdtier.gds import Gds, GdsState
+from ssdtier.offload import cufile
+from ssdtier.offload.cufile import CuFile
+from ssdtier.store import ByteStore
+
+from . import fake_cufile as fake
+from .test_attach import CONFIGS, assert_same, check_out_of_space, offload_config, train, wait_copies
+
+
+@pytest.fixture
+def gds(monkeypatch):
+    """attach() takes the stand-in cuFile for CPU tensors, as if GDS were usable."""
+    fake.reset()
+    monkeypatch.setattr(cufile, "MODULE", fake.__name__)
+    monkeypatch.setattr(cufile, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(cufile, "probe_once", lambda: Gds(GdsState.USABLE, "stand-in"))
+    return fake
+
+
+def gds_config(store_dir, **kw):
+    cfg = offload_config(store_dir, **kw)
+    cfg["io"]["backend"] = "cufile"
+    return cfg
+
+
+def two_dirs(store_dir, capacity="8MiB"):
+    return {
+        "host": {"capacity": "64KiB"},
+        "nvme": [{"path": str(store_dir / d), "capacity": capacity} for d in ("a", "b")],
+        "io": {"block_size": "4KiB"},  # stripes of 4 KiB: every entry spans both files
+    }
+
+
+@pytest.fixture
+def store(store_dir):
+    s = ByteStore(two_dirs(store_dir))
+    yield s
+    s.close()
+
+
+def source(nbytes, seed):
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("nbytes", [4096, 5000, 3 * 4096 + 1])
+def test_round_trip_over_striped_files_stops_at_the_source_end(store, nbytes):
+    fake.reset()
+    io = CuFile(store.native, 2, None, fake)
+    try:
+        src = source(nbytes, 1)
+        key = store.native.reserve_unslotted(nbytes)
+        io.write(key, src.data_ptr(), nbytes, None).wait()
+        writes = [c for c in fake.state["calls"] if c[0] == "write"]
+        assert len({c[1] for c in writes}) == (1 if nbytes <= 4096 else 2), "striped over both files"
+        assert max(c[2] + c[3] for c in writes) == src.data_ptr() + nbytes, "read past the source"
+        assert all(c[5].startswith("ssdtier-cufile") for c in writes)
+        padded = -(-nbytes // 4096) * 4096
+        out = torch.zeros(padded, dtype=torch.uint8)
+        io.read(key, out.data_ptr(), None).wait()
+        assert torch.equal(out[:nbytes], src)
+        assert store.native.location(key) == (False, True)
+        store.discard(key)
+    finally:
+        io.close()
+    assert fake.state["opens"] == fake.state["closes"] == 1 and not fake.state["fds"]
+
+
+def test_short_calls_are_continued(store):
+    fake.reset()
+    fake.state["short"] = 1000
+    io = CuFile(store.native, 1, None, fake)
+    try:
+        src = source(8192, 2)
+        key = store.native.reserve_unslotted(8192)
+        io.write(key, src.data_ptr(), 8192, None).wait()
+        out = torch.zeros(8192, dtype=torch.uint8)
+        io.read(key, out.data_ptr(), None).wait()
+        assert torch.equal(out, src)
+    finally:
+        io.close()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_failed_call_is_the_stores_error_and_loses_nothing(store, op):
+    fake.reset()
+    io = CuFile(store.native, 1, None, fake)
+    try:
+        src = source(8192, 3)
+        key = store.native.reserve_unslotted(8192)
+        fake.state["fail"] = op
+        w = io.write(key, src.data_ptr(), 8192, None)
+        if op == "write":
+            with pytest.raises(SsdtierOSError, match="cuFile write"):
+                w.wait()
+            assert store.native.location(key) == (False, False)  # no bytes: the caller has them
+            return
+        w.wait()
+        out = torch.zeros(8192, dtype=torch.uint8)
+        with pytest.raises(SsdtierOSError, match="cuFile read"):
+            io.read(key, out.data_ptr(), None).wait()
+        assert store.native.location(key) == (False, True)  # still on NVMe: a retry reads it
+        fake.state["fail"] = None
+        io.read(key, out.data_ptr(), None).wait()
+        assert torch.equal(out, src)
+    finally:
+        io.close()
+
+
+def test_out_of_space_is_raised_by_the_call_not_the_worker(store_dir):
+    fake.reset()
+    s = ByteStore(two_dirs(store_dir, capacity="16KiB"))
+    io = CuFile(s.native, 1, None, fake)
+    try:
+        key = s.native.reserve_unslotted(1 << 20)
+        with pytest.raises(OutOfSpaceError):
+            io.write(key, source(1 << 20, 4).data_ptr(), 1 << 20, None)
+        assert not fake.state["calls"]
+        s.native.free(key)
+    finally:
+        io.close()
+        s.close()
+
+
+def test_close_waits_for_queued_transfers_and_the_driver_for_its_last_user(store):
+    fake.reset()
+    fake.state["delay"] = 0.02
+    first, second = CuFile(store.native, 1, None, fake), CuFile(store.native, 1, None, fake)
+    srcs = [source(4096, i) for i in range(6)]
+    keys = [store.native.reserve_unslotted(4096) for _ in srcs]
+    transfers = [first.write(k, s.data_ptr(), 4096, None) for k, s in zip(keys, srcs, strict=True)]
+    first.close()
+    assert all(t.done() for t in transfers)
+    assert all(store.native.location(k) == (False, True) for k in keys)
+    assert fake.state["opens"] == 1 and fake.state["closes"] == 0  # the second still uses it
+    second.close()
+    assert fake.state["closes"] == 1
+
+
+def test_a_file_cufile_cannot_register_closes_the_driver(store, monkeypatch):
+    fake.reset()
+
+    def refuse(ptr):
+        raise RuntimeError("CU_FILE_DRIVER_NOT_INITIALIZED")
+
+    monkeypatch.setattr(fake, "handle_register", refuse)
+    with pytest.raises(RuntimeError, match="NOT_INITIALIZED"):
+        CuFile(store.native, 1, None, fake)
+    assert fake.state["opens"] == fake.state["closes"] == 1
+
+
+# ---------------------------------------------------------------- through attach()
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_exact_gradients_through_cufile(store_dir, gds, family):
+    cfg = gds_config(store_dir, prefetch_layers=1)
+    got = train(CONFIGS[family], cfg)
+    assert_same(train(CONFIGS[family]), got)
+    calls = gds.state["calls"]
+    assert got[2].tensors_offloaded > 0
+    assert got[2].bytes_written_nvme >= sum(c[3] for c in calls if c[0] == "write") > 0
+    assert got[2].store.host_bytes_in == 0  # nothing went through the arena
+    assert gds.state["opens"] == gds.state["closes"] == 1 and not gds.state["fds"]
+
+
+def test_backward_reads_back_through_cufile(store_dir, gds):
+    cfg = gds_config(store_dir)
+    torch.manual_seed(0)
+    model_cfg = CONFIGS["gpt"]
+    from ssdtier.models import batch_loss, build_model, make_batch
+
+    model = build_model(model_cfg)
+    batch = make_batch(model_cfg, 2, torch.Generator().manual_seed(2))
+    with ssdtier.attach(model, cfg) as off:
+        assert off.cpu.gds is not None
+        loss = batch_loss(model, batch)
+        wait_copies(off)  # every source let go: the backward must read
+        loss.backward()
+        reads = [c for c in gds.state["calls"] if c[0] == "read"]
+        st = off.stats()
+    assert reads and st.bytes_read_nvme > 0 and st.failed_reads == 0
+
+
+def test_a_failed_cufile_write_keeps_the_source_with_exact_gradients(store_dir, gds, warned):
+    gds.state["fail"] = "write"
+    got = train(CONFIGS["gpt"], gds_config(store_dir))
+    assert_same(train(CONFIGS["gpt"]), got)
+    assert got[2].failed_writes > 0
+    assert len(warned("cuFile write")) == 1
+
+
+def test_a_failed_cufile_read_stops_the_backward_with_its_error(store_dir, gds):
+    from ssdtier.models import batch_loss, build_model, make_batch
+
+    model = build_model(CONFIGS["gpt"])
+    batch = make_batch(CONFIGS["gpt"], 2, torch.Generator().manual_seed(2))
+    with ssdtier.attach(model, gds_config(store_dir)) as off:
+        loss = batch_loss(model, batch)
+        wait_copies(off)
+        gds.state["fail"] = "read"
+        with pytest.raises(SsdtierOSError, match="could not be read back.*cuFile read"):
+            loss.backward()
+        del loss
+
+
+def test_out_of_space_keeps_activations_in_memory(store_dir, gds, warned):
+    check_out_of_space(gds_config(store_dir, host="8KiB"), warned)
+
+
+# ---------------------------------------------------------------- choosing cuFile
+
+
+def test_cufile_asked_for_without_cuda_says_so_and_uses_the_arena(store_dir, warned, monkeypatch):
+    probes = []
+    monkeypatch.setattr(cufile, "probe_once", lambda: probes.append(1) or Gds(GdsState.UNAVAILABLE, "no CUDA device"))
+    cfg = offload_config(store_dir)
+    cfg.setdefault("io", {})["backend"] = "cufile"
+    got = train(CONFIGS["gpt"], cfg)
+    assert_same(train(CONFIGS["gpt"]), got)
+    assert probes and len(warned("cuFile is unavailable (no CUDA device)")) == 1
+    assert got[2].bytes_written_nvme > 0
+
+
+def test_auto_does_not_probe_for_a_cpu_model(store_dir, monkeypatch):
+    def no_probe():
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(cufile, "probe_once", no_probe)
+    model = torch.nn.Linear(4, 4)
+    with ssdtier.attach(model, offload_config(store_dir)) as off:
+        assert off.cpu.gds is None
+
+
+def test_cufile_without_nvme_says_so(warned):
+    cfg = {"host": {"capacity": "1MiB"}, "io": {"backend": "cufile"}}
+    with ssdtier.attach(torch.nn.Linear(4, 4), cfg) as off:
+        assert off.cpu.gds is None
+    assert len(warned("needs an [[nvme]] device")) == 1
+
+
+def test_compatibility_mode_is_said_once(store_dir, gds, monkeypatch, warned):
+    monkeypatch.setattr(cufile, "probe_once", lambda: Gds(GdsState.COMPAT, "nvidia-fs driver not loaded"))
+    cfg = offload_config(store_dir)
+    cfg.setdefault("io", {})["backend"] = "cufile"
+    monkeypatch.delenv("CUFILE_LOGFILE_PATH", raising=False)
+    with ssdtier.attach(torch.nn.Linear(4, 4), cfg) as off:
+        assert off.cpu.gds is not None and off.uses_cufile
+    assert len(warned("compatibility mode")) == 1
+    log = os.environ["CUFILE_LOGFILE_PATH"]  # cuFile's log goes there, not to the working directory
+    assert log.startswith(tempfile.gettempdir()) and os.stat(os.path.dirname(log)).st_uid == os.getuid()
+
+
+def test_auto_takes_cufile_only_where_gds_is_usable(store_dir, gds, monkeypatch):
+    monkeypatch.setattr(cufile, "_model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    for state, used in ((GdsState.USABLE, True), (GdsState.COMPAT, False)):
+        monkeypatch.setattr(cufile, "probe_once", lambda s=state: Gds(s, "stand-in"))
+        with ssdtier.attach(torch.nn.Linear(4, 4), offload_config(store_dir)) as off:
+            assert (off.cpu.gds is not None) is used, state
+
+
+def test_out_of_memory_reading_ahead_leaves_the_reads_to_the_unpacks(store_dir, gds, monkeypatch):
+    """cuFile reads into new GPU memory: a read-ahead that finds none stops reading ahead
+    until the next forward, and each unpack reads its own entry."""
+    from ssdtier.offload import cpu
+
+    real_empty = torch.empty
+    state = {"ahead": True, "refused": 0}
+
+    def empty(*a, **k):
+        if state["ahead"] and k.get("dtype") is torch.uint8:
+            state["refused"] += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return real_empty(*a, **k)
+
+    class Torch:  # cpu.py's torch, with empty() refusing read-ahead buffers
+        def __getattr__(self, name):
+            return empty if name == "empty" else getattr(torch, name)
+
+    got_ref = train(CONFIGS["gpt"])
+    ahead = ssdtier.offload.readahead.ReadAhead._want
+
+    def want(self, entry):
+        state["ahead"] = True
+        try:
+            return ahead(self, entry)
+        finally:
+            state["ahead"] = False
+
+    monkeypatch.setattr(cpu, "torch", Torch())
+    monkeypatch.setattr(ssdtier.offload.readahead.ReadAhead, "_want", want)
+    got = train(CONFIGS["gpt"], gds_config(store_dir, prefetch_layers=2))
+    assert_same(got_ref, got)
+    assert 1 <= state["refused"] <= 3  # once per forward (3 micro-batches), then no more tries
+    assert got[2].bytes_read_nvme > 0  # read by the unpacks
