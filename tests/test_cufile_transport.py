@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -308,3 +310,21 @@ def test_out_of_memory_reading_ahead_leaves_the_reads_to_the_unpacks(store_dir, 
     assert_same(got_ref, got)
     assert 1 <= state["refused"] <= 3  # once per forward (3 micro-batches), then no more tries
     assert got[2].bytes_read_nvme > 0  # read by the unpacks
+
+
+def test_a_driver_open_that_never_returns_falls_back_to_the_arena(store_dir, gds, monkeypatch, warned):
+    release = threading.Event()
+    monkeypatch.setattr(gds, "driver_open", lambda: release.wait(30))
+    monkeypatch.setattr(cufile, "OPEN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(cufile, "_driver_stuck", False)
+    monkeypatch.setattr(cufile, "_driver_users", 0)  # an offloader an earlier test left may hold it
+    try:
+        for _ in range(2):  # the second attach does not wait again
+            t0 = time.monotonic()
+            with ssdtier.attach(torch.nn.Linear(4, 4), gds_config(store_dir)) as off:
+                assert not off.uses_cufile
+            assert time.monotonic() - t0 < 5
+        msgs = warned("cuFile could not be set up")
+        assert len(msgs) == 2 and "did not return in 0.2 s" in msgs[0] and "earlier in this process" in msgs[1]
+    finally:
+        release.set()

@@ -28,9 +28,12 @@ MODULE = "cuda.bindings.cufile"  # the tests give a stand-in that moves host mem
 DEVICE_TYPES = ("cuda",)  # whose storages it moves (the tests add "cpu")
 ALIGN = 4096  # the store's extents cover an entry's length rounded up to this
 
+OPEN_TIMEOUT_S = 30.0  # driver_open has been seen to spin forever (no libcuda.so.1)
+
 # cuFile's driver is opened once per process and closed when its last user closes.
 _driver_lock = threading.Lock()
 _driver_users = 0
+_driver_stuck = False  # a driver_open never returned: not tried again in this process
 
 
 class Transfer:
@@ -68,7 +71,7 @@ class CuFile:
             raise SsdtierError("cuFile needs the store's NVMe files (none is configured, or one is simulated)")
         with _driver_lock:
             if _driver_users == 0:
-                module.driver_open()
+                _open_driver(module)
             _driver_users += 1
         self.handles: list[int] = []
         try:
@@ -154,6 +157,30 @@ class CuFile:
             if _driver_users == 0:
                 with contextlib.suppress(Exception):
                     self.mod.driver_close()
+
+
+def _open_driver(module: Any) -> None:
+    """``driver_open`` on a thread of its own, given OPEN_TIMEOUT_S: a hang is an error,
+    not a training job that never starts (the thread is left behind)."""
+    global _driver_stuck
+    if _driver_stuck:
+        raise SsdtierError("cuFile's driver_open did not return earlier in this process")
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            module.driver_open()
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ssdtier-cufile-open", daemon=True).start()
+    if not done.wait(OPEN_TIMEOUT_S):
+        _driver_stuck = True
+        raise SsdtierError(f"cuFile's driver_open did not return in {OPEN_TIMEOUT_S:g} s")
+    if failed:
+        raise failed[0]
 
 
 def _model_device(model: torch.nn.Module) -> torch.device | None:
