@@ -71,15 +71,34 @@ def test_round_trip_over_striped_files_stops_at_the_source_end(store, nbytes):
         assert len({c[1] for c in writes}) == (1 if nbytes <= 4096 else 2), "striped over both files"
         assert max(c[2] + c[3] for c in writes) == src.data_ptr() + nbytes, "read past the source"
         assert all(c[5].startswith("ssdtier-cufile") for c in writes)
-        padded = -(-nbytes // 4096) * 4096
-        out = torch.zeros(padded, dtype=torch.uint8)
-        io.read(key, out.data_ptr(), None).wait()
-        assert torch.equal(out[:nbytes], src)
+        out = torch.zeros(nbytes, dtype=torch.uint8)
+        io.read(key, out.data_ptr(), nbytes, None).wait()
+        assert torch.equal(out, src)
         assert store.native.location(key) == (False, True)
         store.discard(key)
     finally:
         io.close()
     assert fake.state["opens"] == fake.state["closes"] == 1 and not fake.state["fds"]
+
+
+def test_an_entry_at_the_end_of_a_file_not_preallocated_reads_back(store_dir):
+    """A write stops at the entry's end, so the file may end mid-page: the read stops there too."""
+    fake.reset()
+    cfg = two_dirs(store_dir)
+    cfg["io"]["preallocate"] = 0
+    s = ByteStore(cfg)
+    io = CuFile(s.native, 1, None, fake)
+    try:
+        src = source(5000, 5)
+        key = s.native.reserve_unslotted(5000)
+        io.write(key, src.data_ptr(), 5000, None).wait()
+        assert sum(os.fstat(fd).st_size for fd in fake.state["fds"].values()) == 5000  # ends mid-page
+        out = torch.zeros(5000, dtype=torch.uint8)
+        io.read(key, out.data_ptr(), 5000, None).wait()
+        assert torch.equal(out, src)
+    finally:
+        io.close()
+        s.close()
 
 
 def test_short_calls_are_continued(store):
@@ -91,7 +110,7 @@ def test_short_calls_are_continued(store):
         key = store.native.reserve_unslotted(8192)
         io.write(key, src.data_ptr(), 8192, None).wait()
         out = torch.zeros(8192, dtype=torch.uint8)
-        io.read(key, out.data_ptr(), None).wait()
+        io.read(key, out.data_ptr(), 8192, None).wait()
         assert torch.equal(out, src)
     finally:
         io.close()
@@ -114,10 +133,10 @@ def test_a_failed_call_is_the_stores_error_and_loses_nothing(store, op):
         w.wait()
         out = torch.zeros(8192, dtype=torch.uint8)
         with pytest.raises(SsdtierOSError, match="cuFile read"):
-            io.read(key, out.data_ptr(), None).wait()
+            io.read(key, out.data_ptr(), 8192, None).wait()
         assert store.native.location(key) == (False, True)  # still on NVMe: a retry reads it
         fake.state["fail"] = None
-        io.read(key, out.data_ptr(), None).wait()
+        io.read(key, out.data_ptr(), 8192, None).wait()
         assert torch.equal(out, src)
     finally:
         io.close()

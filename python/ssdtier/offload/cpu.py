@@ -108,7 +108,7 @@ class CpuTransport:
         e.reading = (st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
 
     def _read_gds(self, e: Entry) -> None:
-        """cuFile reads into new memory padded to whole extents. On a GPU it comes from a
+        """cuFile reads into new memory (padded to whole pages, as the CPU's). On a GPU it comes from a
         stream that runs no work, so nothing queued can still use it; the unpack records its
         use on its own stream (``made``, as the arena's copies do)."""
         assert self.gds is not None and e.key is not None
@@ -126,7 +126,7 @@ class CpuTransport:
             buf = torch.empty(size, dtype=torch.uint8)
         st = buf.untyped_storage()
         self.off._track(st, e.nbytes)
-        e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), None), False)
+        e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, None), False)
 
     def close(self) -> None:
         for e in self.writing:

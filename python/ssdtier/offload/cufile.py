@@ -97,20 +97,20 @@ class CuFile:
         extents = self.native.begin_external_write(key)
         return self._submit(key, extents, ptr, nbytes, ready, self.mod.write)
 
-    def read(self, key: int, ptr: int, ready: Any) -> Transfer:
-        """Read entry ``key`` (on NVMe only) to ``ptr``, which has room for its length rounded
-        up to 4096 bytes, once the ``ready`` event is done."""
+    def read(self, key: int, ptr: int, nbytes: int, ready: Any) -> Transfer:
+        """Read the ``nbytes`` of entry ``key`` (on NVMe only) to ``ptr`` once the ``ready``
+        event is done."""
         extents = self.native.begin_external_read(key)
-        return self._submit(key, extents, ptr, None, ready, self.mod.read)
+        return self._submit(key, extents, ptr, nbytes, ready, self.mod.read)
 
-    def _submit(self, key: int, extents: list, ptr: int, nbytes: int | None, ready: Any, fn: Any) -> Transfer:
+    def _submit(self, key: int, extents: list, ptr: int, nbytes: int, ready: Any, fn: Any) -> Transfer:
         try:
             return Transfer(self.pool.submit(self._run, key, extents, ptr, nbytes, ready, fn))
         except BaseException as e:  # the pool is shut down: the store must hear of it all the same
             self.native.end_external(key, f"not started: {e}")
             raise
 
-    def _run(self, key: int, extents: list, ptr: int, nbytes: int | None, ready: Any, fn: Any) -> None:
+    def _run(self, key: int, extents: list, ptr: int, nbytes: int, ready: Any, fn: Any) -> None:
         """On a worker: the extents, then ``end_external`` whatever happened (it raises the
         transfer's error as the store's)."""
         why = None
@@ -118,9 +118,9 @@ class CuFile:
             if ready is not None:
                 ready.synchronize()  # cuFile works outside stream order
             for dev, file_off, entry_off, length in extents:
-                # A write stops at the source's end (the block after it may be unmapped); a read
-                # fills the whole extent, which the destination has room for.
-                n = length if nbytes is None else min(length, nbytes - entry_off)
+                # Both stop at the entry's end: past the source may be unmapped, and past a
+                # file's end (not preallocated) a read would come back short.
+                n = min(length, nbytes - entry_off)
                 if n > 0:
                     self._move(fn, self.handles[dev], ptr + entry_off, n, file_off)
         except BaseException as e:
