@@ -21,7 +21,7 @@ fn main() {
         }
     }
     let t0 = Instant::now();
-    let (mut total_ops, mut bytes, mut failed_stores, mut errors) = (0u64, 0u64, 0u64, 0u64);
+    let (mut total_ops, mut bytes, mut failed_stores, mut errors, mut external) = (0u64, 0u64, 0u64, 0u64, 0u64);
     for seed in start..start + seeds {
         let w = Workload { seed, ops, threads, faults };
         match run(&w) {
@@ -29,6 +29,7 @@ fn main() {
                 total_ops += o.ops;
                 bytes += o.bytes_checked;
                 errors += o.errors_allowed;
+                external += o.external;
                 failed_stores += o.store_failed as u64;
             }
             Err(e) => {
@@ -45,8 +46,8 @@ fn main() {
         }
     }
     println!(
-        "{seeds} seeds from {start}: {total_ops} ops, {:.1} MB checked byte for byte, {errors} injected errors seen, \
-         {failed_stores} runs with a failed ring; {:.1} s",
+        "{seeds} seeds from {start}: {total_ops} ops ({external} external transfers), {:.1} MB checked byte for byte, \
+         {errors} injected errors seen, {failed_stores} runs with a failed ring; {:.1} s",
         bytes as f64 / 1e6,
         t0.elapsed().as_secs_f64()
     );

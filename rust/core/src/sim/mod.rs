@@ -115,6 +115,42 @@ impl SimQueue {
     pub fn file_len(&self) -> usize {
         self.shared.lock().disk.len()
     }
+
+    /// Its file, for the workload to move bytes outside the store as cuFile does.
+    fn file(&self) -> SimFile {
+        SimFile(self.shared.clone())
+    }
+}
+
+/// A simulated device's file, read and written directly (not through its queue).
+struct SimFile(Arc<Shared>);
+
+impl SimFile {
+    fn write(&self, off: u64, src: &[u8]) {
+        write_file(&mut self.0.lock().disk, off as usize, src);
+    }
+
+    fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        let mut out = vec![0u8; len];
+        read_file(&self.0.lock().disk, off as usize, &mut out);
+        out
+    }
+}
+
+fn write_file(disk: &mut Vec<u8>, off: usize, src: &[u8]) {
+    if disk.len() < off + src.len() {
+        disk.resize(off + src.len(), 0);
+    }
+    disk[off..off + src.len()].copy_from_slice(src);
+}
+
+/// A hole, or the space past the file's end (preallocated, as the store's files are by default),
+/// reads as zeros. An external write may end the file mid-block.
+fn read_file(disk: &[u8], off: usize, dst: &mut [u8]) {
+    let file = disk.get(off..).unwrap_or_default();
+    let have = file.len().min(dst.len());
+    dst[..have].copy_from_slice(&file[..have]);
+    dst[have..].fill(0);
 }
 
 impl Shared {
@@ -177,23 +213,11 @@ impl State {
     }
 
     fn transfer(&mut self, dir: Dir, buf: *mut u8, off: u64, len: usize) {
-        let (off, end) = (off as usize, off as usize + len);
         match dir {
-            Dir::Write => {
-                if self.disk.len() < end {
-                    self.disk.resize(end, 0);
-                }
-                // Safety: the request's buffer holds `len` bytes from here (IoReq::new's contract).
-                let src = unsafe { std::slice::from_raw_parts(buf, len) };
-                self.disk[off..end].copy_from_slice(src);
-            }
-            Dir::Read => {
-                // Safety: as above, for writes into the buffer.
-                let dst = unsafe { std::slice::from_raw_parts_mut(buf, len) };
-                let have = self.disk.len().clamp(off, end);
-                dst[..have - off].copy_from_slice(&self.disk[off..have]);
-                dst[have - off..].fill(0); // a hole reads as zeros
-            }
+            // Safety: the request's buffer holds `len` bytes from here (IoReq::new's contract).
+            Dir::Write => write_file(&mut self.disk, off as usize, unsafe { std::slice::from_raw_parts(buf, len) }),
+            // Safety: as above, for writes into the buffer.
+            Dir::Read => read_file(&self.disk, off as usize, unsafe { std::slice::from_raw_parts_mut(buf, len) }),
         }
     }
 

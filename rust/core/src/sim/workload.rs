@@ -1,10 +1,11 @@
 //! A seeded workload against a store over simulated devices, checked against
 //! a model: every byte read back, every error allowed by the faults injected,
-//! and after freeing everything no slot or extent left behind.
+//! and after freeing everything no slot or extent left behind. Transfers outside the
+//! store (cuFile's) are played here, on the simulated files at the extents handed out.
 
-use super::{Rng, SimConfig, SimQueue};
+use super::{Rng, SimConfig, SimFile, SimQueue};
 use crate::error::Error;
-use crate::store::{DeviceConfig, Eviction, Store, StoreConfig};
+use crate::store::{DeviceConfig, Eviction, Extent, Store, StoreConfig};
 use crate::ticket::Ticket;
 use crate::{Backend, ALIGN};
 use std::collections::BTreeMap;
@@ -30,6 +31,8 @@ pub struct Outcome {
     pub ops: u64,
     pub bytes_checked: u64,
     pub errors_allowed: u64,
+    /// Transfers outside the store (as cuFile's) begun and ended.
+    pub external: u64,
     /// The simulated ring failed and the store refused work from then on.
     pub store_failed: bool,
     pub quarantined_bytes: u64,
@@ -79,10 +82,26 @@ enum Known {
 enum Pending {
     Write { key: u64, ticket: Arc<Ticket>, _src: Arc<Buf> },
     Read { key: u64, ticket: Arc<Ticket>, dst: Arc<Buf>, want: Arc<Vec<u8>> },
+    External(External),
+}
+
+/// A transfer outside the store (begun, not ended) that the workload plays as cuFile would.
+struct External {
+    key: u64,
+    extents: Vec<Extent>,
+    write: bool,
+    /// The bytes to write, or those a read must find.
+    data: Arc<Vec<u8>>,
+    /// It will end with an error (a write then lands only in part).
+    fail: bool,
+    /// Its entry was discarded meanwhile.
+    discarded: bool,
 }
 
 struct Ctx<'a> {
     store: &'a Store,
+    /// The devices' files, as a transfer outside the store sees them.
+    files: &'a [SimFile],
     rng: Rng,
     faults: bool,
     shared: bool,
@@ -152,7 +171,9 @@ impl Ctx<'_> {
             Known::NoBytes => Arc::new(Vec::new()),
         };
         let no_bytes = matches!(known, Known::NoBytes);
-        let res = match self.rng.below(4) {
+        // Room for the entry as the store has it (the model knows no bytes of a failed write).
+        let room = self.store.len_of(key).map_or(want.len(), |n| n as usize);
+        let res = match self.rng.below(5) {
             0 => match self.store.acquire(key) {
                 Ok(Some(off)) => {
                     // Safety: the pinned slot holds the entry's bytes until release.
@@ -163,7 +184,7 @@ impl Ctx<'_> {
                     c.map(|_| Ok(()))?
                 }
                 Ok(None) => {
-                    let mut got = vec![0u8; want.len()];
+                    let mut got = vec![0u8; room];
                     match self.store.read_staged_with(key, &mut |off, b| {
                         got[off as usize..off as usize + b.len()].copy_from_slice(b)
                     }) {
@@ -174,7 +195,7 @@ impl Ctx<'_> {
                 Err(e) => Err(e),
             },
             1 => {
-                let mut got = vec![0u8; want.len()];
+                let mut got = vec![0u8; room];
                 match self
                     .store
                     .read_staged_with(key, &mut |off, b| got[off as usize..off as usize + b.len()].copy_from_slice(b))
@@ -184,8 +205,7 @@ impl Ctx<'_> {
                 }
             }
             2 => {
-                // Room for the entry as the store has it (the model knows no bytes of a failed write).
-                let dst = Buf::new(self.store.len_of(key).map_or(want.len(), |n| n as usize));
+                let dst = Buf::new(room);
                 // Safety: dst is aligned, holds the rounded length, and the ticket keeps it alive.
                 match unsafe { self.store.read_into(key, dst.ptr, dst.len as u64, Some(Box::new(dst.clone()))) } {
                     Ok(ticket) => {
@@ -200,7 +220,7 @@ impl Ctx<'_> {
                     Err(e) => Err(e),
                 }
             }
-            _ => match self.store.prefetch(key) {
+            3 => match self.store.prefetch(key) {
                 Ok(t) => {
                     if self.rng.chance(0.5) {
                         // A failed read ahead is retried by the next read: its error is not the caller's.
@@ -210,6 +230,7 @@ impl Ctx<'_> {
                 }
                 Err(e) => Err(e),
             },
+            _ => return self.read_external(key, known, shared, pending),
         };
         match res {
             Ok(()) if no_bytes => Err(format!("key {key} has no bytes, yet a read of it succeeded")),
@@ -219,6 +240,128 @@ impl Ctx<'_> {
             Err(e) => self.allowed(&e, "read", shared),
         }
     }
+
+    /// Read an entry as the cuFile transport does: evicted, then its extents read by us.
+    fn read_external(&mut self, key: u64, known: &Known, shared: bool, pending: &mut Vec<Pending>) -> Check {
+        if let Err(e) = self.store.evict(key) {
+            return self.allowed(&e, "evict before an external read", shared);
+        }
+        // Our own entry cannot change under us: on NVMe only, with bytes, its read must begin.
+        let must = !shared && self.store.location(key).is_ok_and(|l| l == (false, true));
+        let want = match known {
+            Known::Bytes(w) if !w.is_empty() => w.clone(),
+            _ => Arc::new(Vec::new()),
+        };
+        let extents = match self.store.begin_external_read(key) {
+            Ok(x) if want.is_empty() => {
+                let _ = self.store.end_external(key, Ok(()));
+                return Err(format!("key {key} has no bytes, yet its external read began ({x:?})"));
+            }
+            Ok(x) => x,
+            Err(Error::Invalid(m)) if m.contains("not on NVMe only") && (!must || want.is_empty()) => return Ok(()),
+            Err(e) => return self.allowed(&e, "begin_external_read", shared),
+        };
+        let fail = self.faults && self.rng.chance(0.1);
+        let x = External { key, extents, write: false, data: want, fail, discarded: false };
+        let bad = check_extents(self, key, x.data.len() as u64, &x.extents);
+        // Ended at once on shared keys: another thread may wait for it while we wait for one of its.
+        if bad.is_err() || (!shared && self.rng.chance(0.5)) {
+            pending.push(Pending::External(x)); // ended later, or as the run stops
+            return bad;
+        }
+        end_external(self, x, None)
+    }
+}
+
+/// The extents of an entry of `len` bytes cover its length rounded up to 4096 once, aligned,
+/// inside its devices.
+fn check_extents(c: &Ctx, key: u64, len: u64, extents: &[Extent]) -> Check {
+    let mut v = extents.to_vec();
+    v.sort_by_key(|x| x.entry_off);
+    let mut at = 0;
+    for x in &v {
+        let cap = c.store.config().devices.get(x.dev).map_or(0, |d| d.capacity);
+        if x.entry_off != at || x.len == 0 || x.file_off % ALIGN != 0 || x.file_off + x.len > cap {
+            return Err(format!("extents of key {key} ({len} bytes): {v:?}"));
+        }
+        at += x.len;
+    }
+    if at != len.div_ceil(ALIGN) * ALIGN {
+        return Err(format!("extents of key {key} cover {at} bytes, not {len} rounded up: {v:?}"));
+    }
+    Ok(())
+}
+
+/// Write a new entry as the cuFile transport does: reserved without a slot, its extents written
+/// by us, then `end_external`, at once or after other operations.
+fn put_external(c: &mut Ctx, model: &mut BTreeMap<u64, Known>, pending: &mut Vec<Pending>) -> Check {
+    let len = c.len();
+    let data = c.data(len);
+    let key = match c.store.reserve_unslotted(len) {
+        Ok(k) => k,
+        Err(e) => return c.allowed(&e, "reserve_unslotted", false),
+    };
+    if len == 0 {
+        model.insert(key, Known::Bytes(data)); // nothing to transfer
+        return Ok(());
+    }
+    // No bytes until its write ends well (nor when the begin is refused).
+    model.insert(key, Known::NoBytes);
+    let extents = match c.store.begin_external_write(key) {
+        Ok(x) => x,
+        Err(e) => return c.allowed(&e, "begin_external_write", false),
+    };
+    let fail = c.faults && c.rng.chance(0.15);
+    let x = External { key, extents, write: true, data, fail, discarded: false };
+    let bad = check_extents(c, key, len, &x.extents);
+    if bad.is_err() || c.rng.chance(0.5) {
+        pending.push(Pending::External(x)); // ended later, or as the run stops
+        return bad;
+    }
+    end_external(c, x, Some(model))
+}
+
+/// The bytes of an external transfer move now (as cuFile's would: only now may its space be
+/// another entry's), then it ends; a failed write leaves the entry without bytes.
+fn end_external(c: &mut Ctx, x: External, model: Option<&mut BTreeMap<u64, Known>>) -> Check {
+    let External { key, extents, write, data, fail, discarded } = x;
+    let mut got = vec![0u8; data.len()];
+    for e in &extents {
+        let file = &c.files[e.dev];
+        let a = (e.entry_off as usize).min(data.len());
+        let b = (e.entry_off + e.len).min(data.len() as u64) as usize;
+        if write {
+            let n = if fail { c.rng.below((b - a) as u64 + 1) as usize } else { b - a };
+            file.write(e.file_off, &data[a..a + n]);
+            // The rest of the last block may hold anything: it is never read back as data.
+            if !fail && b - a < e.len as usize && c.rng.chance(0.5) {
+                file.write(e.file_off + (b - a) as u64, &vec![0xa5; e.len as usize - (b - a)]);
+            }
+        } else if !fail {
+            got[a..b].copy_from_slice(&file.read(e.file_off, b - a));
+        }
+    }
+    let res = if fail { Err(Error::External("simulated cuFile failure".into())) } else { Ok(()) };
+    let r = c.store.end_external(key, res.clone());
+    if r != res {
+        return Err(format!("end_external of key {key} answered {r:?} for {res:?}"));
+    }
+    if !write && !fail {
+        c.check_bytes(&got, &data, "external read", key)?;
+    }
+    c.out.external += 1;
+    if let (true, false, Some(model)) = (write, discarded, model) {
+        model.insert(key, if fail { Known::NoBytes } else { Known::Bytes(data) });
+    }
+    // A second end is refused and changes nothing (writes only: shared keys are read by others).
+    if write && c.rng.chance(0.1) {
+        match c.store.end_external(key, Ok(())) {
+            Err(Error::Invalid(_)) if !discarded => {}
+            Err(Error::UnknownKey(_)) if discarded => {}
+            other => return Err(format!("a second end_external of key {key} answered {other:?}")),
+        }
+    }
+    Ok(())
 }
 
 /// A zero-copy read came back: its bytes must be right, or it failed as the faults allow.
@@ -242,8 +385,11 @@ fn finish_read(
     res
 }
 
-/// Write a new entry one of four ways; its key, or None when the store said no (allowed).
+/// Write a new entry one of five ways; its key, or None when the store said no (allowed).
 fn put(c: &mut Ctx, model: &mut BTreeMap<u64, Known>, pending: &mut Vec<Pending>) -> Check {
+    if c.rng.chance(0.25) {
+        return put_external(c, model, pending);
+    }
     let len = c.len();
     let data = c.data(len);
     let res = match c.rng.below(3) {
@@ -298,10 +444,30 @@ fn put(c: &mut Ctx, model: &mut BTreeMap<u64, Known>, pending: &mut Vec<Pending>
     }
 }
 
-fn ticket_of(p: &Pending) -> &Arc<Ticket> {
+fn key_of(p: &Pending) -> u64 {
     match p {
-        Pending::Write { ticket, .. } | Pending::Read { ticket, .. } => ticket,
+        Pending::Write { key, .. } | Pending::Read { key, .. } | Pending::External(External { key, .. }) => *key,
     }
+}
+
+/// Finish our transfers in flight on `key` that `which` picks.
+fn settle_key(
+    c: &mut Ctx,
+    key: u64,
+    which: impl Fn(&Pending) -> bool,
+    pending: &mut Vec<Pending>,
+    model: &mut BTreeMap<u64, Known>,
+) -> Check {
+    let mut j = 0;
+    while j < pending.len() {
+        if key_of(&pending[j]) == key && which(&pending[j]) {
+            let p = pending.swap_remove(j);
+            settle(c, p, model)?;
+        } else {
+            j += 1;
+        }
+    }
+    Ok(())
 }
 
 fn settle(c: &mut Ctx, p: Pending, model: &mut BTreeMap<u64, Known>) -> Check {
@@ -320,57 +486,82 @@ fn settle(c: &mut Ctx, p: Pending, model: &mut BTreeMap<u64, Known>) -> Check {
             let r = c.store.wait(&ticket);
             finish_read(c, key, &ticket, dst, &want, r, c.shared)
         }
+        Pending::External(x) => end_external(c, x, Some(model)),
+    }
+}
+
+/// Our transfers in flight. Those begun outside the store end when it drops (after an error or
+/// a panic), or dropping the store would wait for them forever.
+struct InFlight<'a> {
+    store: &'a Store,
+    list: Vec<Pending>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        for p in self.list.drain(..) {
+            if let Pending::External(x) = p {
+                let _ = self.store.end_external(x.key, Err(Error::External("the run stopped".into())));
+            }
+        }
     }
 }
 
 /// One thread's run over its own keys (and reads of `shared`).
 fn thread_ops(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)]) -> Check {
+    let mut pending = InFlight { store: c.store, list: Vec::new() };
+    thread_ops_in(c, ops, shared, &mut pending.list)
+}
+
+/// The body of `thread_ops`, leaving in `pending` what it has not finished.
+fn thread_ops_in(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)], pending: &mut Vec<Pending>) -> Check {
     let mut model: BTreeMap<u64, Known> = BTreeMap::new();
-    let mut pending: Vec<Pending> = Vec::new();
     for i in 0..ops {
         c.out.ops += 1;
         let keys: Vec<u64> = model.keys().copied().collect();
         let roll = c.rng.below(100);
         let r = if roll < 30 || keys.is_empty() {
-            put(c, &mut model, &mut pending)
+            put(c, &mut model, pending)
         } else if roll < 55 && !shared.is_empty() {
             let (key, want) = c.rng.pick(shared).clone();
-            c.read(key, &Known::Bytes(want), true, &mut pending)
+            c.read(key, &Known::Bytes(want), true, pending)
         } else if roll < 65 {
             let key = *c.rng.pick(&keys);
-            // A key with a zero-copy write of ours in flight is read only after it: the caller
-            // keeps its bytes until then anyway.
-            let mine = pending.iter().position(|p| matches!(p, Pending::Write { key: k, .. } if *k == key));
-            if let Some(j) = mine {
-                let p = pending.swap_remove(j);
-                settle(c, p, &mut model)?;
-            }
+            // A key with a write of ours in flight is read only after it: the caller keeps its
+            // bytes until then anyway. An external transfer ends first: reads wait for its end.
+            let writes = |p: &Pending| matches!(p, Pending::Write { .. } | Pending::External(_));
+            settle_key(c, key, writes, pending, &mut model)?;
             let known = std::mem::replace(model.get_mut(&key).expect("a live key"), Known::NoBytes);
-            let r = c.read(key, &known, false, &mut pending);
+            let r = c.read(key, &known, false, pending);
             model.insert(key, known);
             r
         } else if roll < 75 {
             let key = *c.rng.pick(&keys);
+            let external = |p: &Pending| matches!(p, Pending::External(_));
+            settle_key(c, key, external, pending, &mut model)?;
             match c.store.evict(key) {
                 Ok(()) => Ok(()),
                 Err(e) => c.allowed(&e, "evict", false),
             }
         } else if roll < 90 {
             let key = *c.rng.pick(&keys);
-            // Reads of it in flight finish first: its bytes are checked, then it goes.
-            let mut j = 0;
-            while j < pending.len() {
-                if matches!(&pending[j], Pending::Read { key: k, .. } | Pending::Write { key: k, .. } if *k == key) {
-                    let p = pending.swap_remove(j);
-                    settle(c, p, &mut model)?;
-                } else {
-                    j += 1;
+            // Transfers of it in flight finish first (their bytes are checked), but a discard
+            // leaves an external one pending: the entry goes at once, its space when it ends.
+            let discard = c.rng.chance(0.5);
+            let first = |p: &Pending| !(discard && matches!(p, Pending::External(_)));
+            settle_key(c, key, first, pending, &mut model)?;
+            model.remove(&key);
+            for p in pending.iter_mut() {
+                if let Pending::External(x) = p {
+                    x.discarded |= x.key == key;
                 }
             }
-            model.remove(&key);
-            // Freed now, or (discard) once a transfer still in flight ends.
-            let r = if c.rng.chance(0.5) { c.store.free(key) } else { c.store.discard(key) };
-            r.map_err(|e| format!("free of key {key}: {e}"))
+            let r = if discard { c.store.discard(key) } else { c.store.free(key) };
+            r.map_err(|e| format!("free of key {key}: {e}"))?;
+            match c.store.len_of(key) {
+                Err(Error::UnknownKey(_)) => Ok(()),
+                other => Err(format!("key {key} is still known after its free: {other:?}")),
+            }
         } else if roll < 95 && !pending.is_empty() {
             let j = c.rng.below(pending.len() as u64) as usize;
             let p = pending.swap_remove(j);
@@ -384,18 +575,26 @@ fn thread_ops(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)]) -> Check 
         r.map_err(|e| format!("op {i}: {e}"))?;
     }
     if c.close_early {
-        // Closed with transfers in flight: close waits for them, and then refuses use.
+        // Closed with the store's transfers in flight: close waits for them, and then refuses
+        // use. External ones end first: close would wait for their ends forever.
+        while let Some(j) = pending.iter().position(|p| matches!(p, Pending::External(_))) {
+            let p = pending.swap_remove(j);
+            settle(c, p, &mut model)?;
+        }
         match c.store.close() {
             Ok(()) => {}
             Err(e) => c.allowed(&e, "close", false)?,
         }
-        if let Some(p) = pending.iter().find(|p| !ticket_of(p).is_done()) {
-            return Err(format!("close returned with a transfer in flight (ticket {:p})", ticket_of(p)));
-        }
         for p in pending.drain(..) {
-            if let Pending::Read { key, ticket, dst, want } = p {
-                let r = ticket.poll().expect("done");
-                finish_read(c, key, &ticket, dst, &want, r, false)?;
+            match p {
+                Pending::Read { ticket, .. } | Pending::Write { ticket, .. } if !ticket.is_done() => {
+                    return Err(format!("close returned with a transfer in flight (ticket {ticket:p})"));
+                }
+                Pending::Read { key, ticket, dst, want } => {
+                    let r = ticket.poll().expect("done");
+                    finish_read(c, key, &ticket, dst, &want, r, false)?;
+                }
+                _ => {}
             }
         }
         return match c.store.acquire(0) {
@@ -403,7 +602,7 @@ fn thread_ops(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)]) -> Check 
             other => Err(format!("a closed store answered {other:?}")),
         };
     }
-    for p in pending.drain(..) {
+    while let Some(p) = pending.pop() {
         settle(c, p, &mut model)?;
     }
     for key in model.into_keys() {
@@ -459,17 +658,18 @@ pub fn run(w: &Workload) -> Result<Outcome, String> {
     let mut rng = Rng::new(w.seed);
     let (cfg, sims, max_len) = setup(w, &mut rng);
     let arena = cfg.host_capacity;
-    let queues = cfg
-        .devices
-        .iter()
-        .zip(sims)
-        .map(|(d, s)| Box::new(SimQueue::new(d.path.clone(), s)) as Box<dyn crate::engine::IoQueue>)
-        .collect();
+    let sims: Vec<SimQueue> = cfg.devices.iter().zip(sims).map(|(d, s)| SimQueue::new(d.path.clone(), s)).collect();
+    let files: Vec<SimFile> = sims.iter().map(SimQueue::file).collect();
+    let queues = sims.into_iter().map(|q| Box::new(q) as Box<dyn crate::engine::IoQueue>).collect();
     let store = Store::with_queues(cfg, queues, "sim").map_err(|e| e.to_string())?;
+    if store.device_fds() != vec![None; files.len()] {
+        return Err(format!("a simulated device has a file descriptor: {:?}", store.device_fds()));
+    }
     let faults = w.faults;
     let close_early = w.threads == 1 && rng.chance(0.2);
     let mk = |seed: u64, shared: bool| Ctx {
         store: &store,
+        files: &files,
         rng: Rng::new(seed),
         faults,
         shared,
@@ -516,6 +716,7 @@ pub fn run(w: &Workload) -> Result<Outcome, String> {
         out.ops += o.ops;
         out.bytes_checked += o.bytes_checked;
         out.errors_allowed += o.errors_allowed;
+        out.external += o.external;
         out.store_failed |= o.store_failed;
     }
     if close_early {
