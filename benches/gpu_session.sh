@@ -4,7 +4,8 @@
 # Logs, JSON and Markdown go to $OUT; machine.txt and a summary come with every call.
 #
 # Here:    .venv/bin/maturin build --release -o .wheels      (an abi3 wheel, git-ignored)
-#          (optional) torchtune's wheel and those it imports (torchao...) in .wheels/extra/
+#          (optional, for the torchtune mode; its offloading module is loaded alone):
+#          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0 psutil
 # There (device tool: carry [".wheels"]), calls in this order of importance, each starting with
 # the cheap install, since a fresh machine has none (30 device-minutes a session in all):
 #   bash benches/gpu_session.sh install import info test_cuda pytest_all          # 5-8 min

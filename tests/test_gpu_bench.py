@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -213,3 +214,31 @@ def test_without_cuda_it_says_so(gs, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gs.main(["--quick"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_torchtune_offloading_module_loads_alone(gs, tmp_path, monkeypatch):
+    """torchtune's package imports its datasets (pandas, pyarrow...); its offloading module is
+    then run by itself, with its output head given as torchtune's recipes have it."""
+    pkg = tmp_path / "torchtune"
+    (pkg / "training").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import datasets_not_here\n")
+    (pkg / "training" / "_activation_offloading.py").write_text(
+        "from torchtune.modules import TiedLinear\n"
+        "from torchtune.utils import get_logger\n"
+        "log = get_logger('DEBUG')\n"
+        "def get_act_offloading_ctx_manager(model, enable):\n"
+        "    assert not isinstance(model.output, TiedLinear)\n"
+        "    return ('ctx', model.output, enable)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    maker, what = gs.torchtune_maker()
+    assert maker is not None and "offloading module alone" in what, what
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(2, 2)
+    assert maker(model) == ("ctx", model.lm_head, True)
+    assert "torchtune" not in sys.modules  # the stand-ins are gone
+
+
+def test_without_torchtune_the_mode_says_why(gs):
+    maker, what = gs.torchtune_maker()
+    assert maker is None and "torchtune" in what
