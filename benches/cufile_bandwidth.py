@@ -15,6 +15,10 @@ Every repeat runs the three, in this order, so that they see the same disk condi
    O_DIRECT file, then read back with ``cuFileRead``: one call at a time, as the API is
    synchronous. ``ssdtier.gds.probe()`` says beforehand whether cuFile can reach the disk
    directly (GDS) or only through host memory (compatibility mode).
+4. transport: ssdtier's cuFile transport (``io.backend = "cufile"``) in this process: every
+   block of a ``--size`` GPU buffer written as one entry, all queued at once to its workers
+   (``io.threads``, 4), then read back into a second buffer the same way. Skipped where the
+   probe finds cuFile unavailable.
 
 Three sample blocks are checked after each read pass. GB/s are 10^9 bytes per second. Files
 live in a temporary directory under ``--dir``, removed at the end (also on error).
@@ -43,7 +47,7 @@ from ssdtier.config import format_size, is_tmpfs, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "target" / "bench-cufile"
-PARTS = ("fio", "ssdtier", "cufile")
+PARTS = ("fio", "ssdtier", "cufile", "transport")
 ALIGN = 4096  # O_DIRECT needs block-aligned sizes and offsets
 DEVICE = "cuda"  # the tests run the ssdtier and cuFile parts on "cpu"
 CUFILE_MODULE = "cuda.bindings.cufile"  # the tests give a stand-in
@@ -199,6 +203,56 @@ def run_store_part(workdir: Path, size: int, block: int, ahead: int) -> dict[str
     finally:
         if pinned is not None:
             pinned.close()  # before the arena is unmapped
+        store.close()
+        shutil.rmtree(sdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- ssdtier's cuFile transport
+
+
+def run_transport_part(workdir: Path, size: int, block: int) -> dict[str, Any]:
+    """Entries of ``block`` bytes from GPU memory to NVMe and back through ``CuFile``, all in flight."""
+    import importlib
+
+    import torch
+
+    from ssdtier.offload import cufile
+    from ssdtier.store import ByteStore
+
+    count = size // block
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=DEVICE, generator=gen)
+    dst = torch.zeros_like(src)
+    sdir = workdir / "transport"
+    store = ByteStore({"host": {"capacity": 16 * MiB}, "nvme": [{"path": str(sdir), "capacity": size + 256 * MiB}]})
+    io = None
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else None
+        io = cufile.CuFile(store.native, store.config.io.threads, device, importlib.import_module(cufile.MODULE))
+        facts: dict[str, Any] = {"threads": store.config.io.threads, "direct": store.direct}
+        keys = [store.native.reserve_unslotted(block) for _ in range(count)]
+        sync()
+        t0 = time.perf_counter()
+        for t in [io.write(k, src.data_ptr() + i * block, block, None) for i, k in enumerate(keys)]:
+            t.wait()
+        facts["write_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for t in [io.read(k, dst.data_ptr() + i * block, block, None) for i, k in enumerate(keys)]:
+            t.wait()
+        facts["read_s"] = time.perf_counter() - t0
+        bad = [
+            i
+            for i in sample_blocks(count)
+            if not torch.equal(src[i * block : (i + 1) * block], dst[i * block : (i + 1) * block])
+        ]
+        facts.update(
+            write=per_s(size, facts["write_s"]), read=per_s(size, facts["read_s"]), intact=not bad, bad_blocks=bad
+        )
+        return facts
+    finally:
+        if io is not None:
+            io.close()
         store.close()
         shutil.rmtree(sdir, ignore_errors=True)
 
@@ -381,6 +435,8 @@ def _label(name: str, results: dict[str, Any]) -> str:
     if name == "ssdtier":
         backend = next((d["backend"] for d in part.get("details", []) if "backend" in d), "io_uring")
         return f"ssdtier {backend} (GPU->pinned->NVMe)"
+    if name == "transport":
+        return f"ssdtier cuFile transport ({results['gds']['state']})"
     return f"cuFile (GPU<->file, {results['gds']['state']})"
 
 
@@ -449,6 +505,11 @@ def render(results: dict[str, Any]) -> str:
             )
             for ln in d.get("log", []):
                 lines.append(f"  cufile.log: {ln[:200]}")
+        elif name == "transport":
+            lines.append(
+                f"  {d.get('threads')} workers, all blocks in flight, O_DIRECT {'on' if d.get('direct') else 'off'}, "
+                f"data intact {'yes' if part.get('intact') else 'NO'}"
+            )
     return "\n".join(lines).rstrip()
 
 
@@ -477,6 +538,8 @@ def _run_part(name: str, args: argparse.Namespace, fio: str | None, workdir: Pat
         return run_fio_part(fio, workdir, args.size, args.block, args.fio_depth)
     if name == "ssdtier":
         return run_store_part(workdir, args.size, args.block, args.prefetch_ahead)
+    if name == "transport":
+        return run_transport_part(workdir, args.size, args.block)
     got = run_cufile_part(workdir / "cufile.dat", args.size, args.block, args.timeout_s)
     if not got["ok"]:
         raise PartFailed(got["error"], got)
@@ -530,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = results["parts"]
     if "fio" in parts and not fio:
         parts["fio"].update(status="skipped", note="fio is not installed")
+    if "transport" in parts and gds.state.value == "unavailable":
+        parts["transport"].update(status="skipped", note=f"cuFile is {gds}")
     workdir = Path(tempfile.mkdtemp(prefix=".ssdtier-cufile-bench-", dir=args.dir))
     try:
         for k in range(1, args.repeats + 1):

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import ssdtier.offload.cufile
+
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 SCRIPT = BENCHES / "cufile_bandwidth.py"
 KiB = 1024
@@ -134,6 +136,8 @@ def fake_cufile(cb, monkeypatch, tmp_path):
     monkeypatch.setattr(cb, "CUFILE_MODULE", "fake_cufile")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_CUFILE_TRACE", str(trace))
+    # ssdtier's transport runs in this process, on tests/fake_cufile.py.
+    monkeypatch.setattr(ssdtier.offload.cufile, "MODULE", "tests.fake_cufile")
     return trace
 
 
@@ -144,7 +148,7 @@ def calls(trace: Path) -> list[list]:
 def test_defaults_and_size_options(cb):
     a = cb.parse_args([])
     assert (a.size, a.block, a.count) == (4 << 30, 16 << 20, 256)
-    assert (a.repeats, a.timeout_s, a.parts, a.json) == (3, 120.0, ("fio", "ssdtier", "cufile"), None)
+    assert (a.repeats, a.timeout_s, a.parts, a.json) == (3, 120.0, ("fio", "ssdtier", "cufile", "transport"), None)
     assert a.dir == cb.DEFAULT_DIR
     a = cb.parse_args(["--size", "100MiB", "--block", "16MiB", "--parts", "cufile, fio", "--dir", "rel"])
     assert (a.count, a.size) == (6, 96 << 20)  # whole blocks only
@@ -275,9 +279,37 @@ def test_main_end_to_end_with_cuda_stubbed(cb, fake_cufile, store_dir, monkeypat
     assert "| ssdtier io_uring (GPU->pinned->NVMe) |" in text or "| ssdtier posix" in text
     assert "| cuFile (GPU<->file, compatibility mode) |" in text
     assert "GDS probe: compatibility mode (nvidia-fs driver not loaded)" in text
+    assert "| ssdtier cuFile transport (compatibility mode) |" in text
     res = json.loads(out.read_text())
     assert res["parts"]["fio"]["status"] == "skipped"
-    for name in ("ssdtier", "cufile"):
+    for name in ("ssdtier", "cufile", "transport"):
         part = res["parts"][name]
         assert part["status"] == "ok" and len(part["write"]) == 2 and part["intact"], part
     assert sorted(p.name for p in store_dir.iterdir()) == ["out.json"]  # its files are gone
+
+
+def test_transport_part_moves_every_block_through_the_workers(cb, fake_cufile, store_dir):
+    from . import fake_cufile as fake
+
+    fake.reset()
+    got = cb.run_transport_part(store_dir, 8 * 64 * KiB, 64 * KiB)
+    assert got["intact"] and got["threads"] == 4 and got["write"] > 0 and got["read"] > 0
+    calls = fake.state["calls"]
+    assert sum(c[3] for c in calls if c[0] == "write") == sum(c[3] for c in calls if c[0] == "read") == 8 * 64 * KiB
+    assert len({c[5] for c in calls}) > 1  # several workers
+    assert fake.state["opens"] == fake.state["closes"] == 1 and not fake.state["fds"]
+    assert not (store_dir / "transport").exists()
+
+
+def test_transport_part_is_skipped_where_cufile_is_unavailable(cb, fake_cufile, store_dir, monkeypatch, capsys):
+    import ssdtier.gds
+
+    gds = ssdtier.gds.Gds(ssdtier.gds.GdsState.UNAVAILABLE, "no cufile")
+    monkeypatch.setattr(ssdtier.gds, "probe", lambda timeout=20.0: gds)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    out = store_dir / "out.json"
+    argv = ["--dir", str(store_dir), "--size", "256KiB", "--block", "64KiB", "--repeats", "1", "--parts", "transport"]
+    assert cb.main([*argv, "--json", str(out)]) == 0
+    part = json.loads(out.read_text())["parts"]["transport"]
+    assert part["status"] == "skipped" and "unavailable (no cufile)" in part["note"]
