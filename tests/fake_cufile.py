@@ -25,9 +25,10 @@ def reset() -> None:
             fail=None,  # "write" or "read": that call returns -5 (EIO)
             short=0,  # calls move at most this many bytes (0: all)
             delay=0.0,  # seconds each call sleeps
-            next=1,
         )
 
+
+_next = [1]  # handles are never reused, so a stale one from an earlier test is refused
 
 reset()
 
@@ -61,8 +62,8 @@ def handle_register(ptr: int) -> int:
     d = Descr._all.pop(ptr)
     assert d.type == FileHandleType.OPAQUE_FD and d.fs_ops == 0, "descriptor not filled in"
     with lock:
-        h = state["next"]
-        state["next"] += 1
+        h = _next[0]
+        _next[0] += 1
         # The store's fd is O_DIRECT; unaligned host buffers need one without it.
         state["fds"][h] = os.open(f"/proc/self/fd/{d.handle.fd}", os.O_RDWR)
     return h

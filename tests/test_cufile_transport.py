@@ -5,6 +5,7 @@ attach(). GPU memory itself is tests/test_cuda.py's."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import threading
@@ -234,9 +235,11 @@ def test_a_failed_cufile_read_stops_the_backward_with_its_error(store_dir, gds):
         loss = batch_loss(model, batch)
         wait_copies(off)
         gds.state["fail"] = "read"
-        with pytest.raises(SsdtierOSError, match="could not be read back.*cuFile read"):
+        with pytest.raises(SsdtierOSError, match="could not be read back.*cuFile read") as failed:
             loss.backward()
-        del loss
+        del loss, failed  # the traceback holds the graph
+    gc.collect()
+    assert gds.state["closes"] == 1 and not gds.state["fds"]  # the graph gone, cuFile let go
 
 
 def test_out_of_space_keeps_activations_in_memory(store_dir, gds, warned):

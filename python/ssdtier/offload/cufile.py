@@ -6,6 +6,7 @@ docs/offloader.md ("cuFile") has the design."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import logging
 import os
@@ -53,7 +54,11 @@ class Transfer:
         return self.fut.done()
 
     def wait(self) -> None:
-        self.fut.result()
+        err = self.fut.exception()
+        if err is not None:
+            # A fresh one each time: the stored error, raised here, would keep every frame up to
+            # the backward's (and so the graph, which holds this transfer) alive for good.
+            raise copy.copy(err)
 
     @property
     def seconds(self) -> float | None:
