@@ -129,7 +129,7 @@ class CuFile:
                 if n > 0:
                     self._move(fn, self.handles[dev], ptr + entry_off, n, file_off)
         except BaseException as e:
-            why = f"cuFile {fn.__name__}: {e}"
+            why = f"cuFile {fn.__name__}: {type(e).__name__}: {e}"
         self.native.end_external(key, why)
 
     @staticmethod
