@@ -25,6 +25,7 @@ def reset() -> None:
             fail=None,  # "write" or "read": that call returns -5 (EIO)
             short=0,  # calls move at most this many bytes (0: all)
             delay=0.0,  # seconds each call sleeps
+            hold_writes=None,  # a threading.Event that writes wait for
         )
 
 
@@ -79,6 +80,8 @@ def _call(op: str, h: int, base: int, size: int, off: int, buf_off: int) -> int:
     state["calls"].append((op, h, ptr, size, off, threading.current_thread().name))
     if state["delay"]:
         time.sleep(state["delay"])
+    if op == "write" and state["hold_writes"] is not None:
+        assert state["hold_writes"].wait(30), "writes held for good"
     if state["fail"] == op:
         return -5
     n = min(size, state["short"] or size)

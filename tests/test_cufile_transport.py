@@ -350,3 +350,25 @@ def test_a_driver_open_that_never_returns_falls_back_to_the_arena(store_dir, gds
         assert len(msgs) == 2 and "did not return in 0.2 s" in msgs[0] and "earlier in this process" in msgs[1]
     finally:
         release.set()
+
+
+def test_reads_do_not_queue_behind_writes(store):
+    """The backward's reads have their own workers: writes of the forward still queued (here
+    held) do not delay them."""
+    fake.reset()
+    io = CuFile(store.native, 1, None, fake)
+    hold = fake.state["hold_writes"] = threading.Event()
+    try:
+        hold.set()
+        src = source(8192, 6)
+        first = store.native.reserve_unslotted(8192)
+        io.write(first, src.data_ptr(), 8192, None).wait()
+        hold.clear()
+        others = [source(8192, 7 + i) for i in range(4)]
+        held = [io.write(store.native.reserve_unslotted(8192), s.data_ptr(), 8192, None) for s in others]
+        out = torch.zeros(8192, dtype=torch.uint8)
+        io.read(first, out.data_ptr(), 8192, None).wait()
+        assert torch.equal(out, src) and not any(t.done() for t in held)
+    finally:
+        hold.set()
+        io.close()

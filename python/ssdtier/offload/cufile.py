@@ -92,7 +92,9 @@ class CuFile:
         index = device.index if device is not None and device.type == "cuda" else None
         # cuFile needs the device's context current on the thread that calls it.
         init = (lambda: torch.cuda.set_device(index)) if index is not None else None
-        self.pool = ThreadPoolExecutor(threads, "ssdtier-cufile", initializer=init)
+        # Reads have workers of their own: the backward's never queue behind the forward's writes.
+        self.writers = ThreadPoolExecutor(threads, "ssdtier-cufile-w", initializer=init)
+        self.readers = ThreadPoolExecutor(threads, "ssdtier-cufile-r", initializer=init)
 
     # ---------------------------------------------------------------- transfers
 
@@ -100,17 +102,19 @@ class CuFile:
         """Write ``nbytes`` at ``ptr`` as entry ``key`` (reserved without a slot) once the
         ``ready`` event is done. Raises the store's errors (out of space) at once."""
         extents = self.native.begin_external_write(key)
-        return self._submit(key, extents, ptr, nbytes, ready, self.mod.write)
+        return self._submit(self.writers, key, extents, ptr, nbytes, ready, self.mod.write)
 
     def read(self, key: int, ptr: int, nbytes: int, ready: Any) -> Transfer:
         """Read the ``nbytes`` of entry ``key`` (on NVMe only) to ``ptr`` once the ``ready``
         event is done."""
         extents = self.native.begin_external_read(key)
-        return self._submit(key, extents, ptr, nbytes, ready, self.mod.read)
+        return self._submit(self.readers, key, extents, ptr, nbytes, ready, self.mod.read)
 
-    def _submit(self, key: int, extents: list, ptr: int, nbytes: int, ready: Any, fn: Any) -> Transfer:
+    def _submit(
+        self, pool: ThreadPoolExecutor, key: int, extents: list, ptr: int, nbytes: int, ready: Any, fn: Any
+    ) -> Transfer:
         try:
-            return Transfer(self.pool.submit(self._run, key, extents, ptr, nbytes, ready, fn))
+            return Transfer(pool.submit(self._run, key, extents, ptr, nbytes, ready, fn))
         except BaseException as e:  # the pool is shut down: the store must hear of it all the same
             self.native.end_external(key, f"not started: {e}")
             raise
@@ -148,7 +152,8 @@ class CuFile:
 
     def close(self) -> None:
         """Wait for the transfers queued, then let cuFile go."""
-        self.pool.shutdown(wait=True)
+        self.writers.shutdown(wait=True)
+        self.readers.shutdown(wait=True)
         for h in self.handles:
             with contextlib.suppress(Exception):
                 self.mod.handle_deregister(h)
