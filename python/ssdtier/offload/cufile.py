@@ -27,7 +27,6 @@ log = logging.getLogger("ssdtier")
 
 MODULE = "cuda.bindings.cufile"  # the tests give a stand-in that moves host memory
 DEVICE_TYPES = ("cuda",)  # whose storages it moves (the tests add "cpu")
-ALIGN = 4096  # the store's extents cover an entry's length rounded up to this
 
 OPEN_TIMEOUT_S = 30.0  # driver_open has been seen to spin forever (no libcuda.so.1)
 
@@ -116,7 +115,7 @@ class CuFile:
         try:
             return Transfer(pool.submit(self._run, key, extents, ptr, nbytes, ready, fn))
         except BaseException as e:  # the pool is shut down: the store must hear of it all the same
-            self.native.end_external(key, f"not started: {e}")
+            self.native.end_external(key, f"not started: {e}")  # raises it as the store's error
             raise
 
     def _run(self, key: int, extents: list, ptr: int, nbytes: int, ready: Any, fn: Any) -> None:
