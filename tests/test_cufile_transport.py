@@ -372,3 +372,36 @@ def test_reads_do_not_queue_behind_writes(store):
     finally:
         hold.set()
         io.close()
+
+
+def test_writes_the_backward_overtook_are_dropped(store_dir, gds):
+    """A disk slower than the step: writes still queued when the backward wants their entries
+    are dropped (the sources serve it), so the disk is left to reads."""
+    from ssdtier.models import batch_loss, build_model, make_batch
+
+    torch.manual_seed(0)
+    model = build_model(CONFIGS["gpt"])
+    batch = make_batch(CONFIGS["gpt"], 2, torch.Generator().manual_seed(2))
+    ref = build_model(CONFIGS["gpt"])
+    ref.load_state_dict(model.state_dict())
+    torch.manual_seed(1)
+    batch_loss(ref, batch).backward()
+    hold = gds.state["hold_writes"] = threading.Event()  # the disk takes nothing until set
+    cfg = gds_config(store_dir)
+    cfg["io"]["threads"] = 1
+    try:
+        with ssdtier.attach(model, cfg) as off:
+            torch.manual_seed(1)
+            loss = batch_loss(model, batch)
+            loss.backward()
+            skipped = off.cpu.skipped
+            hold.set()
+            st = off.stats()
+    finally:
+        hold.set()
+    queued = st.tensors_offloaded
+    assert queued > 2 and skipped == queued - 1, (queued, skipped)  # all but the one running
+    assert st.bytes_read_nvme == 0 and st.failed_writes == 0
+    assert len({c[4] for c in gds.state["calls"] if c[0] == "write"}) <= 1  # the disk wrote one entry
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n

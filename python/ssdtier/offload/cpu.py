@@ -5,6 +5,7 @@ cuFile, a CUDA storage goes the same way between GPU memory and NVMe (cufile.py)
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ class CpuTransport:
         self.gds = gds
         self.gds_types: tuple[str, ...] = cufile.DEVICE_TYPES if gds is not None else ()
         self.side: dict[torch.device, Any] = {}  # per GPU: the stream cuFile's reads allocate on
+        self.skipped = 0  # cuFile writes dropped since the backward wanted their source first
 
     def offload(self, st: torch.UntypedStorage, nbytes: int, f: Fwd) -> Entry:
         ptr = st.data_ptr()
@@ -64,6 +66,20 @@ class CpuTransport:
         self.off.res.writing += nbytes
         self.writing.append(e)
         return e
+
+    def skip_write(self, e: Entry) -> None:
+        """The backward wants a source whose cuFile write has not started: the source serves
+        it, so the write is dropped and the disk left to the reads."""
+        ticket = e.ticket
+        if not isinstance(ticket, cufile.Transfer) or not ticket.cancel():
+            return
+        self.writing.remove(e)
+        e.ticket = None
+        key, e.key = e.key, None
+        with contextlib.suppress(SsdtierError):  # it raises the reason given, as the store's error
+            self.native.end_external(key, "not needed: the backward came first")
+        self.off._free_key(key)
+        self.skipped += 1
 
     def poll(self) -> None:
         """Drop the sources of writes that are done."""

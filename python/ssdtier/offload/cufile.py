@@ -52,6 +52,10 @@ class Transfer:
     def done(self) -> bool:
         return self.fut.done()
 
+    def cancel(self) -> bool:
+        """True if it never started and now never will (``end_external`` is then the caller's)."""
+        return self.fut.cancel()
+
     def wait(self) -> None:
         err = self.fut.exception()
         if err is not None:

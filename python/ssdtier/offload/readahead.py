@@ -141,6 +141,8 @@ class ReadAhead:
             return True
         entry.wanted = True
         if entry.src is not None:
+            if entry.ticket is not None and not entry.cuda:
+                self.off.cpu.skip_write(entry)
             return False
         if entry.reading is None and entry.gpu is None and entry.restored is None:
             if not entry.cuda and entry.device.type in self.off.cpu.gds_types:  # cuFile: into GPU memory
