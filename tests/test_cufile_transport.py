@@ -394,7 +394,7 @@ def test_writes_the_backward_overtook_are_dropped(store_dir, gds):
             torch.manual_seed(1)
             loss = batch_loss(model, batch)
             loss.backward()
-            skipped = off.cpu.skipped
+            skipped = off.stats().writes_skipped
             hold.set()
             st = off.stats()
     finally:
@@ -402,6 +402,7 @@ def test_writes_the_backward_overtook_are_dropped(store_dir, gds):
     queued = st.tensors_offloaded
     assert queued > 2 and skipped == queued - 1, (queued, skipped)  # all but the one running
     assert st.bytes_read_nvme == 0 and st.failed_writes == 0
+    assert f"{skipped} writes not needed" in str(st)
     assert len({c[4] for c in gds.state["calls"] if c[0] == "write"}) <= 1  # the disk wrote one entry
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n

@@ -31,7 +31,6 @@ class CpuTransport:
         self.gds = gds
         self.gds_types: tuple[str, ...] = cufile.DEVICE_TYPES if gds is not None else ()
         self.side: dict[torch.device, Any] = {}  # per GPU: the stream cuFile's reads allocate on
-        self.skipped = 0  # cuFile writes dropped since the backward wanted their source first
 
     def offload(self, st: torch.UntypedStorage, nbytes: int, f: Fwd) -> Entry:
         ptr = st.data_ptr()
@@ -79,7 +78,7 @@ class CpuTransport:
         with contextlib.suppress(SsdtierError):  # it raises the reason given, as the store's error
             self.native.end_external(key, "not needed: the backward came first")
         self.off._free_key(key)
-        self.skipped += 1
+        self.off.c["writes_skipped"] += 1
 
     def poll(self) -> None:
         """Drop the sources of writes that are done."""

@@ -19,6 +19,7 @@ COUNTS = (
     "copied_ahead",
     "failed_writes",
     "failed_reads",
+    "writes_skipped",
     "tensors_kept",
     "bytes_kept",
     "packs",
@@ -44,6 +45,8 @@ class OffloadStats:
     counts the activations whose copy to the store failed (no space, an I/O
     error, or a storage freed while it was copied out), which stayed in memory;
     ``failed_reads`` the reads that failed in backward (each raised).
+    ``writes_skipped`` counts the cuFile writes dropped before they started because the
+    backward wanted their entry first (its source served it).
     """
 
     tensors_offloaded: int
@@ -55,6 +58,7 @@ class OffloadStats:
     copied_ahead: int
     failed_writes: int
     failed_reads: int
+    writes_skipped: int
     peak_resident_bytes: int
     stall_seconds: float
     layers_offloaded: int
@@ -83,6 +87,8 @@ class OffloadStats:
             f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, read ahead: "
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
+        if self.writes_skipped:
+            lines.append(f"{self.writes_skipped} writes not needed: the backward came first")
         if self.failed_writes or self.failed_reads:
             lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
         if self.plan is not None:
