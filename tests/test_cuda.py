@@ -484,6 +484,14 @@ def test_cufile_reads_back_what_the_backward_needs_on_cuda(store_dir):
     from .test_attach import wait_copies
 
     _gds_or_skip()
+    torch.use_deterministic_algorithms(True)  # as train_cuda: embedding's backward is not, else
+    try:
+        _cufile_reads_back(store_dir, wait_copies)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _cufile_reads_back(store_dir, wait_copies):
     torch.manual_seed(0)
     model = build_model(CFG).cuda()
     batch = make_batch(CFG, 2, torch.Generator().manual_seed(2), device="cuda")
