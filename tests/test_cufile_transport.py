@@ -23,6 +23,7 @@ from ssdtier.store import ByteStore
 
 from . import fake_cufile as fake
 from .test_attach import CONFIGS, assert_same, check_out_of_space, offload_config, train, wait_copies
+from .test_lifecycle import check_two_training_threads
 
 
 @pytest.fixture
@@ -238,8 +239,9 @@ def test_a_failed_cufile_read_stops_the_backward_with_its_error(store_dir, gds):
         with pytest.raises(SsdtierOSError, match="could not be read back.*cuFile read") as failed:
             loss.backward()
         del loss, failed  # the traceback holds the graph
+        io = off._gds
     gc.collect()
-    assert gds.state["closes"] == 1 and not gds.state["fds"]  # the graph gone, cuFile let go
+    assert off._live == 0 and not io.handles  # the graph gone, this offloader's cuFile let go
 
 
 def test_out_of_space_keeps_activations_in_memory(store_dir, gds, warned):
@@ -406,3 +408,8 @@ def test_writes_the_backward_overtook_are_dropped(store_dir, gds):
     assert len({c[4] for c in gds.state["calls"] if c[0] == "write"}) <= 1  # the disk wrote one entry
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
+
+
+def test_two_training_threads_through_cufile(store_dir, gds):
+    check_two_training_threads(gds_config(store_dir))
+    assert any(c[0] == "read" for c in gds.state["calls"])

@@ -194,6 +194,10 @@ def test_an_eval_thread_beside_the_training_thread(store_dir):
 
 
 def test_two_training_threads(store_dir):
+    check_two_training_threads(offload_config(store_dir))
+
+
+def check_two_training_threads(cfg):
     """Two threads each run forward and backward of one attached model (as DataParallel's
     replicas do, sharing its hooks): each gets the gradients of a run without ssdtier."""
     ref, model = _twins(4)
@@ -217,7 +221,7 @@ def test_two_training_threads(store_dir):
         except BaseException as e:
             errors.append(e)
 
-    with ssdtier.attach(model, offload_config(store_dir)) as off:
+    with ssdtier.attach(model, cfg) as off:
         grads(model, xs[0])
         per_step = off.stats().tensors_offloaded
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
