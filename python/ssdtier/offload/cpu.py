@@ -123,22 +123,20 @@ class CpuTransport:
         e.reading = (st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
 
     def _read_gds(self, e: Entry) -> None:
-        """cuFile reads into new memory (padded to whole pages, as the CPU's). On a GPU it comes from a
-        stream that runs no work, so nothing queued can still use it; the unpack records its
-        use on its own stream (``made``, as the arena's copies do)."""
+        """cuFile reads into new memory. On a GPU it comes from a stream that runs no work, so
+        nothing queued can still use it; the unpack records its use on its own stream
+        (``made``, as the arena's copies do)."""
         assert self.gds is not None and e.key is not None
-        size = -(-e.nbytes // PAGE) * PAGE
         if e.device.type == "cuda":
             side = self.side.get(e.device)
             if side is None:
                 side = self.side[e.device] = torch.cuda.Stream(e.device)
-            with torch.cuda.stream(side):
-                buf = torch.empty(size, dtype=torch.uint8, device=e.device)
-                made = torch.cuda.Event()
-                made.record(side)
+            buf = self.off.cuda._new_on(e, side)
+            made = torch.cuda.Event()
+            made.record(side)
             e.made = (made, side, [side])
         else:
-            buf = torch.empty(size, dtype=torch.uint8)
+            buf = torch.empty(e.nbytes, dtype=torch.uint8)
         st = buf.untyped_storage()
         self.off._track(st, e.nbytes)
         e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, None), False)

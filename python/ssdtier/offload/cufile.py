@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import logging
 import os
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import SsdtierError
-from ..gds import GdsState, probe
+from ..gds import Gds, GdsState, probe
 from ._util import warn
 
 log = logging.getLogger("ssdtier")
@@ -238,15 +239,10 @@ def open_cufile(model: torch.nn.Module, config: Any, native: Any) -> CuFile | No
         return None
 
 
-_probed: Any = None
-
-
-def probe_once() -> Any:
+@functools.cache
+def probe_once() -> Gds:
     """:func:`ssdtier.gds.probe`, once per process (it starts a child)."""
-    global _probed
-    if _probed is None:
-        _probed = probe()
-    return _probed
+    return probe()
 
 
 def _log_dir() -> str:

@@ -130,8 +130,8 @@ class Offloader:
         self.c = dict.fromkeys(COUNTS, 0)
         self.res = Resident()
         self.once = Once()
-        self._gds = None
-        self.cpu = CpuTransport(self)
+        self._gds = open_cufile(model, config, self._native)  # closed below if attach fails
+        self.cpu = CpuTransport(self, self._gds)
         self.cuda = CudaTransport(self)
         self.ahead = ReadAhead(self, pol.prefetch_layers)
         # What the first forward held in memory, to say why if it offloaded nothing.
@@ -139,9 +139,6 @@ class Offloader:
         self._handles: list[Any] = []
         self.adaptive: Adaptive | None = None
         try:
-            self._gds = open_cufile(model, config, self._native)
-            if self._gds is not None:
-                self.cpu = CpuTransport(self, self._gds)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
             self._handles += [

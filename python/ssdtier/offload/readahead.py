@@ -141,7 +141,7 @@ class ReadAhead:
             return True
         entry.wanted = True
         if entry.src is not None:
-            if entry.ticket is not None and not entry.cuda:
+            if entry.ticket is not None:
                 self.off.cpu.skip_write(entry)
             return False
         if entry.reading is None and entry.gpu is None and entry.restored is None:
