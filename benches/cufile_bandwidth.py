@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ssdtier.config import format_size, is_tmpfs, parse_size
+from ssdtier.paths import is_tmpfs
+from ssdtier.sizes import format_size, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "target" / "bench-cufile"
@@ -269,9 +270,8 @@ dev = p["device"]  # "cpu" only in the tests, with a stand-in module for cufile
 out = {"ok": False}
 try:
     import torch
-    import cuda.bindings
-    out["cuda_bindings"] = getattr(cuda.bindings, "__version__", None)
     cufile = importlib.import_module(p["module"])
+    out["cuda_bindings"] = getattr(sys.modules.get("cuda.bindings"), "__version__", None)
 except ImportError as e:
     out["error"] = f"cannot import {p['module']}: {e}"
     print(json.dumps(out))

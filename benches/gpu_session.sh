@@ -41,6 +41,7 @@ PY="${PY:-python3}"
 SESSION_S="${SESSION_S:-570}"
 mkdir -p "$OUT"
 summary=()
+ran_cuda=()
 limit() { # a part's own limit, cut to the session's time left (less 5 s for the summary)
     local left=$((SESSION_S - SECONDS - 5))
     echo $(($1 < left ? $1 : left))
@@ -95,9 +96,10 @@ for p in "${parts[@]}"; do
         ;;
     test_cuda)
         part test_cuda "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_io_errors.py -k cuda -v
+        ran_cuda=(--ignore=tests/test_cuda.py) # pytest_all need not run them again
         ;;
     pytest_all)
-        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider -x
+        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider -x ${ran_cuda[@]+"${ran_cuda[@]}"}
         ;;
     bench_quick | bench_1b | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.

@@ -213,7 +213,7 @@ def mem_available() -> int:
 
 def check_dir(path: Path) -> dict[str, str]:
     """Create ``path``; refuse tmpfs and ramfs (spill files there would be RAM, not disk)."""
-    from ssdtier.config import is_tmpfs
+    from ssdtier.paths import is_tmpfs
 
     m = mount_of(path)
     if is_tmpfs(path) or m["fstype"] in ("tmpfs", "ramfs"):
@@ -247,8 +247,9 @@ def fio_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     """fio write then read of ``--fio-size`` in ``--dir``, as the store does I/O (io_uring,
     O_DIRECT, its default block size and queue depth)."""
     from ssdtier.bench.disk import run_fio
-    from ssdtier.config import IoConfig, parse_size
+    from ssdtier.config import IoConfig
     from ssdtier.errors import SsdtierError
+    from ssdtier.sizes import parse_size
 
     fio = shutil.which("fio")
     if fio is None:
@@ -347,7 +348,7 @@ def ssdtier_config(args: argparse.Namespace, host: int, nvme: int) -> dict[str, 
 
 def host_capacity(args: argparse.Namespace, keep_act: int | None, ram: int) -> tuple[int, str]:
     """ssdtier_host's arena in bytes, and how it was chosen."""
-    from ssdtier.config import parse_size
+    from ssdtier.sizes import parse_size
 
     if args.host_capacity != "auto":
         return parse_size(args.host_capacity, key="--host-capacity", source="command line"), "--host-capacity"
@@ -361,7 +362,7 @@ def host_capacity(args: argparse.Namespace, keep_act: int | None, ram: int) -> t
 
 
 def nvme_capacity(args: argparse.Namespace) -> int:
-    from ssdtier.config import parse_size
+    from ssdtier.sizes import parse_size
 
     if args.nvme_capacity != "auto":
         return parse_size(args.nvme_capacity, key="--nvme-capacity", source="command line")
@@ -695,7 +696,7 @@ def auto_batch(args: argparse.Namespace, until: float) -> dict[str, Any]:
 
 def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: dict[str, str]) -> Any:
     """The ssdtier config of ``mode`` (None for the others)."""
-    from ssdtier.config import parse_size
+    from ssdtier.sizes import parse_size
 
     if mode not in SSDTIER_MODES:
         return None

@@ -430,8 +430,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    from ssdtier.config import format_size, is_tmpfs, parse_size
     from ssdtier.errors import ConfigError
+    from ssdtier.paths import is_tmpfs
+    from ssdtier.sizes import format_size, parse_size
 
     try:
         size = parse_size(args.size, key="--size", source="command line")

@@ -1216,8 +1216,9 @@ def main(argv: list[str] | None = None) -> int:
         worker_main(args)
         return 0
     args.malloc_lib = malloc_library(args.malloc)
-    from ssdtier.config import is_tmpfs, parse_size
     from ssdtier.errors import ConfigError
+    from ssdtier.paths import is_tmpfs
+    from ssdtier.sizes import parse_size
 
     if is_tmpfs(args.dir):
         fail(f"{args.dir} is on tmpfs: spill files there would be RAM, not disk; pick another --dir")

@@ -13,8 +13,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 
-from ssdtier.config import is_tmpfs  # noqa: E402
 from ssdtier.errors import SsdtierWarning  # noqa: E402
+from ssdtier.paths import is_tmpfs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_ROOT = REPO / "target" / "pytest-stores"

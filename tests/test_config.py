@@ -15,26 +15,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ssdtier.config import (
-    RAMFS_MAGIC,
-    TMPFS_MAGIC,
     Config,
-    GiB,
     HostConfig,
     IoConfig,
-    KiB,
-    MiB,
     NvmeConfig,
     PolicyConfig,
-    TiB,
-    check_paths,
-    default_nvme_dir,
-    format_size,
-    is_tmpfs,
     load_config,
-    parse_size,
     resolve_config,
 )
 from ssdtier.errors import ConfigError
+from ssdtier.paths import RAMFS_MAGIC, TMPFS_MAGIC, check_paths, default_nvme_dir, is_tmpfs
+from ssdtier.sizes import GiB, KiB, MiB, TiB, format_size, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -1008,10 +999,12 @@ pkg = types.ModuleType("ssdtier")  # bypass the package __init__ (it may need _n
 pkg.__path__ = [sys.argv[1]]
 sys.modules["ssdtier"] = pkg
 mod = importlib.import_module("ssdtier.config")
+sizes = importlib.import_module("ssdtier.sizes")
+importlib.import_module("ssdtier.paths")
 heavy = sorted(m for m in ("torch", "numpy", "tomllib", "tomli") if m in sys.modules)
 print("loaded:", heavy)
 assert not heavy, heavy
-assert mod.parse_size("1KiB") == 1024
+assert sizes.parse_size("1KiB") == 1024 and mod.Config
 """
 
 

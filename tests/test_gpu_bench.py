@@ -86,7 +86,7 @@ def test_nvme_batch_fits_the_disk(gs):
 
 
 def test_tmpfs_dir_is_refused(gs):
-    from ssdtier.config import is_tmpfs
+    from ssdtier.paths import is_tmpfs
 
     if not is_tmpfs("/dev/shm"):
         pytest.skip("/dev/shm is not tmpfs here")

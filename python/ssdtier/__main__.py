@@ -10,8 +10,10 @@ import warnings
 
 from . import __version__
 from ._cli import CLI, Help, positive
-from .config import Config, check_paths, default_nvme_dir, format_size, is_tmpfs
+from .config import Config
 from .errors import ConfigError, SsdtierError
+from .paths import check_paths, default_nvme_dir, is_tmpfs
+from .sizes import format_size
 
 DESCRIPTION = """\
 Offload PyTorch training activations to pinned host memory and NVMe SSDs.

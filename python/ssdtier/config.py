@@ -1,4 +1,4 @@
-"""Configuration objects, size parsing and TOML loading.
+"""Configuration objects, their validation and TOML loading.
 
 A configuration has four parts, mirroring the TOML tables of a config file::
 
@@ -22,190 +22,26 @@ filesystem.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
-import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import MISSING, dataclass, field, fields
-from fractions import Fraction
-from functools import lru_cache
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
-from .errors import ConfigError
+from .errors import ConfigError, bad_value, where
+from .sizes import GiB, KiB, MiB, TiB, exact_size, format_size, parse_value
 
 __all__ = [
-    "RAMFS_MAGIC",
-    "TMPFS_MAGIC",
     "Config",
-    "GiB",
     "HostConfig",
     "IoConfig",
-    "KiB",
-    "MiB",
     "NvmeConfig",
     "PolicyConfig",
-    "TiB",
-    "default_nvme_dir",
-    "format_size",
-    "is_tmpfs",
     "load_config",
-    "parse_size",
-    "check_paths",
     "resolve_config",
 ]
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-TiB = 1 << 40
-
-TMPFS_MAGIC = 0x01021994
-RAMFS_MAGIC = 0x858458F6
-
-# ---------------------------------------------------------------------------
-# Sizes
-# ---------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "pb": 10**15,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "pib": 1 << 50,
-}
-_BINARY_UNITS = (
-    ("KiB", KiB),
-    ("MiB", MiB),
-    ("GiB", GiB),
-    ("TiB", TiB),
-    ("PiB", 1 << 50),
-)
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*", re.ASCII)
-_SIZE_HELP = (
-    "a non-negative size: an integer number of bytes or a string such as "
-    "'4096', '64MiB', '1.5GiB' or '10GB' (units B, KB, MB, GB, TB, PB, "
-    "KiB, MiB, GiB, TiB, PiB)"
-)
-
-
-def _where(source: str | None, key: str) -> str:
-    return f"{source}: {key}" if source else key
-
-
-def _fail(
-    source: str | None,
-    key: str,
-    value: Any,
-    expected: str,
-    *,
-    show_type: bool = False,
-    hint: str = "",
-) -> NoReturn:
-    got = repr(value)
-    if show_type:
-        got += f" of type {type(value).__name__}"
-    raise ConfigError(f"{_where(source, key)}: expected {expected}, got {got}{hint}")
-
-
-def _parse_size(value: Any, key: str, source: str | None) -> int:
-    if isinstance(value, bool):
-        _fail(source, key, value, _SIZE_HELP, show_type=True)
-    if isinstance(value, int):
-        if value < 0:
-            _fail(source, key, value, _SIZE_HELP)
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0 or not value.is_integer():
-            _fail(source, key, value, _SIZE_HELP)
-        return int(value)
-    if not isinstance(value, str):
-        _fail(source, key, value, _SIZE_HELP, show_type=True)
-    m = _SIZE_RE.fullmatch(value)
-    mult = _UNITS.get(m.group(2).lower()) if m else None
-    if m is None or mult is None:
-        _fail(source, key, value, _SIZE_HELP)
-    amount = Fraction(m.group(1)) * mult
-    if mult == 1 and amount.denominator != 1:
-        _fail(source, key, value, _SIZE_HELP, hint=" (not a whole number of bytes)")
-    # Fractions of a larger unit are rounded down to whole bytes.
-    return int(amount)
-
-
-def parse_size(value: float | str, *, key: str = "size", source: str = "<value>") -> int:
-    """Parse a byte size.
-
-    Args:
-        value: A non-negative int (bytes), an integral float, or a string such
-            as ``"4096"``, ``"64MiB"``, ``"64 mib"``, ``"1.5GiB"`` or ``"10GB"``.
-            Binary units (KiB..PiB) are powers of 1024, SI units (KB..PB)
-            powers of 1000; units are case-insensitive. A fraction of a unit is
-            rounded down to whole bytes.
-        key: Key named in error messages.
-        source: Where the value came from, named in error messages.
-
-    Returns:
-        The size in bytes.
-
-    Raises:
-        ConfigError: ``value`` is not a valid size.
-    """
-    return _parse_size(value, key, source)
-
-
-def format_size(n: int) -> str:
-    """Format a byte count for humans.
-
-    Exact binary units are used when ``n`` is divisible by one (``"1GiB"``),
-    otherwise one decimal (``1536 -> "1.5KiB"``); below 1 KiB plain bytes
-    (``"100B"``).
-
-    Raises:
-        TypeError: ``n`` is not an int.
-        ValueError: ``n`` is negative.
-    """
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"format_size() needs an int, got {n!r}")
-    if n < 0:
-        raise ValueError(f"format_size() needs a non-negative size, got {n}")
-    best = f"{n}B"
-    for i, (unit, mult) in enumerate(_BINARY_UNITS):
-        if n < mult:
-            break
-        if n % mult == 0:
-            best = f"{n // mult}{unit}"
-        elif round(n / mult, 1) < 1024 or unit == _BINARY_UNITS[-1][0]:
-            best = f"{n / mult:.1f}{unit}"
-        else:  # e.g. 1048575 is "1.0MiB", not "1024.0KiB"
-            best = f"{n / (mult * 1024):.1f}{_BINARY_UNITS[i + 1][0]}"
-    return best
-
-
-def _exact_size(n: int) -> str:
-    """Human size text that parses back to exactly ``n``."""
-    text = format_size(n)
-    if _parse_size(text, "size", None) == n:
-        return text
-    units = [
-        *_BINARY_UNITS,
-        ("KB", 10**3),
-        ("MB", 10**6),
-        ("GB", 10**9),
-        ("TB", 10**12),
-    ]
-    exact = [f"{n // mult}{unit}" for unit, mult in units if n % mult == 0]
-    return min(exact, key=len, default=f"{n}B")
-
 
 # ---------------------------------------------------------------------------
 # Field checkers
@@ -237,9 +73,9 @@ def _int_range(lo: int, hi: int | None = None) -> _Checker:
 
     def check(value: Any, key: str, source: str | None) -> int:
         if not _is_int(value):
-            _fail(source, key, value, expected, show_type=True)
+            bad_value(source, key, value, expected, show_type=True)
         if value < lo or (hi is not None and value > hi):
-            _fail(source, key, value, expected)
+            bad_value(source, key, value, expected)
         return value
 
     return check
@@ -262,13 +98,13 @@ def _size_range(
     def check(value: Any, key: str, source: str | None) -> int | None:
         if value is None and optional:
             return None
-        n = _parse_size(value, key, source)
+        n = parse_value(value, key, source)
         bad = n < lo or (hi is not None and n > hi)
         if power_of_two and n & (n - 1):
             bad = True
         if bad:
             hint = "" if _is_int(value) else f" ({n} bytes)"
-            _fail(source, key, value, expected, hint=hint)
+            bad_value(source, key, value, expected, hint=hint)
         return n
 
     return check
@@ -285,7 +121,7 @@ def _preallocate(value: Any, key: str, source: str | None) -> int | str:
 
 def _bool(value: Any, key: str, source: str | None) -> bool:
     if not isinstance(value, bool):
-        _fail(source, key, value, "true or false (a boolean)", show_type=True)
+        bad_value(source, key, value, "true or false (a boolean)", show_type=True)
     return value
 
 
@@ -294,11 +130,11 @@ def _choice(*options: str) -> _Checker:
 
     def check(value: Any, key: str, source: str | None) -> str:
         if not isinstance(value, str):
-            _fail(source, key, value, expected, show_type=True)
+            bad_value(source, key, value, expected, show_type=True)
         if value not in options:
             close = difflib.get_close_matches(value, options, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            _fail(source, key, value, expected, hint=hint)
+            bad_value(source, key, value, expected, hint=hint)
         return value
 
     return check
@@ -309,7 +145,7 @@ def _path(value: Any, key: str, source: str | None) -> str:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         is_str = isinstance(value, str)
-        _fail(source, key, value, "a non-empty path string", show_type=not is_str)
+        bad_value(source, key, value, "a non-empty path string", show_type=not is_str)
     return os.path.expanduser(value)
 
 
@@ -317,7 +153,7 @@ def _keep_last_layers(value: Any, key: str, source: str | None) -> int | str:
     if value == "auto" and isinstance(value, str):
         return value
     if not _is_int(value) or value < 0:
-        _fail(
+        bad_value(
             source,
             key,
             value,
@@ -331,7 +167,7 @@ def _prefetch_layers(value: Any, key: str, source: str | None) -> int | str:
     if value == "auto" and isinstance(value, str):
         return value
     if not _is_int(value) or not 0 <= value <= 64:
-        _fail(source, key, value, "'auto' or an integer in 0..64", show_type=not _is_int(value))
+        bad_value(source, key, value, "'auto' or an integer in 0..64", show_type=not _is_int(value))
     return value
 
 
@@ -344,10 +180,10 @@ def _module_paths(value: Any, key: str, source: str | None) -> str | tuple[str, 
     expected = "a dotted module path such as 'model.layers', a list of them, or no value"
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) for p in paths):
-        _fail(source, key, value, expected, show_type=not isinstance(value, (list, tuple)))
+        bad_value(source, key, value, expected, show_type=not isinstance(value, (list, tuple)))
     for p in paths:
         if not _MODULE_PATH_RE.fullmatch(p):
-            _fail(source, key, value, expected)
+            bad_value(source, key, value, expected)
     return value if isinstance(value, str) else tuple(paths)
 
 
@@ -357,10 +193,10 @@ _PATTERN_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+", re.ASCII)
 def _module_patterns(value: Any, key: str, source: str | None) -> tuple[str, ...]:
     expected = "a list of module names or glob patterns, such as ['lm_head', 'model.layers.*.mlp']"
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        _fail(source, key, value, expected, show_type=True)
+        bad_value(source, key, value, expected, show_type=True)
     for item in value:
         if not isinstance(item, str) or not _PATTERN_RE.fullmatch(item):
-            _fail(source, key, value, expected, hint=f" (bad item {item!r})")
+            bad_value(source, key, value, expected, hint=f" (bad item {item!r})")
     return tuple(value)
 
 
@@ -567,7 +403,7 @@ def _table_dict(obj: Any, *, human: bool) -> dict[str, Any]:
     for name in _TABLE_FIELDS[obj._TABLE]:
         value = getattr(obj, name)
         if human and isinstance(value, int) and (obj._TABLE, name) in _SIZE_KEYS:
-            value = _exact_size(value)
+            value = exact_size(value)
         elif human and isinstance(value, tuple):
             value = list(value)
         out[name] = value
@@ -578,7 +414,7 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
-        _fail(source, prefix, data, "a table", show_type=True)
+        bad_value(source, prefix, data, "a table", show_type=True)
     table = cls._TABLE  # type: ignore[attr-defined]
     allowed = list(_TABLE_FIELDS[table])
     problems = _Problems(source)
@@ -586,11 +422,11 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
         if not isinstance(key, str) or key not in _TABLE_FIELDS[table]:
             hint = _suggest(key, allowed) if isinstance(key, str) else ""
             problems.add(
-                f"{_where(source, f'{prefix}.{key}')}: unknown key{hint or '.'} "
+                f"{where(source, f'{prefix}.{key}')}: unknown key{hint or '.'} "
                 f"Allowed keys in [{table}]: {', '.join(allowed)}"
             )
     if table == "nvme" and "path" not in data:
-        problems.add(f"{_where(source, prefix)}: missing required key 'path' (the directory for spill files)")
+        problems.add(f"{where(source, prefix)}: missing required key 'path' (the directory for spill files)")
     else:
         with problems.check(), _located(source, prefix):
             built = cls(**{k: v for k, v in data.items() if k in allowed})
@@ -623,19 +459,19 @@ class Config:
             cls = _TABLE_CLASSES[name]
             value = getattr(self, name)
             if not isinstance(value, cls):
-                _fail(source, name, value, f"a {cls.__name__}", show_type=True)
+                bad_value(source, name, value, f"a {cls.__name__}", show_type=True)
         nvme = self.nvme
         if isinstance(nvme, NvmeConfig):
             nvme = (nvme,)
         if not isinstance(nvme, (tuple, list)):
-            _fail(source, "nvme", nvme, "a tuple of NvmeConfig", show_type=True)
+            bad_value(source, "nvme", nvme, "a tuple of NvmeConfig", show_type=True)
         seen: dict[str, int] = {}
         for i, entry in enumerate(nvme):
             if not isinstance(entry, NvmeConfig):
-                _fail(source, f"nvme[{i}]", entry, "an NvmeConfig", show_type=True)
+                bad_value(source, f"nvme[{i}]", entry, "an NvmeConfig", show_type=True)
             norm = os.path.normpath(entry.path)
             if norm in seen:
-                _fail(
+                bad_value(
                     source,
                     f"nvme[{i}].path",
                     entry.path,
@@ -660,7 +496,7 @@ class Config:
             ConfigError: Unknown table or key, wrong type or value out of range.
         """
         if not isinstance(d, Mapping):
-            _fail(source, "<config>", d, "a mapping of tables", show_type=True)
+            bad_value(source, "<config>", d, "a mapping of tables", show_type=True)
         problems = _Problems(source)
         for name, value in d.items():
             if isinstance(name, str) and name in _TABLE_FIELDS:
@@ -678,7 +514,7 @@ class Config:
             nvme_data = [nvme_data]
         if not isinstance(nvme_data, (list, tuple)):
             with problems.check():
-                _fail(source, "nvme", nvme_data, "an array of tables ([[nvme]])", show_type=True)
+                bad_value(source, "nvme", nvme_data, "an array of tables ([[nvme]])", show_type=True)
             nvme_data = []
         tables: dict[str, Any] = {}
         for name, data in (("host", d.get("host", {})), ("io", d.get("io", {})), ("policy", d.get("policy", {}))):
@@ -769,7 +605,7 @@ class Config:
                 else:
                     cls_name = _TABLE_CLASSES[key].__name__
                     with problems.check():
-                        _fail(src, key, value, f"a mapping or a {cls_name}", show_type=True)
+                        bad_value(src, key, value, f"a mapping or a {cls_name}", show_type=True)
                 continue
             dotted = ".".join(parts)
             if parts[0] == "nvme" and len(parts) == 2 and parts[1] in _TABLE_FIELDS["nvme"]:
@@ -931,119 +767,3 @@ def resolve_config(config: Any = None, **overrides: Any) -> Config:
             f"a mapping or an ssdtier Config, not {type(config).__name__}"
         )
     return cfg.replace(**overrides) if overrides else cfg
-
-
-def default_nvme_dir() -> str:
-    """Return the default spill directory (no filesystem access).
-
-    ``$SSDTIER_DIR`` if set, else ``$XDG_CACHE_HOME/ssdtier`` (when that is an
-    absolute path), else ``~/.cache/ssdtier``.
-    """
-    explicit = os.environ.get("SSDTIER_DIR")
-    if explicit:
-        return os.path.expanduser(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):
-        return os.path.join(xdg, "ssdtier")
-    return os.path.join(os.path.expanduser("~"), ".cache", "ssdtier")
-
-
-@lru_cache(maxsize=1)
-def _statfs() -> tuple[Any, Any] | None:
-    import ctypes
-
-    class StatFs(ctypes.Structure):
-        # struct statfs of glibc/musl on Linux (LP64 and ILP32): f_type first.
-        _fields_ = [
-            ("f_type", ctypes.c_long),
-            ("f_bsize", ctypes.c_long),
-            ("f_blocks", ctypes.c_ulong),
-            ("f_bfree", ctypes.c_ulong),
-            ("f_bavail", ctypes.c_ulong),
-            ("f_files", ctypes.c_ulong),
-            ("f_ffree", ctypes.c_ulong),
-            ("f_fsid", ctypes.c_int * 2),
-            ("f_namelen", ctypes.c_long),
-            ("f_frsize", ctypes.c_long),
-            ("f_flags", ctypes.c_long),
-            ("f_spare", ctypes.c_long * 4),
-            ("_slack", ctypes.c_char * 64),  # room in case a libc's struct is larger
-        ]
-
-    try:
-        func = ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_char_p, ctypes.POINTER(StatFs)]
-    func.restype = ctypes.c_int
-    return func, StatFs
-
-
-def is_tmpfs(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` (or its nearest existing ancestor) is on tmpfs or ramfs.
-
-    Spill files there would use RAM, not disk. Returns False on any failure
-    and on non-Linux systems.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        found = _statfs()
-        if found is None:
-            return False
-        func, struct_type = found
-        p = os.path.abspath(os.path.expanduser(os.fsdecode(os.fspath(path))))
-        while not os.path.exists(p):
-            parent = os.path.dirname(p)
-            if parent == p:
-                return False
-            p = parent
-        buf = struct_type()
-        import ctypes
-
-        if func(os.fsencode(p), ctypes.byref(buf)) != 0:
-            return False
-        return (buf.f_type & 0xFFFFFFFF) in (TMPFS_MAGIC, RAMFS_MAGIC)
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
-    """Check that every NVMe directory can be used; returns the absolute paths.
-
-    Checked by doing, as root passes any permission check: a file is made (and removed) in a
-    directory that exists, a directory (and removed) in the nearest existing ancestor of one
-    that does not. With ``io.direct`` on it must not be on tmpfs, which refuses ``O_DIRECT``.
-    Nothing is left behind.
-
-    Raises:
-        ConfigError: naming the source, the key and the path.
-    """
-    if config.nvme:
-        paths = [(f"nvme[{i}].path", n.path) for i, n in enumerate(config.nvme)]
-    else:
-        paths = [("SSDTIER_DIR (the default directory)", default_dir or default_nvme_dir())]
-    out = []
-    for key, path in paths:
-        path = os.path.abspath(os.path.expanduser(path))
-        probe = path
-        while not os.path.lexists(probe):
-            probe = os.path.dirname(probe)
-        where = f"{config.source}: {key} = {path!r}"
-        if not os.path.isdir(probe):
-            raise ConfigError(f"{where}: {probe} is not a directory")
-        try:
-            if probe == path:
-                tempfile.TemporaryFile(dir=path).close()
-            else:
-                os.rmdir(tempfile.mkdtemp(prefix=".ssdtier-probe-", dir=probe))
-        except OSError as e:
-            what = "cannot hold a file" if probe == path else f"cannot be created in {probe}"
-            raise ConfigError(f"{where}: the directory {what} ({e.strerror or e})") from None
-        if config.io.direct and is_tmpfs(probe):
-            raise ConfigError(
-                f"{where}: the directory is on tmpfs, which does not support O_DIRECT; "
-                "use a directory on an SSD, or set io.direct = false"
-            )
-        out.append(path)
-    return out

@@ -9,6 +9,7 @@ from the operating system also derive from the matching builtin class, so
 from __future__ import annotations
 
 import errno as _errno
+from typing import Any, NoReturn
 
 __all__ = [
     "SsdtierError",
@@ -113,3 +114,23 @@ def from_native(kind: str, message: str, errno: int | None, filename: str | None
     if kind == "busy":
         return EntryBusyError(message)
     return SsdtierError(message)
+
+
+def where(source: str | None, key: str) -> str:
+    return f"{source}: {key}" if source else key
+
+
+def bad_value(
+    source: str | None,
+    key: str,
+    value: Any,
+    expected: str,
+    *,
+    show_type: bool = False,
+    hint: str = "",
+) -> NoReturn:
+    """Raise the ConfigError for a bad config value, naming its source and key."""
+    got = repr(value)
+    if show_type:
+        got += f" of type {type(value).__name__}"
+    raise ConfigError(f"{where(source, key)}: expected {expected}, got {got}{hint}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import format_size
+from .sizes import format_size
 
 __all__ = ["LayerDecision", "LayerProfile", "Plan", "make_plan"]
 

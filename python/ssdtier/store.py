@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from . import _native
-from .config import Config, GiB, check_paths, format_size, resolve_config
+from .config import Config, resolve_config
 from .errors import SsdtierError, SsdtierWarning, StoreClosedError, UnknownKeyError
+from .paths import check_paths
+from .sizes import GiB, format_size
 
 __all__ = ["ByteStore", "StoreStats", "TieredStore"]
 

@@ -13,8 +13,10 @@ import time
 from typing import Any
 
 from .._cli import CLI
-from ..config import Config, check_paths, default_nvme_dir, format_size, parse_size
+from ..config import Config
 from ..errors import SsdtierError
+from ..paths import check_paths, default_nvme_dir
+from ..sizes import format_size, parse_size
 from ._report import Progress, emit, table
 
 __all__ = ["cmd_disk", "fio_flags", "run_fio"]

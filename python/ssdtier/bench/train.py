@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .._cli import CLI, positive
-from ..config import Config, check_paths, format_size
+from ..config import Config
 from ..errors import ConfigError
+from ..paths import check_paths
+from ..sizes import format_size
 from ._report import Progress, emit, table
 
 __all__ = ["Mode", "Setting", "Workload", "add_workload_arguments", "cmd_train", "run", "workload_of"]

@@ -7,8 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from ..config import PolicyConfig, format_size
+from ..config import PolicyConfig
 from ..plan import Plan
+from ..sizes import format_size
 from ..store import StoreStats
 
 COUNTS = (

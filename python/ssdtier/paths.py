@@ -1,0 +1,135 @@
+"""Spill directories: the default one, tmpfs detection, and checking that each can be used."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = ["RAMFS_MAGIC", "TMPFS_MAGIC", "check_paths", "default_nvme_dir", "is_tmpfs"]
+
+TMPFS_MAGIC = 0x01021994
+RAMFS_MAGIC = 0x858458F6
+
+
+def default_nvme_dir() -> str:
+    """Return the default spill directory (no filesystem access).
+
+    ``$SSDTIER_DIR`` if set, else ``$XDG_CACHE_HOME/ssdtier`` (when that is an
+    absolute path), else ``~/.cache/ssdtier``.
+    """
+    explicit = os.environ.get("SSDTIER_DIR")
+    if explicit:
+        return os.path.expanduser(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "ssdtier")
+    return os.path.join(os.path.expanduser("~"), ".cache", "ssdtier")
+
+
+@lru_cache(maxsize=1)
+def _statfs() -> tuple[Any, Any] | None:
+    import ctypes
+
+    class StatFs(ctypes.Structure):
+        # struct statfs of glibc/musl on Linux (LP64 and ILP32): f_type first.
+        _fields_ = [
+            ("f_type", ctypes.c_long),
+            ("f_bsize", ctypes.c_long),
+            ("f_blocks", ctypes.c_ulong),
+            ("f_bfree", ctypes.c_ulong),
+            ("f_bavail", ctypes.c_ulong),
+            ("f_files", ctypes.c_ulong),
+            ("f_ffree", ctypes.c_ulong),
+            ("f_fsid", ctypes.c_int * 2),
+            ("f_namelen", ctypes.c_long),
+            ("f_frsize", ctypes.c_long),
+            ("f_flags", ctypes.c_long),
+            ("f_spare", ctypes.c_long * 4),
+            ("_slack", ctypes.c_char * 64),  # room in case a libc's struct is larger
+        ]
+
+    try:
+        func = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_char_p, ctypes.POINTER(StatFs)]
+    func.restype = ctypes.c_int
+    return func, StatFs
+
+
+def is_tmpfs(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` (or its nearest existing ancestor) is on tmpfs or ramfs.
+
+    Spill files there would use RAM, not disk. Returns False on any failure
+    and on non-Linux systems.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        found = _statfs()
+        if found is None:
+            return False
+        func, struct_type = found
+        p = os.path.abspath(os.path.expanduser(os.fsdecode(os.fspath(path))))
+        while not os.path.exists(p):
+            parent = os.path.dirname(p)
+            if parent == p:
+                return False
+            p = parent
+        buf = struct_type()
+        import ctypes
+
+        if func(os.fsencode(p), ctypes.byref(buf)) != 0:
+            return False
+        return (buf.f_type & 0xFFFFFFFF) in (TMPFS_MAGIC, RAMFS_MAGIC)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
+    """Check that every NVMe directory can be used; returns the absolute paths.
+
+    Checked by doing, as root passes any permission check: a file is made (and removed) in a
+    directory that exists, a directory (and removed) in the nearest existing ancestor of one
+    that does not. With ``io.direct`` on it must not be on tmpfs, which refuses ``O_DIRECT``.
+    Nothing is left behind.
+
+    Raises:
+        ConfigError: naming the source, the key and the path.
+    """
+    if config.nvme:
+        paths = [(f"nvme[{i}].path", n.path) for i, n in enumerate(config.nvme)]
+    else:
+        paths = [("SSDTIER_DIR (the default directory)", default_dir or default_nvme_dir())]
+    out = []
+    for key, path in paths:
+        path = os.path.abspath(os.path.expanduser(path))
+        probe = path
+        while not os.path.lexists(probe):
+            probe = os.path.dirname(probe)
+        where = f"{config.source}: {key} = {path!r}"
+        if not os.path.isdir(probe):
+            raise ConfigError(f"{where}: {probe} is not a directory")
+        try:
+            if probe == path:
+                tempfile.TemporaryFile(dir=path).close()
+            else:
+                os.rmdir(tempfile.mkdtemp(prefix=".ssdtier-probe-", dir=probe))
+        except OSError as e:
+            what = "cannot hold a file" if probe == path else f"cannot be created in {probe}"
+            raise ConfigError(f"{where}: the directory {what} ({e.strerror or e})") from None
+        if config.io.direct and is_tmpfs(probe):
+            raise ConfigError(
+                f"{where}: the directory is on tmpfs, which does not support O_DIRECT; "
+                "use a directory on an SSD, or set io.direct = false"
+            )
+        out.append(path)
+    return out
