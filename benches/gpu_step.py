@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CUDA training step of a ~1B-parameter GPT, six ways side by side; with ``--fit``, the
+"""CUDA training step of a ~1B-parameter GPT, eight ways side by side; with ``--fit``, the
 largest micro-batch each way fits (the ROK view). CUDA only.
 
 Modes, all in this process, one after another, each on a fresh model built from the same
@@ -13,6 +13,8 @@ seeds (so their losses can be compared bitwise with keep's):
                   with the output head left alone), when torchtune imports.
 ``ssdtier_nvme``  ``ssdtier.attach`` with a small arena (``--nvme-arena``), the rest on ``--dir``;
                   at keep's batch unless its activations would not fit there (``--nvme-batch``).
+``ssdtier_adaptive`` as ``ssdtier_nvme`` with ``policy.mode = "adaptive"``: the last layers whose
+                  activations the I/O could not move in time stay on the GPU.
 ``ssdtier_cufile`` as ``ssdtier_nvme`` with ``io.backend = "cufile"``: GPU memory to the disk
                   and back through cuFile (GDS, or its compatibility mode), the arena unused.
 
@@ -60,11 +62,14 @@ from train_step import gpt_config, md_table
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "benches" / "out" / "gpu_step-nvme"  # benches/out is git-ignored
 # In the order they run: the disk bounds ssdtier_nvme's time, so a slow one cuts only it.
-MODES = ("keep", "ssdtier_host", "checkpoint", "save_on_cpu", "torchtune", "ssdtier_nvme", "ssdtier_cufile")
+MODES = (
+    "keep", "ssdtier_host", "checkpoint", "save_on_cpu", "torchtune",
+    "ssdtier_nvme", "ssdtier_adaptive", "ssdtier_cufile",
+)  # fmt: skip
 HOST_MODES = ("save_on_cpu", "torchtune")  # keep every activation in pinned host memory
 HOST_RAM_USE = 0.7  # --fit: their batch stays within this share of the RAM available
-SSDTIER_MODES = ("ssdtier_host", "ssdtier_nvme", "ssdtier_cufile")
-DISK_MODES = ("ssdtier_nvme", "ssdtier_cufile")
+SSDTIER_MODES = ("ssdtier_host", "ssdtier_nvme", "ssdtier_adaptive", "ssdtier_cufile")
+DISK_MODES = ("ssdtier_nvme", "ssdtier_adaptive", "ssdtier_cufile")
 # Defaults of the 1B run, and of --quick; an option given on the command line wins over both.
 FULL = {
     "layers": 24, "d_model": 2048, "heads": 16, "seq": 2048, "vocab": 32000, "batch": "auto",
@@ -158,7 +163,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ssdtier_nvme's micro-batch; auto: keep's, lowered until its activations fit on the disk",
     )
     g.add_argument("--nvme-capacity", default="auto", help="NVMe capacity: a size, or auto = 0.8 of the free space")
-    g.add_argument("--policy-mode", choices=("all", "adaptive", "none"), help="policy.mode (default: ssdtier's)")
+    g.add_argument(
+        "--policy-mode",
+        choices=("all", "adaptive", "none"),
+        help="policy.mode (default: ssdtier's; ssdtier_adaptive: adaptive)",
+    )
     g.add_argument("--keep-last-layers", type=_int_or_auto, help="policy.keep_last_layers (default: ssdtier's)")
     g.add_argument("--prefetch-layers", type=_int_or_auto, help="policy.prefetch_layers (default: ssdtier's)")
     g.add_argument("--min-tensor-bytes", help="policy.min_tensor_bytes (default: ssdtier's)")
@@ -710,6 +719,8 @@ def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: di
     cfg = ssdtier_config(args, host, nvme)
     if mode == "ssdtier_cufile":
         cfg["io"] = {"backend": "cufile"}
+    if mode == "ssdtier_adaptive":
+        cfg.setdefault("policy", {})["mode"] = "adaptive"
     return cfg
 
 

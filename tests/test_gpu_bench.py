@@ -185,6 +185,8 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
         assert res["modes"][mode]["status"] == "ok", res["modes"][mode]
         assert res["modes"][mode]["losses_equal_keep"], mode
     assert res["modes"]["ssdtier_nvme"]["per_step"]["nvme_written"] > 0  # (on the CPU, ssdtier_host's too: zero copy)
+    assert res["modes"]["ssdtier_adaptive"]["store"]["policy"]["mode"] == "adaptive"
+    assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
 
 
 def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch):
