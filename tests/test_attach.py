@@ -964,6 +964,30 @@ def test_min_window_replays_the_backward():
     assert min_window(sizes, [0.0] + times[1:], 0.001, 200e6, 40_000_000, set()) == 1_000_000
 
 
+def test_auto_read_ahead_times_the_backward_without_its_waits(store_dir, monkeypatch):
+    """A backward that waited for reads unpacked later than its own pace: the replay that sizes
+    the window takes each unpack's time less the waits before it (else, after a stalled
+    backward, the stretched timeline says a small window was enough)."""
+    from types import SimpleNamespace
+
+    from ssdtier.offload import readahead
+    from ssdtier.offload.readahead import Backward
+
+    with ssdtier.attach(build_model(CONFIGS["gpt"]), offload_config(store_dir, prefetch_layers="auto")) as off:
+        b = Backward()
+        b.seq = [SimpleNamespace(layer=j, nbytes=1000, refs=0) for j in range(3)]
+        clock = iter([1.0, 1.5, 3.0])
+        monkeypatch.setattr(readahead, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+        with off._lock:
+            off.ahead.advance(b, 2)  # the sweep starts (the reverse of the pack order)
+            off.res.stall += 0.4
+            off.ahead.advance(b, 1)
+            off.res.stall += 1.0
+            off.ahead.advance(b, 0)
+        # approx: the subtractions of float seconds round in the last bit
+        assert b.sweep.times == pytest.approx([0.0, 0.1, 0.6])
+
+
 def test_auto_read_ahead_margin(store_dir):
     """prefetch_layers = "auto" after a made-up backward: the replayed window, doubled after a
     backward that waited more than 1% of its time for a read, halved back after three that
@@ -980,7 +1004,7 @@ def test_auto_read_ahead_margin(store_dir):
         b.seq = [SimpleNamespace(layer=j // 5, nbytes=1_000_000) for j in range(10)]
 
         def backward(stall=0.0):
-            s = Sweep(b, list(range(9, -1, -1)), 0.0)
+            s = Sweep(b, list(range(9, -1, -1)), 0.0, 0.0)
             s.times, s.seen = [0.010 * (r + 1) for r in range(10)], list(range(9, -1, -1))
             ahead.sweep = s
             ahead.reads = [(i * 0.008, _Read(0.008), 1_000_000) for i in range(4)]  # 125 MB/s
@@ -1259,9 +1283,10 @@ def test_a_released_entry_holds_no_tensor(store_dir):
 
 
 def test_auto_read_ahead_goes_up_when_reads_are_slow(store_dir):
-    # 1 MB/s: reading a layer back takes far longer than its backward, so the backward waits.
+    # 300 KB/s: reading a layer back takes far longer than its backward, so the backward waits
+    # (at 1 MB/s, a backward slowed by a busy CPU hid the reads with a small window).
     cfg = offload_config(store_dir, zero_copy=False, prefetch_layers="auto")
-    cfg["io"]["throttle"] = "1MB"
+    cfg["io"]["throttle"] = "300KB"
     got = train(CONFIGS["gpt"], cfg, micro=3)
     assert_same(train(CONFIGS["gpt"], micro=3), got)
     s = got[2]

@@ -76,11 +76,12 @@ class Sweep:
         "round",
         "seen",
         "seq",
+        "stall0",
         "t0",
         "times",
     )
 
-    def __init__(self, b: Backward, order: list[int], now: float, guessed: bool = False) -> None:
+    def __init__(self, b: Backward, order: list[int], now: float, stall: float, guessed: bool = False) -> None:
         self.seq, self.order, self.round = b.seq, order, b.round
         self.guessed = guessed  # the reverse pack order, nothing learned: its stalls teach nothing
         self.rank = [0] * len(order)
@@ -97,8 +98,8 @@ class Sweep:
         self.read_to = -1  # the furthest rank whose read was started
         self.seen: list[int] = []  # positions, in the order of their first unpack
         self.held: set[int] = set()  # ranks served from their source, with no read
-        self.t0 = now
-        self.times: list[float | None] = [None] * len(order)  # seconds into the sweep, by rank
+        self.t0, self.stall0 = now, stall
+        self.times: list[float | None] = [None] * len(order)  # seconds into the sweep less its waits, by rank
 
 
 class ReadAhead:
@@ -168,13 +169,15 @@ class ReadAhead:
         s = b.sweep
         now = time.perf_counter()
         if s is None or s.round != b.round:  # the first backward, or another of a retained graph
-            order = self._order(b)
-            s = b.sweep = Sweep(b, order or list(range(len(b.seq) - 1, -1, -1)), now, guessed=not order)
+            learned = self._order(b)
+            order = learned or list(range(len(b.seq) - 1, -1, -1))
+            s = b.sweep = Sweep(b, order, now, self.off.res.stall, guessed=not learned)
         self.sweep = s
         if 0 <= pos < len(s.rank):
             r = s.rank[pos]
             if s.times[r] is None:
-                s.times[r] = now - s.t0
+                # The backward's own pace: its waits for reads are what the window should remove.
+                s.times[r] = now - s.t0 - (self.off.res.stall - s.stall0)
                 s.seen.append(pos)
             s.at = max(s.at, r)
         window = self.window if self.window is not None else self._first_window(s)
