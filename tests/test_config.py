@@ -10,9 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: ssdtier depends on tomli there
+    import tomli as tomllib
 
 from ssdtier.config import (
     Config,
