@@ -99,7 +99,9 @@ for p in "${parts[@]}"; do
         ran_cuda=(--ignore=tests/test_cuda.py) # pytest_all need not run them again
         ;;
     pytest_all)
-        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider -x ${ran_cuda[@]+"${ran_cuda[@]}"}
+        par=()
+        "$PY" -c "import xdist" 2>/dev/null && par=(-n 8) # pytest-xdist is there: 8 workers
+        part pytest_all "$(limit 420)" "$PY" -m pytest -q -p no:cacheprovider -x ${par[@]+"${par[@]}"} ${ran_cuda[@]+"${ran_cuda[@]}"}
         ;;
     bench_quick | bench_1b | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
