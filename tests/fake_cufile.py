@@ -1,10 +1,13 @@
 """A stand-in for ``cuda.bindings.cufile`` that moves host memory: "device" pointers are CPU
 addresses. It records its calls and can fail, shorten or slow them, so the cuFile transport's
-books run on the CPU; real GPU memory is tests/test_cuda.py's."""
+books run on the CPU; real GPU memory is tests/test_cuda.py's. The cuFile bench's child
+process imports it as ``fake_cufile``; there, FAKE_CUFILE_TRACE (a file that gets a JSON line
+per call), FAKE_CUFILE_HANG and FAKE_CUFILE_CORRUPT drive it."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 import time
@@ -51,12 +54,31 @@ class Descr:
         Descr._all[self.ptr] = self
 
 
+def _trace(*call: object) -> None:
+    path = os.environ.get("FAKE_CUFILE_TRACE")
+    if path:
+        with lock, open(path, "a") as f:
+            f.write(json.dumps(call) + "\n")
+
+
+def get_version() -> int:
+    return 1170
+
+
 def driver_open() -> None:
     state["opens"] += 1
+    _trace("driver_open", os.getcwd(), os.environ.get("CUFILE_LOGFILE_PATH"))
+    if os.environ.get("FAKE_CUFILE_HANG"):
+        time.sleep(120)
+    log = os.environ.get("CUFILE_LOGFILE_PATH")
+    if os.environ.get("FAKE_CUFILE_TRACE") and log:  # as cuFile's own log says it
+        with open(log, "a") as f:
+            f.write("NOTICE cufio: GDS not available, using compat mode\n")
 
 
 def driver_close() -> None:
     state["closes"] += 1
+    _trace("driver_close")
 
 
 def handle_register(ptr: int) -> int:
@@ -67,12 +89,22 @@ def handle_register(ptr: int) -> int:
         _next[0] += 1
         # The store's fd is O_DIRECT; unaligned host buffers need one without it.
         state["fds"][h] = os.open(f"/proc/self/fd/{d.handle.fd}", os.O_RDWR)
+    _trace("handle_register", d.handle.fd)
     return h
 
 
 def handle_deregister(h: int) -> None:
     with lock:
         os.close(state["fds"].pop(h))
+    _trace("handle_deregister", h)
+
+
+def buf_register(ptr: int, n: int, flags: int) -> None:
+    _trace("buf_register", n, flags)
+
+
+def buf_deregister(ptr: int) -> None:
+    _trace("buf_deregister")
 
 
 def _call(op: str, h: int, base: int, size: int, off: int, buf_off: int) -> int:
@@ -87,10 +119,15 @@ def _call(op: str, h: int, base: int, size: int, off: int, buf_off: int) -> int:
     n = min(size, state["short"] or size)
     fd = state["fds"][h]
     if op == "write":
-        return os.pwrite(fd, ctypes.string_at(ptr, n), off)
-    data = os.pread(fd, n, off)
-    ctypes.memmove(ptr, data, len(data))
-    return len(data)
+        got = os.pwrite(fd, ctypes.string_at(ptr, n), off)
+    else:
+        data = os.pread(fd, n, off)
+        if os.environ.get("FAKE_CUFILE_CORRUPT") and off == 0:
+            data = data[:4096] + bytes([data[4096] ^ 0xFF]) + data[4097:]
+        ctypes.memmove(ptr, data, len(data))
+        got = len(data)
+    _trace(op, got, off, buf_off)
+    return got
 
 
 def write(h: int, base: int, size: int, off: int, buf_off: int) -> int:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,103 +17,10 @@ import torch
 
 import ssdtier.offload.cufile
 
-BENCHES = Path(__file__).resolve().parents[1] / "benches"
+TESTS = Path(__file__).resolve().parent
+BENCHES = TESTS.parent / "benches"
 SCRIPT = BENCHES / "cufile_bandwidth.py"
 KiB = 1024
-
-# cufile's calls as the child makes them, on host memory: ptr is a CPU tensor's address.
-FAKE_CUFILE = textwrap.dedent(
-    r"""
-    import ctypes, json, mmap, os, time
-
-    _descrs, _handles = {}, {}
-
-
-    def _trace(*call):
-        with open(os.environ["FAKE_CUFILE_TRACE"], "a") as f:
-            f.write(json.dumps(call) + "\n")
-
-
-    class FileHandleType:
-        OPAQUE_FD = 1
-
-
-    class _Handle:
-        fd = -1
-
-
-    class Descr:
-        def __init__(self):
-            self.handle, self.type, self.fs_ops = _Handle(), None, None
-            self.ptr = id(self)
-            _descrs[self.ptr] = self
-
-
-    def get_version():
-        return 1170
-
-
-    def driver_open():
-        _trace("driver_open", os.getcwd(), os.environ.get("CUFILE_LOGFILE_PATH"))
-        if os.environ.get("FAKE_CUFILE_HANG"):
-            time.sleep(120)
-        with open(os.environ["CUFILE_LOGFILE_PATH"], "a") as f:
-            f.write("NOTICE cufio: GDS not available, using compat mode\n")
-
-
-    def driver_close():
-        _trace("driver_close")
-
-
-    def handle_register(ptr):
-        d = _descrs[ptr]
-        assert d.type == FileHandleType.OPAQUE_FD and d.fs_ops == 0, "descriptor not filled in"
-        assert os.fstat(d.handle.fd).st_size > 0, "file not preallocated"
-        _handles[len(_handles) + 1] = d.handle.fd
-        _trace("handle_register", d.handle.fd)
-        return len(_handles)
-
-
-    def handle_deregister(h):
-        _trace("handle_deregister", h)
-        del _handles[h]
-
-
-    def buf_register(ptr, n, flags):
-        _trace("buf_register", n, flags)
-
-
-    def buf_deregister(ptr):
-        _trace("buf_deregister")
-
-
-    def _io(h, ptr, n, off, boff, write):
-        mm = mmap.mmap(-1, n)  # page aligned, for O_DIRECT
-        buf = (ctypes.c_char * n).from_buffer(mm)
-        try:
-            if write:
-                ctypes.memmove(buf, ptr + boff, n)
-                got = os.pwrite(_handles[h], mm, off)
-            else:
-                got = os.preadv(_handles[h], [mm], off)
-                if os.environ.get("FAKE_CUFILE_CORRUPT") and off == 0:
-                    buf[4096] = bytes([buf[4096][0] ^ 0xFF])
-                ctypes.memmove(ptr + boff, buf, n)
-        finally:
-            del buf
-            mm.close()
-        _trace("write" if write else "read", n, off, boff)
-        return got
-
-
-    def write(h, ptr, n, off, boff):
-        return _io(h, ptr, n, off, boff, True)
-
-
-    def read(h, ptr, n, off, boff):
-        return _io(h, ptr, n, off, boff, False)
-    """
-)
 
 
 @pytest.fixture
@@ -129,14 +35,14 @@ def cb(monkeypatch):
 
 @pytest.fixture
 def fake_cufile(cb, monkeypatch, tmp_path):
-    """CPU tensors and the stand-in cufile module; returns the trace file's path."""
-    (tmp_path / "fake_cufile.py").write_text(FAKE_CUFILE)
+    """CPU tensors and the stand-in cufile module (tests/fake_cufile.py: ``fake_cufile`` in the
+    child, ``tests.fake_cufile`` for ssdtier's transport in this process); returns the trace
+    file's path."""
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setattr(cb, "DEVICE", "cpu")
     monkeypatch.setattr(cb, "CUFILE_MODULE", "fake_cufile")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_CUFILE_TRACE", str(trace))
-    # ssdtier's transport runs in this process, on tests/fake_cufile.py.
     monkeypatch.setattr(ssdtier.offload.cufile, "MODULE", "tests.fake_cufile")
     return trace
 
