@@ -133,6 +133,14 @@ def run_fio_part(fio: str, workdir: Path, size: int, block: int, depth: int) -> 
 # ---------------------------------------------------------------- ssdtier
 
 
+def _sync() -> None:
+    """Wait for the work queued on the GPU (the tests run these parts on the CPU)."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def run_store_part(workdir: Path, size: int, block: int, ahead: int) -> dict[str, Any]:
     """A fresh TieredStore: GPU tensors to NVMe through the pinned arena and back."""
     import torch
@@ -140,7 +148,6 @@ def run_store_part(workdir: Path, size: int, block: int, ahead: int) -> dict[str
     from ssdtier import TieredStore
 
     count = size // block
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     src = torch.arange(block, device=DEVICE, dtype=torch.int32).remainder_(251).to(torch.uint8)
     stamp = src[:8].view(torch.int64)  # each block's index, so that blocks differ
     sdir = workdir / "store"
@@ -164,7 +171,7 @@ def run_store_part(workdir: Path, size: int, block: int, ahead: int) -> dict[str
             "io_block": store.config.io.block_size,
             "io_depth": store.config.io.queue_depth,
         }
-        sync()
+        _sync()
         before = store.stats()
         keys = []
         t0 = time.perf_counter()
@@ -194,7 +201,7 @@ def run_store_part(workdir: Path, size: int, block: int, ahead: int) -> dict[str
                 if not torch.equal(out, src):
                     bad.append(i)
             del out
-        sync()
+        _sync()
         facts["read_s"] = time.perf_counter() - t0
         facts["write"] = per_s(size, facts["write_s"])
         facts["read"] = per_s(size, facts["read_s"])
@@ -221,7 +228,6 @@ def run_transport_part(workdir: Path, size: int, block: int) -> dict[str, Any]:
     from ssdtier.store import ByteStore
 
     count = size // block
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=DEVICE, generator=gen)
     dst = torch.zeros_like(src)
@@ -233,7 +239,7 @@ def run_transport_part(workdir: Path, size: int, block: int) -> dict[str, Any]:
         io = cufile.CuFile(store.native, store.config.io.threads, device, importlib.import_module(cufile.MODULE))
         facts: dict[str, Any] = {"threads": store.config.io.threads, "direct": store.direct}
         keys = [store.native.reserve_unslotted(block) for _ in range(count)]
-        sync()
+        _sync()
         t0 = time.perf_counter()
         for t in [io.write(k, src.data_ptr() + i * block, block, None) for i, k in enumerate(keys)]:
             t.wait()
