@@ -880,6 +880,23 @@ def test_adaptive_mode_plans_and_stays_exact(store_dir):
     assert "keep the last" in s.plan.table()
 
 
+def test_adaptive_mode_counts_on_the_host_tier(store_dir):
+    # CPU tensors copied into an arena that holds them all (as CUDA ones are): a slow disk
+    # does not matter, every layer is offloaded and nothing reaches NVMe.
+    cfg = offload_config(store_dir, host="64MiB", zero_copy=False, mode="adaptive")
+    cfg["io"]["throttle"] = "20MB"
+    got = train(CONFIGS["gpt"], cfg, micro=4)
+    assert_same(train(CONFIGS["gpt"], micro=4), got)
+    plan = got[2].plan
+    assert plan.host is not None and plan.host.capacity >= 64 << 20 and plan.host.copy_bytes_per_s is None
+    assert plan.keep_last == 0 and plan.spill_bytes == 0 and plan.stall_free
+    assert got[2].bytes_written_nvme == 0
+    # Zero copy writes from the tensors' own pages, straight to NVMe: no host tier in the plan.
+    cfg = offload_config(store_dir, host="64MiB", mode="adaptive")
+    cfg["io"]["throttle"] = "20MB"
+    assert train(CONFIGS["gpt"], cfg, micro=4)[2].plan.host is None
+
+
 def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
     model = build_model(CONFIGS["gpt"])
     with ssdtier.attach(model, offload_config(store_dir, mode="adaptive")) as off:

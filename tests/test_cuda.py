@@ -439,6 +439,13 @@ def test_adaptive_times_blocks_on_the_gpu_not_the_host(store_dir):
         times = dict(off.adaptive.forward_times())
     assert times[3] > 0.02, times
     assert all(t < times[3] / 5 for tag, t in times.items() if tag != 3), times
+    # The arena is the plan's host tier, its copy rate measured (PCIe: GB/s, not MB/s),
+    # unless cuFile takes the activations straight to NVMe.
+    host = off.adaptive.host
+    if off._gds is None:
+        assert host is not None and host.capacity >= 64 << 20 and host.copy_bytes_per_s > 1e9, host
+    else:
+        assert host is None
 
 
 def test_the_arena_is_unregistered_when_an_offloader_is_collected_undetached(store_dir):

@@ -1,11 +1,10 @@
 """The adaptive plan: which layers to offload so that I/O hides behind compute.
 
-Pure functions over measured numbers, so the policy is tested on synthetic
-timings. The model (as in SSDTrain): a layer's saved bytes are written while
-the forward goes on and read back, in reverse order, while backward goes on.
-Writes must finish inside the forward; a layer's reads must finish before its
-backward starts. The last layers' backward comes first, leaving no time to
-read, so the plan keeps the fewest last layers that make both hold, within the
+Pure functions over measured numbers, so the policy is tested on synthetic timings.
+docs/offloader.md#the-adaptive-plan has the model; in short (as in SSDTrain): a
+layer's saved bytes leave while the forward goes on and come back, in reverse order,
+while the backward goes on. The last layers' backward comes first, leaving no time to
+read, so the plan keeps the fewest last layers for which nothing waits, within the
 device budget.
 """
 
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 
 from .sizes import format_size
 
-__all__ = ["LayerDecision", "LayerProfile", "Plan", "make_plan"]
+__all__ = ["HostTier", "LayerDecision", "LayerProfile", "Plan", "make_plan"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +25,17 @@ class LayerProfile:
     bytes: int
     forward_s: float
     backward_s: float
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The arena that takes each saved tensor first (the CUDA transport, or CPU tensors with
+    ``io.zero_copy`` off); the store writes its oldest bytes to NVMe as it fills."""
+
+    capacity: int
+    # Copies between the device and the arena; None where they are part of the measured
+    # forward and backward (CPU tensors are copied on the thread that saves them).
+    copy_bytes_per_s: float | None
 
 
 @dataclass(frozen=True)
@@ -46,16 +56,29 @@ class Plan:
     layers: tuple[LayerDecision, ...]
     write_bytes_per_s: float
     read_bytes_per_s: float
-    write_finish_s: float
+    write_finish_s: float  # when the NVMe writes end (they may run into the backward with a host tier)
     forward_s: float
     stall_free: bool
     reason: str
+    host: HostTier | None = None
+    copy_finish_s: float = 0.0  # when the last copy to the host tier ends
+    spill_bytes: int = 0  # the offloaded bytes that go to NVMe
 
     def table(self) -> str:
+        disk = f"write {self.write_bytes_per_s / 1e6:.0f} MB/s, read {self.read_bytes_per_s / 1e6:.0f} MB/s"
+        if self.host is None:
+            where = f"  disk: {disk}; writes done at {self.write_finish_s:.3f} s of a {self.forward_s:.3f} s forward"
+        else:
+            rate, fwd = self.host.copy_bytes_per_s, f"a {self.forward_s:.3f} s forward"
+            if rate:
+                fwd = f"copies at {rate / 1e9:.1f} GB/s done at {self.copy_finish_s:.3f} s of {fwd}"
+            nvme = f"nothing to NVMe ({disk})"
+            if self.spill_bytes:
+                nvme = f"{format_size(self.spill_bytes)} to NVMe ({disk}), written by {self.write_finish_s:.3f} s"
+            where = f"  host tier {format_size(self.host.capacity)}; {fwd}; {nvme}"
         rows = [
             f"ssdtier plan: keep the last {self.keep_last} of {len(self.layers)} layers; {self.reason}",
-            f"  disk: write {self.write_bytes_per_s / 1e6:.0f} MB/s, read {self.read_bytes_per_s / 1e6:.0f} MB/s; "
-            f"writes done at {self.write_finish_s:.3f} s of a {self.forward_s:.3f} s forward",
+            where,
             "  layer      bytes   forward  backward  decision",
         ]
         for d in self.layers:
@@ -66,26 +89,73 @@ class Plan:
         return "\n".join(rows)
 
 
-def _check(layers: list[LayerProfile], k: int, wbw: float, rbw: float) -> tuple[bool, bool, float, int]:
-    """(writes fit, reads fit, when the writes finish, first layer whose read is late or -1)."""
+@dataclass(frozen=True)
+class _Run:
+    """One candidate's timeline: the offloaded layers' bytes through the tiers."""
+
+    forward_ok: bool  # nothing in the forward waits, and device memory is freed by its end
+    late: int  # the first layer (in backward order) whose bytes come back late, or -1
+    write_finish: float
+    copy_finish: float
+    spill: int
+
+    @property
+    def reads_ok(self) -> bool:
+        return self.late < 0
+
+
+def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostTier | None) -> _Run:
+    """A layer's bytes are saved evenly through its forward and may leave from its start; the
+    backward's reads run back to back from its start. Without a host tier every byte is
+    written to NVMe, its source held until then. With one, a copy lands in the arena and the
+    store writes the oldest bytes out once it is three quarters full (it keeps a quarter free
+    or leaving): the forward waits when a copy finds no room or half the arena is in flight,
+    and the last bytes saved come back from memory."""
     n = len(layers)
     off = layers[: n - k]
-    t = finish = 0.0
-    for layer in off:
-        t += layer.forward_s
-        finish = max(finish, t) + layer.bytes / wbw
-    forward = sum(layer.forward_s for layer in layers)
-    writes_ok = finish <= forward
-    # Backward visits layers n-1 .. 0; reads run back to back from its start.
-    needed = sum(layer.backward_s for layer in layers[n - k :])
-    done = 0.0
+    forward = sum(x.forward_s for x in layers)
+    rate = host.copy_bytes_per_s if host is not None else None
+    cap = host.capacity if host is not None else 0
+    soft = cap - cap // 4
+    t = write_finish = copy_finish = 0.0
+    saved = spill = 0
+    room_ok = True
+    for x in off:
+        start, t = t, t + x.forward_s
+        saved += x.bytes
+        if host is None:
+            write_finish = max(max(write_finish, start) + x.bytes / wbw, t)
+            continue
+        copy_finish = max(max(copy_finish, start) + (x.bytes / rate if rate else 0.0), t)
+        if rate:
+            room_ok &= (copy_finish - t) * rate <= cap // 2  # the transport's bound on copies in flight
+        more = saved - soft - spill
+        if more > 0:
+            write_finish = max(max(write_finish, start) + more / wbw, t)
+            spill += more
+        room_ok &= saved - (spill - max(0.0, write_finish - t) * wbw) <= cap  # held: saved less written
+    if host is None:
+        forward_ok, spill, copy_finish = write_finish <= forward, saved, write_finish
+    else:
+        forward_ok = room_ok and copy_finish <= forward
+    # Backward visits layers n-1 .. 0; the first `spill` bytes saved come from NVMe (after
+    # the writes still going), then every layer crosses back to the device.
+    needed = sum(x.backward_s for x in layers[n - k :])
+    read = max(0.0, write_finish - forward) if host is not None else 0.0
+    back = 0.0
     late = -1
-    for layer in reversed(off):
-        done += layer.bytes / rbw
-        if done > needed and late < 0:
-            late = layer.index
-        needed += layer.backward_s
-    return writes_ok, late < 0, finish, late
+    for x in reversed(off):
+        saved -= x.bytes
+        ready = 0.0
+        on_disk = min(x.bytes, max(0, spill - saved))
+        if on_disk:
+            read += on_disk / rbw
+            ready = read
+        back = max(back, ready) + (x.bytes / rate if rate else 0.0)
+        if back > needed and late < 0:
+            late = x.index
+        needed += x.backward_s
+    return _Run(forward_ok, late, write_finish, copy_finish, spill)
 
 
 def make_plan(
@@ -94,18 +164,20 @@ def make_plan(
     read_bytes_per_s: float,
     device_budget: int | None = None,
     min_keep: int = 0,
+    host: HostTier | None = None,
 ) -> Plan:
     """Choose how many last layers to keep.
 
     Args:
         layers: the profile of each block, in forward order.
-        write_bytes_per_s / read_bytes_per_s: the store's measured bandwidth.
+        write_bytes_per_s / read_bytes_per_s: the store's measured NVMe bandwidth.
         device_budget: the most bytes of kept activations allowed, or None.
         min_keep: keep at least this many (the re-planner raises it after stalls).
+        host: the host tier the bytes go through first, or None (straight to NVMe).
 
     Returns:
-        The plan: the fewest kept last layers for which writes fit in the forward
-        and reads in the backward; within the budget, even if that stalls.
+        The plan: the fewest kept last layers for which the forward never waits and the
+        reads are done before each layer's backward; within the budget, even if that stalls.
     """
     n = len(layers)
     wbw = max(write_bytes_per_s, 1.0)
@@ -122,34 +194,42 @@ def make_plan(
     lo = min(min_keep, max_keep)
     k = lo
     while k <= max_keep:
-        w_ok, r_ok, finish, _ = _check(layers, k, wbw, rbw)
-        if w_ok and r_ok:
+        r = _run(layers, k, wbw, rbw, host)
+        if r.forward_ok and r.reads_ok:
             break
         k += 1
     stall_free = k <= max_keep
     if not stall_free:
         k = max_keep
-    w_ok, r_ok, finish, late = _check(layers, k, wbw, rbw)
+    r = _run(layers, k, wbw, rbw, host)
+    too_slow = "the disk is too slow" if host is None else "the copies and the disk are too slow"
     if stall_free and k == n and n > 0:
-        reason = "the disk is too slow to hide any layer's I/O: keeping all"
+        reason = f"{too_slow} to hide any layer's I/O: keeping all"
     elif stall_free:
         reason = "writes fit in the forward and reads in the backward"
+        if host is not None:
+            reason = "the host tier and the disk keep up with the forward and the backward"
         if k == lo and lo > 0:
             reason += f" (at least {lo} kept after stalls)"
     elif device_budget is not None and max_keep < n:
         reason = f"the device budget ({format_size(device_budget)}) allows keeping only {max_keep}; expect stalls"
     else:
-        reason = "the disk is too slow to hide any layer's I/O: keeping all"
+        reason = f"{too_slow} to hide any layer's I/O: keeping all"
     decisions = []
     for layer in layers:
         if layer.index >= n - k:
-            why = "its backward comes too soon to read it back" if stall_free else "kept: I/O cannot be hidden"
+            why = (
+                "its backward comes too soon to read it back" if stall_free and k < n else "kept: I/O cannot be hidden"
+            )
             if device_budget is not None and not stall_free and max_keep < n:
                 why = "kept within the device budget"
             decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, False, why))
         else:
-            why = "written during the forward, read back before its backward"
-            if not w_ok or (not r_ok and layer.index >= late >= 0):
+            why = "saved during the forward, back before its backward"
+            if not r.forward_ok or (not r.reads_ok and layer.index <= r.late):
                 why = "offloaded by budget: its I/O may stall"
             decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, True, why))
-    return Plan(k, tuple(decisions), wbw, rbw, finish, sum(x.forward_s for x in layers), stall_free, reason)
+    forward = sum(x.forward_s for x in layers)
+    return Plan(
+        k, tuple(decisions), wbw, rbw, r.write_finish, forward, stall_free, reason, host, r.copy_finish, r.spill
+    )

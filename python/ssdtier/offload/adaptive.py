@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SsdtierWarning
-from ..plan import LayerProfile, Plan, make_plan
+from ..plan import HostTier, LayerProfile, Plan, make_plan
 from ..store import TieredStore
 from ._util import aligned_storage
 from .control import StepControl
@@ -41,6 +41,7 @@ class Adaptive:
         self.stall0 = 0.0
         self.wait0 = 0.0
         self.bw = self.calibrate()
+        self.host = self.host_tier()
 
     def calibrate(self) -> tuple[float, float]:
         """The store's write and read bandwidth, measured at attach on a few blocks, through a
@@ -74,6 +75,20 @@ class Adaptive:
             read = n * chunk / max(time.perf_counter() - t0, 1e-9)
         log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
         return write, read
+
+    def host_tier(self) -> HostTier | None:
+        """The arena, where activations pass through it: the CUDA transport's copies, or CPU
+        tensors with ``io.zero_copy`` off. cuFile and zero-copy writes go straight to NVMe."""
+        off = self.off
+        arena = off.store.arena
+        if arena is None or not arena.numel():
+            return None
+        if self.gpu:
+            if off._gds is not None:
+                return None
+            device = next(p.device for p in off.model.parameters() if p.is_cuda)
+            return HostTier(arena.numel(), copy_bandwidth(device))
+        return None if off.config.io.zero_copy else HostTier(arena.numel(), None)
 
     def block_enter(self, tag: int) -> None:
         if self.gpu:
@@ -126,7 +141,7 @@ class Adaptive:
             LayerProfile(i, self.bytes.get(i + 1, 0), self.fwd.get(i + 1, 0.0), 2 * self.fwd.get(i + 1, 0.0))
             for i in range(n)
         ]
-        plan = make_plan(layers, self.bw[0], self.bw[1], off.config.policy.device_budget, self.min_keep)
+        plan = make_plan(layers, self.bw[0], self.bw[1], off.config.policy.device_budget, self.min_keep, self.host)
         if self.plan is None or plan.keep_last != self.plan.keep_last:
             log.info("%s", plan.table())
         self.plan = plan
@@ -135,3 +150,22 @@ class Adaptive:
         self.bytes.clear()
         self.stall0 = off.res.stall
         self.wait0 = off.store_wait()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Bytes per second between the GPU and pinned host memory, the slower way, timed with
+    CUDA events after one copy each way to warm up."""
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    with torch.cuda.device(device):
+        for dst, src in ((host, gpu), (gpu, host)):
+            dst.copy_(src, non_blocking=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            rates.append(nbytes / max(start.elapsed_time(end) / 1e3, 1e-9))
+    log.info("ssdtier: measured copies to and from the GPU: %.1f GB/s", min(rates) / 1e9)
+    return min(rates)
