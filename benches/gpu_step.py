@@ -283,6 +283,18 @@ def fio_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- the modes
 
 
+def copy_rate() -> dict[str, Any]:
+    """Copies between the GPU and pinned host memory, as the adaptive plan measures them."""
+    import torch
+
+    from ssdtier.offload.adaptive import copy_bandwidth
+
+    try:
+        return {"status": "ok", "bytes_per_s": copy_bandwidth(torch.device(DEVICE))}
+    except Exception as e:
+        return {"status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+
+
 def torchtune_maker() -> tuple[Callable[[Any], Any] | None, str]:
     """A function model -> torchtune's offloading context, and what it is; (None, why) when
     torchtune does not import (it needs torchao, and more)."""
@@ -490,7 +502,9 @@ def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """Counters of ``off.stats()`` over a region (peaks, capacities and lists as they are at its end)."""
     out: dict[str, Any] = {}
     for k, v in after.items():
-        if isinstance(v, dict):
+        if k == "plan":  # the adaptive plan in force: not a counter
+            out[k] = v
+        elif isinstance(v, dict):
             out[k] = delta(v, before.get(k) or {})
         elif (
             isinstance(v, (int, float)) and not isinstance(v, bool) and "peak" not in k and not k.endswith("_capacity")
@@ -542,6 +556,9 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
             log(f"[{mode}] step {i + 1}/{args.steps}: {t:.3f} s, loss {loss:.5f}")
         peak, base = probe.stop()
         after = setup.stats()
+        plan = setup.off.plan() if setup.off is not None else None
+        if plan is not None:
+            r["plan"] = plan.table()
         med = statistics.median(times)
         r.update(
             peak_bytes=peak,
@@ -752,6 +769,8 @@ def run_steps(args: argparse.Namespace, results: dict[str, Any], deadline: float
         results["config_notes"]["torchtune"] = tt_what
     if any(m in args.modes for m in DISK_MODES) and not args.no_fio:
         results["fio"] = fio_bandwidth(args)
+    if DEVICE == "cuda":
+        results["copy"] = copy_rate()
     batch = args.batch
     if batch == "auto":
         found = auto_batch(args, time.monotonic() + args.budget_s / 4)
@@ -940,6 +959,10 @@ def render_steps(results: dict[str, Any]) -> str:
                 f"per step: offloaded {ps['offloaded'] / 1e9:.2f} GB, failed writes {ps['failed_writes']:.0f}; "
                 f"host peak {_gib(d['store']['host_peak'])} GiB, NVMe peak {_gib(d['store']['nvme_peak'])} GiB"
             )
+    for mode, r in runs.items():
+        if r.get("plan"):
+            lines += [f"{mode}: {line.strip()}" for line in r["plan"].splitlines()[:2]]
+    lines += copy_ceiling(results)
     fio = results.get("fio")
     if fio is not None:
         if fio.get("status") != "ok":
@@ -969,6 +992,26 @@ def render_steps(results: dict[str, Any]) -> str:
             f"(activations, time): {'; '.join(parts)}"
         )
     return "\n".join(lines)
+
+
+def copy_ceiling(results: dict[str, Any]) -> list[str]:
+    """How much of keep's activations the GPU-host link can move during a forward (about a
+    third of the step): an upper bound on what leaves at no cost through the arena."""
+    copy, keep = results.get("copy"), results["modes"].get("keep", {})
+    if copy is None:
+        return []
+    if copy.get("status") != "ok":
+        return [f"copies GPU <-> pinned host: {copy.get('status')}"]
+    rate = copy["bytes_per_s"]
+    line = f"copies GPU <-> pinned host: {rate / 1e9:.1f} GB/s (the slower way, 64 MiB)"
+    if keep.get("status") == "ok" and keep["act_bytes"] > 0:
+        fwd = keep["median_step_s"] / 3
+        line += (
+            f"; keep's {_gib(keep['act_bytes'])} GiB of activations in {fwd:.3f} s (a third of its step, about the "
+            f"forward) need {keep['act_bytes'] / fwd / 1e9:.0f} GB/s: at most "
+            f"{min(1.0, rate * fwd / keep['act_bytes']):.2f} of them can leave the GPU during the forward"
+        )
+    return [line]
 
 
 def render_fit(results: dict[str, Any]) -> str:

@@ -136,7 +136,10 @@ def fake_results(gs):
         "torchtune": fake_run("torchtune", 0, 0, status="not installed", error="not installed (ImportError)"),
     }
     fio = {"status": "ok", "bytes": 1 << 30, "block": 1 << 20, "depth": 64, "write": 4e9, "read": 6e9}
-    return {"machine": machine, "args": args, "params": 1.3e9, "modes": modes, "fit": {}, "batch": 4, "fio": fio}
+    modes["ssdtier_nvme"]["plan"] = "ssdtier plan: keep the last 3 of 24 layers; why\n  host tier 2GiB; more\n  layer"
+    copy = {"status": "ok", "bytes_per_s": 20e9}
+    res = {"machine": machine, "args": args, "params": 1.3e9, "modes": modes, "fit": {}, "batch": 4, "fio": fio}
+    return {**res, "copy": copy}
 
 
 def test_report_has_ratios_goal_and_failures(gs):
@@ -149,7 +152,20 @@ def test_report_has_ratios_goal_and_failures(gs):
     assert "(a row at another batch than keep's: its activations and step time x keep are per sample)" in text
     assert "goal: activations <= 0.3 of keep" in text
     assert "ssdtier_nvme MET (0.250, 1.020)" in text and "checkpoint NOT MET" in text
+    assert "ssdtier_nvme: ssdtier plan: keep the last 3 of 24 layers; why\nssdtier_nvme: host tier 2GiB; more\n" in text
+    # 40 GiB in a third of 1 s need 129 GB/s; 20 GB/s moves 0.16 of them.
+    assert "copies GPU <-> pinned host: 20.0 GB/s" in text and "need 129 GB/s: at most 0.16 of them" in text
     json.dumps(res)
+
+
+def test_stats_deltas_leave_the_plan_as_it_is(gs):
+    before = {"packs": 2, "store": {"host_peak": 9, "nvme_written": 1}, "plan": {"keep_last": 3}}
+    after = {"packs": 5, "store": {"host_peak": 9, "nvme_written": 4}, "plan": {"keep_last": 3}}
+    assert gs.delta(after, before) == {
+        "packs": 3,
+        "store": {"host_peak": 9, "nvme_written": 3},
+        "plan": {"keep_last": 3},
+    }
 
 
 def test_fit_report_has_the_rok_view(gs):
@@ -186,6 +202,7 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
         assert res["modes"][mode]["losses_equal_keep"], mode
     assert res["modes"]["ssdtier_nvme"]["per_step"]["nvme_written"] > 0  # (on the CPU, ssdtier_host's too: zero copy)
     assert res["modes"]["ssdtier_adaptive"]["store"]["policy"]["mode"] == "adaptive"
+    assert "keep the last" in res["modes"]["ssdtier_adaptive"]["plan"]
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
 
 
