@@ -202,6 +202,21 @@ def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(tran
     assert ev in gpu.current.waits and (st.data_ptr(), gpu.current) in gpu.recorded
 
 
+def test_the_byte_window_learns_from_reads_into_the_arena(transport, gpu):
+    # "auto" read-ahead sizes its window from the reads it started; on CUDA they go from
+    # NVMe into the arena, and without them it would never leave its first guess.
+    e = offload(transport, source(64 << 10, 5))
+    gpu.run()
+    transport.poll()
+    transport.native.evict(e.key)
+    ahead = transport.off.ahead
+    assert ahead.auto
+    ahead._want(e)
+    ticket = e.reading[2]
+    assert ticket is not None and [(t, n) for _, t, n in ahead.reads] == [(ticket, 64 << 10)]
+    ticket.wait()
+
+
 def test_a_source_resized_while_copied_serves_its_unpack(transport, gpu, warned):
     src = source(64 << 10, 5)
     e = offload(transport, src)

@@ -158,7 +158,7 @@ class ReadAhead:
                 self.off._start_read(entry)
             if entry.cuda:
                 self.off.cuda.stage_later(entry)
-            elif self.auto and entry.reading[2] is not None:
+            if self.auto and entry.reading[2] is not None:  # an NVMe read: tune() learns from it
                 self.reads.append((time.perf_counter(), entry.reading[2], entry.nbytes))
         return True
 
