@@ -237,7 +237,8 @@ class ReadAhead:
         self.calm = 0 if stalled or self.margin != margin else self.calm + 1
         if self.calm > 3 and self.calm % 8:
             return
-        done = [(t0, t0 + t.seconds, n) for t0, t, n in reads if t.seconds is not None]
+        # 0 s: a read ahead the store skipped (no room in the arena); the unpack reads it.
+        done = [(t0, t0 + t.seconds, n) for t0, t, n in reads if t.seconds]
         if len(done) < 2:
             return
         # Tiny blocks: their backward is shorter than a read's latency, so blocks are no measure.
