@@ -13,8 +13,9 @@ seeds (so their losses can be compared bitwise with keep's):
                   with the output head left alone), when torchtune imports.
 ``ssdtier_nvme``  ``ssdtier.attach`` with a small arena (``--nvme-arena``), the rest on ``--dir``;
                   at keep's batch unless its activations would not fit there (``--nvme-batch``).
-``ssdtier_adaptive`` as ``ssdtier_nvme`` with ``policy.mode = "adaptive"``: the last layers whose
-                  activations the I/O could not move in time stay on the GPU.
+``ssdtier_adaptive`` ``ssdtier_host``'s arena, ``--dir`` beyond it, ``policy.mode = "adaptive"``:
+                  the last layers whose activations the copies and the disk could not move in
+                  time stay on the GPU (a user's setup: host RAM first, NVMe for the rest).
 ``ssdtier_cufile`` as ``ssdtier_nvme`` with ``io.backend = "cufile"``: GPU memory to the disk
                   and back through cuFile (GDS, or its compatibility mode), the arena unused.
 
@@ -152,10 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--host-capacity",
         default="auto",
-        help=f"ssdtier_host's arena: a size, or auto = {HOST_FACTOR} x keep's activation memory, at most "
-        f"{HOST_MAX_FRACTION} of RAM (--fit: that cap)",
+        help=f"ssdtier_host's and ssdtier_adaptive's arena: a size, or auto = {HOST_FACTOR} x keep's activation "
+        f"memory, at most {HOST_MAX_FRACTION} of RAM (--fit: that cap)",
     )
-    g.add_argument("--nvme-arena", help="ssdtier_nvme's arena (default 2GiB; --quick 64MiB)")
+    g.add_argument("--nvme-arena", help="ssdtier_nvme's and ssdtier_cufile's arena (default 2GiB; --quick 64MiB)")
     g.add_argument(
         "--nvme-batch",
         type=_int_or_auto,
@@ -368,7 +369,7 @@ def ssdtier_config(args: argparse.Namespace, host: int, nvme: int) -> dict[str, 
 
 
 def host_capacity(args: argparse.Namespace, keep_act: int | None, ram: int) -> tuple[int, str]:
-    """ssdtier_host's arena in bytes, and how it was chosen."""
+    """ssdtier_host's (and ssdtier_adaptive's) arena in bytes, and how it was chosen."""
     from ssdtier.sizes import parse_size
 
     if args.host_capacity != "auto":
@@ -727,7 +728,7 @@ def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: di
     if mode not in SSDTIER_MODES:
         return None
     nvme = nvme_capacity(args)
-    if mode == "ssdtier_host":
+    if mode in ("ssdtier_host", "ssdtier_adaptive"):
         host, why = host_capacity(args, keep_act, mem_total())
         notes[mode] = f"host.capacity {host / GiB:.1f} GiB ({why}); nvme capacity {nvme / GiB:.1f} GiB"
     else:

@@ -76,6 +76,18 @@ def test_host_capacity_follows_keep_within_ram(gs):
     assert gs.host_capacity(gs.parse_args(["--host-capacity", "3GiB"]), 1, 1)[0] == 3 << 30
 
 
+def test_adaptive_gets_the_host_tier_and_the_disk(gs, monkeypatch, tmp_path):
+    monkeypatch.setattr(gs, "nvme_capacity", lambda args: 38 << 30)
+    monkeypatch.setattr(gs, "mem_total", lambda: 128 << 30)
+    a, notes = gs.parse_args(["--dir", str(tmp_path)]), {}
+    cfg = {m: gs.ssd_for(m, a, 10 << 30, notes) for m in ("ssdtier_host", "ssdtier_adaptive", "ssdtier_nvme")}
+    assert cfg["ssdtier_adaptive"]["host"] == cfg["ssdtier_host"]["host"] == {"capacity": 15 << 30}
+    assert cfg["ssdtier_adaptive"]["nvme"] == cfg["ssdtier_nvme"]["nvme"]
+    assert (
+        cfg["ssdtier_adaptive"]["policy"] == {"mode": "adaptive"} and cfg["ssdtier_nvme"]["host"]["capacity"] == 2 << 30
+    )
+
+
 def test_nvme_batch_fits_the_disk(gs):
     ssd = gs.ssdtier_config(gs.parse_args([]), 2 << 30, 38 << 30)  # 40 GiB of room
     assert gs.nvme_batch(gs.parse_args([]), 4, 32 << 30, ssd) == (4, "")
