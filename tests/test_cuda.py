@@ -448,6 +448,12 @@ def test_adaptive_times_blocks_on_the_gpu_not_the_host(store_dir):
         assert host is None
 
 
+def test_the_arena_is_pinned_at_attach(store_dir):
+    model = build_model(CFG).cuda()
+    with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
+        assert off.cuda.registered or off.uses_cufile  # before the first forward (cuFile: no arena use)
+
+
 def test_the_arena_is_unregistered_when_an_offloader_is_collected_undetached(store_dir):
     import gc
 

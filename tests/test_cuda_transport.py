@@ -13,6 +13,7 @@ import torch
 
 import ssdtier
 from ssdtier.errors import SsdtierError
+from ssdtier.offload import offloader
 from ssdtier.offload.cuda import Pinned
 from ssdtier.store import ByteStore
 
@@ -27,6 +28,7 @@ class FakeEvent:
         (stream or FakeGPU.now.current).events.append(self)
 
     def query(self) -> bool:
+        assert not FakeGPU.now.capturing, "cudaEventQuery while a CUDA graph is captured"
         return self.done
 
     def synchronize(self) -> None:
@@ -57,6 +59,7 @@ class FakeGPU:
         self.current = FakeStream()
         self.registered: dict[int, int] = {}
         self.recorded: list[tuple[int, FakeStream]] = []
+        self.capturing = False  # a CUDA graph being captured: event queries are not allowed
         FakeGPU.now = self
 
     def run(self, until: FakeEvent | None = None) -> None:
@@ -105,6 +108,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
     monkeypatch.setattr(torch.cuda, "stream", use)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: g.capturing)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: g.recorded.append((t.data_ptr(), s)))
     return g
 
@@ -157,6 +161,17 @@ def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu):
     assert transport.inflight <= 512 << 10
     assert es[0].d2h is None and es[-1].d2h is not None
     assert transport.store.arena is not None
+
+
+def test_no_event_is_queried_while_a_cuda_graph_is_captured(transport, gpu):
+    e = offload(transport, source(64 << 10, 2))
+    gpu.run()
+    gpu.capturing = True  # a graph captured by hand (torch.cuda.graph) after an eager step
+    transport.poll()
+    assert e.d2h is not None and list(transport.pending) == [e]
+    gpu.capturing = False
+    transport.poll()
+    assert e.d2h is None and not transport.pending
 
 
 def test_an_entry_released_in_flight_keeps_its_slot_until_the_copy_lands(transport, gpu):
@@ -238,6 +253,17 @@ def test_the_arena_is_unregistered_before_it_can_be_unmapped(store_dir, gpu):
     gc.collect()
     assert gpu.registered  # the pin holds the arena, and so the mapping
     del p
+    assert not gpu.registered
+
+
+def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monkeypatch):
+    # Not in the first forward: pinning faults in every page of the arena.
+    monkeypatch.setattr(offloader, "_cuda_device", lambda model: torch.device("cuda", 0))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
+    arena = off.store.arena
+    assert off.cuda.registered and gpu.registered == {arena.data_ptr(): arena.numel()}
+    off.detach()
     assert not gpu.registered
 
 

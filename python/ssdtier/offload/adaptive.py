@@ -35,7 +35,8 @@ class Adaptive:
         self.bytes: dict[int, int] = {}  # layer tag -> bytes saved
         self.t0: dict[int, tuple[float, float]] = {}  # layer tag -> (start, store wait then)
         # On a GPU host clocks time kernel launches: CUDA events time the blocks, read at replan.
-        self.gpu = any(p.is_cuda for p in off.model.parameters())
+        self.device = next((p.device for p in off.model.parameters() if p.is_cuda), None)
+        self.gpu = self.device is not None
         self.ev0: dict[int, torch.cuda.Event] = {}  # layer tag -> event at its start
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (tag, start, end)
         self.stall0 = 0.0
@@ -86,24 +87,28 @@ class Adaptive:
         if self.gpu:
             if off._gds is not None:
                 return None
-            device = next(p.device for p in off.model.parameters() if p.is_cuda)
-            return HostTier(arena.numel(), copy_bandwidth(device))
+            return HostTier(arena.numel(), copy_bandwidth(self.device))
         return None if off.config.io.zero_copy else HostTier(arena.numel(), None)
 
     def block_enter(self, tag: int) -> None:
         if self.gpu:
-            if not torch.compiler.is_compiling():
+            if self._timing():
                 ev = self.ev0[tag] = torch.cuda.Event(enable_timing=True)
-                ev.record()
+                ev.record(torch.cuda.current_stream(self.device))
             return
         self.t0[tag] = (time.perf_counter(), self.off.store_wait())
+
+    @staticmethod
+    def _timing() -> bool:
+        """Events can time blocks: not while traced, nor inside a CUDA graph being captured."""
+        return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
     def block_exit(self, tag: int) -> None:
         if self.gpu:
             start_ev = self.ev0.pop(tag, None)
-            if start_ev is not None and not torch.compiler.is_compiling():
+            if start_ev is not None and self._timing():
                 end = torch.cuda.Event(enable_timing=True)
-                end.record()
+                end.record(torch.cuda.current_stream(self.device))
                 self.marks.append((tag, start_ev, end))
             return
         start = self.t0.pop(tag, None)

@@ -127,6 +127,7 @@ class CpuTransport:
         nothing queued can still use it; the unpack records its use on its own stream
         (``made``, as the arena's copies do)."""
         assert self.gds is not None and e.key is not None
+        made = None
         if e.device.type == "cuda":
             side = self.side.get(e.device)
             if side is None:
@@ -139,7 +140,8 @@ class CpuTransport:
             buf = torch.empty(e.nbytes, dtype=torch.uint8)
         st = buf.untyped_storage()
         self.off._track(st, e.nbytes)
-        e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, None), False)
+        # After ``made``: with deterministic algorithms torch.empty queues a fill of the memory.
+        e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, made), False)
 
     def close(self) -> None:
         for e in self.writing:

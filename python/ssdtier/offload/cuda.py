@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import time
 import weakref
 from collections import deque
@@ -19,6 +20,11 @@ from .entry import Entry
 if TYPE_CHECKING:
     from .forward import Fwd
     from .offloader import Offloader
+
+
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+log = logging.getLogger("ssdtier")
 
 
 def _cuda_ok(rc: Any) -> bool:
@@ -49,7 +55,8 @@ class Pinned:
 
     def __init__(self, arena: torch.Tensor) -> None:
         self.arena: torch.Tensor | None = None
-        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        # Portable: pinned for every device's context, not only the current one's.
+        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), _REGISTER_PORTABLE)
         if _cuda_ok(rc):
             self.arena = arena
         else:
@@ -103,6 +110,18 @@ class CudaTransport:
     @property
     def registered(self) -> bool:
         return self.pinned is not None and self.pinned.arena is not None
+
+    def prepare(self, device: torch.device) -> None:
+        """At attach, for a model on ``device``: register the arena now, not inside the first
+        forward (pinning faults in every page of it: for GiBs that takes seconds)."""
+        t0 = time.perf_counter()
+        self._streams(device)
+        if self.registered:
+            log.info(
+                "ssdtier: pinned the %.1f GiB host arena in %.2f s",
+                self.store.arena.numel() / 2**30,
+                time.perf_counter() - t0,
+            )
 
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
         s = self.streams.get(device)
@@ -177,6 +196,8 @@ class CudaTransport:
         """Commit the arena slots whose device-to-host copy has landed, and unpin the slots
         whose host-to-device copy is done."""
         off, native = self.off, self.native
+        if (self.h2d or self.pending) and torch.cuda.is_current_stream_capturing():
+            return  # querying an event is not allowed while a CUDA graph is captured
         while self.h2d and self.h2d[0][0].query():
             key = self.h2d.popleft()[1]
             native.release(key)

@@ -73,6 +73,10 @@ def _on_cpu(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+def _cuda_device(model: nn.Module) -> torch.device | None:
+    return next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.is_cuda), None)
+
+
 class Offloader:
     """Offloads a model's saved activations; made by :func:`attach`.
 
@@ -139,6 +143,9 @@ class Offloader:
         self._handles: list[Any] = []
         self.adaptive: Adaptive | None = None
         try:
+            device = _cuda_device(model)
+            if device is not None and self._gds is None:
+                self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
             self._handles += [
@@ -161,6 +168,7 @@ class Offloader:
                 h.remove()
             self._handles.clear()
             self._closed = True
+            self.cuda.close()
             if self._gds is not None:
                 self._gds.close()
             self.store.close()
@@ -431,6 +439,8 @@ class Offloader:
                 out = e.view
                 if not e.waiting:
                     e.view = None
+                if e.made is not None:  # another stream's unpack: wait for the copy, record the use
+                    self.cuda.use_on_current_stream(e, out.untyped_storage())
                 c["forwarded"] += 1
                 return out
             b = e.backward
