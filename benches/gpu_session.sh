@@ -10,22 +10,24 @@
 # the cheap install, since a fresh machine has none (30 device-minutes a session in all):
 #   bash benches/gpu_session.sh install import info test_cuda pytest_all          # 5-8 min
 #   bash benches/gpu_session.sh install bench_1b                                  # ~9 min
-#   bash benches/gpu_session.sh install bench_quick cufile                        # ~4 min
+#   bash benches/gpu_session.sh install test_compile bench_quick cufile           # ~7 min
 #   bash benches/gpu_session.sh install fit                                       # ~9 min
 #
 # The lent machines run gVisor (kernel 4.4): io_uring or O_DIRECT may be refused there, and then
 # the store says so and uses its POSIX engine; `info` and machine.txt record what was found.
 #
 # Parts: install (pip install of the carried wheels), import (the installed wheel, not the source
-# tree, is what tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda,
-# pytest_all, cufile (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_quick (benches/gpu_step.py --quick),
-# bench_1b (the 1B GPT, every mode side by side, ssdtier_cufile last), fit (the largest micro-batch of each mode);
+# tree, is what tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda
+# (all but torch.compile's), pytest_all, test_compile (torch.compile on CUDA, CUDA graphs),
+# cufile (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_quick
+# (benches/gpu_step.py --quick), bench_1b (the 1B GPT, every mode side by side, ssdtier_cufile
+# last), fit (the largest micro-batch of each mode);
 # on request only: train_step_cuda, train_step_cuda_big (benches/train_step.py --device cuda).
 # Each part has its own time limit, cut to what is left of SESSION_S (default 570) seconds, so
 # that one hang does not eat the call's 10 minutes and the summary is still printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL=(install import info test_cuda pytest_all bench_quick bench_1b cufile fit)
+ALL=(install import info test_cuda pytest_all test_compile bench_quick bench_1b cufile fit)
 KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big "
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
@@ -70,6 +72,9 @@ part() { # name, seconds, command...
     free -g
 } >"$OUT/machine.txt" 2>&1
 
+per_test=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90) # one hang costs 90 s, not the part
+
 for p in "${parts[@]}"; do
     case "$p" in
     install)
@@ -95,8 +100,13 @@ for p in "${parts[@]}"; do
         part cufile "$(limit 300)" "$PY" benches/cufile_bandwidth.py --json "$OUT/cufile_bandwidth.json"
         ;;
     test_cuda)
-        part test_cuda "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_io_errors.py -k cuda -v
+        # The torch.compile tests (cold Inductor builds, minutes) are test_compile's.
+        part test_cuda "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} \
+            tests/test_cuda.py tests/test_io_errors.py -k "cuda and not torch_compile" -v
         ran_cuda=(--ignore=tests/test_cuda.py) # pytest_all need not run them again
+        ;;
+    test_compile)
+        part test_compile "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v
         ;;
     pytest_all)
         par=()

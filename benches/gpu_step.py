@@ -84,6 +84,7 @@ GOAL_ACT = 0.3  # the issue's goal: activation memory <= 0.3 of keep ...
 GOAL_TIME = 1.03  # ... at <= 1.03 of keep's step time
 HOST_FACTOR = 1.5  # ssdtier_host's arena: keep's activation bytes times this ...
 HOST_MAX_FRACTION = 0.6  # ... but at most this share of the machine's RAM (it is pinned)
+HOST_AVAILABLE_FRACTION = 0.8  # ... and of the RAM available when the mode starts
 GiB = 1 << 30
 DEVICE = "cuda"  # the CPU smoke test (tests/test_gpu_bench.py) sets "cpu"
 
@@ -368,18 +369,23 @@ def ssdtier_config(args: argparse.Namespace, host: int, nvme: int) -> dict[str, 
     return cfg
 
 
-def host_capacity(args: argparse.Namespace, keep_act: int | None, ram: int) -> tuple[int, str]:
-    """ssdtier_host's (and ssdtier_adaptive's) arena in bytes, and how it was chosen."""
+def host_capacity(
+    args: argparse.Namespace, keep_act: int | None, ram: int, available: int | None = None
+) -> tuple[int, str]:
+    """ssdtier_host's (and ssdtier_adaptive's) arena in bytes, and how it was chosen: at most
+    HOST_MAX_FRACTION of the RAM and HOST_AVAILABLE_FRACTION of what is available (it is pinned)."""
     from ssdtier.sizes import parse_size
 
     if args.host_capacity != "auto":
         return parse_size(args.host_capacity, key="--host-capacity", source="command line"), "--host-capacity"
-    cap = int(HOST_MAX_FRACTION * ram)
+    cap, limit = int(HOST_MAX_FRACTION * ram), f"{HOST_MAX_FRACTION} of RAM"
+    if available is not None and HOST_AVAILABLE_FRACTION * available < cap:
+        cap, limit = int(HOST_AVAILABLE_FRACTION * available), f"{HOST_AVAILABLE_FRACTION} of the RAM available"
     if keep_act is None or args.fit:
-        return cap >> 20 << 20, f"{HOST_MAX_FRACTION} of RAM"
+        return cap >> 20 << 20, limit
     want = int(HOST_FACTOR * keep_act)
     if want > cap:
-        return cap >> 20 << 20, f"{HOST_FACTOR} x keep's activations, capped at {HOST_MAX_FRACTION} of RAM"
+        return cap >> 20 << 20, f"{HOST_FACTOR} x keep's activations, capped at {limit}"
     return max(want >> 20 << 20, 256 << 20), f"{HOST_FACTOR} x keep's activations"
 
 
@@ -729,7 +735,7 @@ def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: di
         return None
     nvme = nvme_capacity(args)
     if mode in ("ssdtier_host", "ssdtier_adaptive"):
-        host, why = host_capacity(args, keep_act, mem_total())
+        host, why = host_capacity(args, keep_act, mem_total(), mem_available())
         notes[mode] = f"host.capacity {host / GiB:.1f} GiB ({why}); nvme capacity {nvme / GiB:.1f} GiB"
     else:
         host = parse_size(args.nvme_arena, key="--nvme-arena", source="command line")

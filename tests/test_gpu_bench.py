@@ -74,11 +74,14 @@ def test_host_capacity_follows_keep_within_ram(gs):
     got, why = gs.host_capacity(a, 100 << 30, 128 << 30)
     assert got <= 0.6 * (128 << 30) and "capped" in why
     assert gs.host_capacity(gs.parse_args(["--host-capacity", "3GiB"]), 1, 1)[0] == 3 << 30
+    got, why = gs.host_capacity(a, 100 << 30, 128 << 30, 40 << 30)  # a sandbox's RAM less its caches
+    assert got == 32 << 30 and why.endswith("capped at 0.8 of the RAM available")
 
 
 def test_adaptive_gets_the_host_tier_and_the_disk(gs, monkeypatch, tmp_path):
     monkeypatch.setattr(gs, "nvme_capacity", lambda args: 38 << 30)
     monkeypatch.setattr(gs, "mem_total", lambda: 128 << 30)
+    monkeypatch.setattr(gs, "mem_available", lambda: 100 << 30)
     a, notes = gs.parse_args(["--dir", str(tmp_path)]), {}
     cfg = {m: gs.ssd_for(m, a, 10 << 30, notes) for m in ("ssdtier_host", "ssdtier_adaptive", "ssdtier_nvme")}
     assert cfg["ssdtier_adaptive"]["host"] == cfg["ssdtier_host"]["host"] == {"capacity": 15 << 30}
