@@ -392,6 +392,33 @@ def test_torch_compile_on_cuda(store_dir, mode):
     assert got[2].tensors_offloaded > 0
 
 
+def test_a_model_graphed_by_hand_stays_exact(store_dir, warned):
+    """make_graphed_callables runs eager warm-up steps (offloaded: their copies may still be
+    in flight), then captures the forward and the backward: nothing is queried during the
+    capture, and what the captured forward saves stays in memory."""
+
+    def run(ssd):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_Wide() for _ in range(4)]).cuda()
+        x = torch.randn(64, 1024, device="cuda", requires_grad=True)
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        graphed = torch.cuda.make_graphed_callables(model, (x,))
+        for _ in range(2):
+            graphed(x).square().sum().backward()
+        torch.cuda.synchronize()
+        grads = [p.grad.clone() for p in model.parameters()]
+        stats = off.stats() if off is not None else None
+        if off is not None:
+            off.detach()
+        return grads, stats
+
+    ref, _ = run(None)
+    got, stats = run(offload_config(store_dir, host="64MiB"))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    assert stats.tensors_offloaded > 0  # in the warm-up steps
+    assert warned("activations saved while a CUDA graph is captured stay in memory")
+
+
 def test_fsdp2_on_nccl_one_rank(store_dir, tmp_path):
     """FSDP2 gathers each block's parameters into new storages in its forward and frees them
     after: they are recognised as parameters and never offloaded."""
