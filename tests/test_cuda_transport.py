@@ -265,6 +265,8 @@ def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monk
     assert off.cuda.registered and gpu.registered == {arena.data_ptr(): arena.numel()}
     off.detach()
     assert not gpu.registered
+    with ssdtier.attach(model, offload_config(store_dir, host="1MiB", mode="none")) as off:
+        assert not gpu.registered  # keeps everything: the arena is not used
 
 
 def test_an_offloader_collected_undetached_unregisters_its_arena(store_dir, gpu):

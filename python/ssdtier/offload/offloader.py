@@ -144,7 +144,8 @@ class Offloader:
         self.adaptive: Adaptive | None = None
         try:
             device = _cuda_device(model)
-            if device is not None and self._gds is None:
+            offloads = pol.mode != "none" or pol.device_budget is not None
+            if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
