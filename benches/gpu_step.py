@@ -12,7 +12,8 @@ seeds (so their losses can be compared bitwise with keep's):
 ``torchtune``     ``torchtune.training.get_act_offloading_ctx_manager`` (``OffloadActivations``
                   with the output head left alone), when torchtune imports.
 ``ssdtier_nvme``  ``ssdtier.attach`` with a small arena (``--nvme-arena``), the rest on ``--dir``;
-                  at keep's batch unless its activations would not fit there (``--nvme-batch``).
+                  at keep's batch unless its activations would not fit there or, at fio's
+                  rates, take over ``--disk-step-s`` to move (``--nvme-batch``).
 ``ssdtier_adaptive`` ``ssdtier_host``'s arena, ``--dir`` beyond it, ``policy.mode = "adaptive"``:
                   the last layers whose activations the copies and the disk could not move in
                   time stay on the GPU (a user's setup: host RAM first, NVMe for the rest).
@@ -27,7 +28,8 @@ peak minus ``memory_allocated`` at the reset. Step time = median of the measured
 each between ``torch.cuda.synchronize`` calls. For the ssdtier modes, ``off.stats()`` before
 and after gives NVMe bytes and stall per step; the NVMe bandwidth reached (bytes per step /
 step time) is set beside fio's on the same directory (same block size and queue depth).
-A row at another batch than keep's has its activations and time compared per sample.
+A row at another batch than keep's has its activations and time compared per sample. Each
+mode gets its share of the time left (``--budget-s``): a slow one is cut to fewer steps.
 
 ``--fit``: per mode, micro-batches 1, 2, 4... until one runs out of memory, then bisection;
 each probe is ``--fit-steps`` steps, timed by its last. Keep's time per sample at its
@@ -165,6 +167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ssdtier_nvme's micro-batch; auto: keep's, lowered until its activations fit on the disk",
     )
     g.add_argument("--nvme-capacity", default="auto", help="NVMe capacity: a size, or auto = 0.8 of the free space")
+    g.add_argument(
+        "--disk-step-s",
+        type=float,
+        default=30.0,
+        help="nvme batch auto: at most this many seconds of NVMe traffic per step at fio's rates (default 30)",
+    )
     g.add_argument(
         "--policy-mode",
         choices=("all", "adaptive", "none"),
@@ -541,7 +549,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
         warm: list[float] = []
         for i in range(args.warmup):
             if warm and time.monotonic() > deadline:
-                r["note"] = f"warmup cut to {len(warm)} step(s): over --budget-s"
+                r["note"] = f"warmup cut to {len(warm)} step(s): over its share of --budget-s"
                 break
             t, loss = setup.step(batch)
             warm.append(t)
@@ -553,9 +561,9 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
         times: list[float] = []
         for i in range(args.steps):
             if times and time.monotonic() > deadline:
-                r["note"] = (r.get("note", "") + f"; cut to {len(times)} measured step(s): over --budget-s").lstrip(
-                    "; "
-                )
+                r["note"] = (
+                    r.get("note", "") + f"; cut to {len(times)} measured step(s): over its share of --budget-s"
+                ).lstrip("; ")
                 break
             t, loss = setup.step(batch)
             times.append(t)
@@ -748,19 +756,31 @@ def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: di
     return cfg
 
 
-def nvme_batch(args: argparse.Namespace, batch: int, keep_act: int | None, ssd: dict[str, Any]) -> tuple[int, str]:
-    """ssdtier_nvme's micro-batch: --nvme-batch, or keep's lowered until its activations fit in
-    the arena and on the disk (a forward writes them all before the backward reads any)."""
+def nvme_batch(
+    args: argparse.Namespace, batch: int, keep_act: int | None, ssd: dict[str, Any], fio: dict[str, Any] | None = None
+) -> tuple[int, str]:
+    """A disk mode's micro-batch: --nvme-batch, or keep's lowered until its activations fit in
+    the arena and on the disk (a forward writes them all before the backward reads any) and,
+    where most of them go to NVMe, until fio's rates move a step's bytes in --disk-step-s."""
     room = ssd["host"]["capacity"] + ssd["nvme"][0]["capacity"]
     if args.nvme_batch != "auto":
         b = args.nvme_batch
         if keep_act is not None and keep_act / batch * b > room:
             return b, f"; at batch {b} keep's activations would exceed {room / GiB:.0f} GiB: expect failed writes"
         return b, ""
-    if keep_act is None or keep_act <= 0.9 * room:
+    if keep_act is None:
         return batch, ""
-    b = max(1, int(0.9 * room / (keep_act / batch)))
-    return b, f"; batch {b}, not {batch}: keep's activations at {batch} exceed 0.9 x {room / GiB:.0f} GiB"
+    b, why = batch, ""
+    if keep_act > 0.9 * room:
+        b = max(1, int(0.9 * room / (keep_act / batch)))
+        why = f"; batch {b}, not {batch}: keep's activations at {batch} exceed 0.9 x {room / GiB:.0f} GiB"
+    if fio is not None and fio.get("status") == "ok" and ssd["host"]["capacity"] < keep_act:
+        per_sample = keep_act / batch * (1 / fio["write"] + 1 / fio["read"])  # seconds of NVMe traffic
+        fast = max(1, int(args.disk_step_s / per_sample))
+        if fast < b:
+            b = fast
+            why = f"; batch {b}, not {batch}: at fio's rates a step's NVMe traffic would take over {args.disk_step_s} s"
+    return b, why
 
 
 def write_out(args: argparse.Namespace, results: dict[str, Any]) -> None:
@@ -786,8 +806,12 @@ def run_steps(args: argparse.Namespace, results: dict[str, Any], deadline: float
     results["batch"] = batch
     runs: dict[str, Any] = results["modes"]
     notes: dict[str, str] = results["config_notes"]
-    for mode in args.modes:
-        if time.monotonic() > deadline:
+    for i, mode in enumerate(args.modes):
+        now = time.monotonic()
+        # Each mode's share of the time left, so that one slow mode does not crowd out the rest
+        # (each still runs one warmup and one measured step).
+        share = now + (deadline - now) / (len(args.modes) - i)
+        if now > deadline:
             runs[mode] = {"mode": mode, "status": "skipped", "error": f"over --budget-s {args.budget_s:.0f}"}
             log(f"[{mode}] skipped: over the time budget")
             continue
@@ -800,16 +824,16 @@ def run_steps(args: argparse.Namespace, results: dict[str, Any], deadline: float
         ssd = ssd_for(mode, args, keep_act, notes)
         mode_batch = batch
         if mode in DISK_MODES:
-            mode_batch, why = nvme_batch(args, batch, keep_act, ssd)
+            mode_batch, why = nvme_batch(args, batch, keep_act, ssd, results.get("fio"))
             notes[mode] += why
         log(f"[{mode}] started at batch {mode_batch}" + (f": {notes[mode]}" if mode in notes else ""))
-        r = measure(mode, args, mode_batch, ssd, tt, deadline)
+        r = measure(mode, args, mode_batch, ssd, tt, share)
         # A batch found by 'auto' can be one too many once the allocator is fragmented.
         while mode == "keep" and args.batch == "auto" and r["status"] == "OOM" and batch > 1:
             batch -= 1
             results["batch"] = batch
             log(f"[keep] OOM at the auto batch: batch {batch}")
-            r = measure(mode, args, batch, ssd, tt, deadline)
+            r = measure(mode, args, batch, ssd, tt, share)
         runs[mode] = r
         if r["status"] == "ok":
             log(

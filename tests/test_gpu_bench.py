@@ -98,6 +98,14 @@ def test_nvme_batch_fits_the_disk(gs):
     assert b == 2 and "not 4" in why
     assert gs.nvme_batch(gs.parse_args(["--nvme-batch", "3"]), 4, 64 << 30, ssd)[0] == 3
     assert gs.nvme_batch(gs.parse_args([]), 4, None, ssd) == (4, "")
+    # 8 GiB a sample each way at 1 GB/s write, 2 GB/s read: 12.9 s a sample; 30 s allow 2.
+    fio = {"status": "ok", "write": 1e9, "read": 2e9}
+    b, why = gs.nvme_batch(gs.parse_args([]), 4, 32 << 30, ssd, fio)
+    assert b == 2 and "over 30.0 s" in why
+    assert gs.nvme_batch(gs.parse_args(["--disk-step-s", "100"]), 4, 32 << 30, ssd, fio) == (4, "")
+    # The arena holds keep's activations (the adaptive mode): little reaches NVMe, no cut.
+    big = gs.ssdtier_config(gs.parse_args([]), 40 << 30, 38 << 30)
+    assert gs.nvme_batch(gs.parse_args([]), 4, 32 << 30, big, fio) == (4, "")
 
 
 def test_tmpfs_dir_is_refused(gs):
@@ -219,6 +227,27 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
     assert res["modes"]["ssdtier_adaptive"]["store"]["policy"]["mode"] == "adaptive"
     assert "keep the last" in res["modes"]["ssdtier_adaptive"]["plan"]
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
+
+
+def test_a_slow_mode_gets_its_share_of_the_time_not_all(on_cpu, store_dir, monkeypatch):
+    gs = on_cpu
+    clock = [0.0]
+    monkeypatch.setattr(gs.time, "monotonic", lambda: clock[0])
+    step = gs.Setup.step
+
+    def slow(self, batch):  # 1 s a step; ssdtier_nvme's 100 s, past its share (a third of 396 s)
+        clock[0] += 100.0 if self.mode == "ssdtier_nvme" else 1.0
+        return step(self, batch)
+
+    monkeypatch.setattr(gs.Setup, "step", slow)
+    out = store_dir / "r.json"
+    argv = [*TINY, "--dir", str(store_dir / "nvme"), "--no-fio", "--json", str(out), "--budget-s", "400"]
+    argv += ["--modes", "keep,ssdtier_nvme,ssdtier_adaptive,ssdtier_cufile", "--steps", "3"]
+    assert gs.main(argv) == 0
+    runs = json.loads(out.read_text())["modes"]
+    assert len(runs["keep"]["step_seconds"]) == 3
+    assert len(runs["ssdtier_nvme"]["step_seconds"]) == 1 and "over its share" in runs["ssdtier_nvme"]["note"]
+    assert len(runs["ssdtier_adaptive"]["step_seconds"]) == len(runs["ssdtier_cufile"]["step_seconds"]) == 3
 
 
 def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch):
