@@ -878,6 +878,8 @@ def test_adaptive_mode_plans_and_stays_exact(store_dir):
     assert len(s.plan.layers) == 3
     assert s.plan.keep_last == s.layers_kept
     assert "keep the last" in s.plan.table()
+    # Block 0 carries what is saved before it (the embeddings' indices): it goes with block 0.
+    assert s.plan.layers[0].bytes > s.plan.layers[1].bytes == s.plan.layers[2].bytes
 
 
 def test_adaptive_mode_counts_on_the_host_tier(store_dir):

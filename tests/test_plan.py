@@ -11,24 +11,24 @@ def uniform(n=8, bytes_=100 * MB, fwd=0.1):
     return [LayerProfile(i, bytes_, fwd, 2 * fwd) for i in range(n)]
 
 
-def test_fast_disk_offloads_all_but_the_last():
-    # 100 MB per 0.1 s layer = 1 GB/s of writes needed; the disk does 5 GB/s.
+def test_fast_disk_offloads_everything():
+    # 100 MB per 0.1 s layer = 1 GB/s of writes needed; the disk does 5 GB/s. The last layer's
+    # bytes are needed through its 0.2 s backward and read in 0.02 s.
     p = make_plan(uniform(), 5e9, 5e9)
-    assert p.stall_free
-    assert p.keep_last == 1
-    assert [d.offload for d in p.layers] == [True] * 7 + [False]
+    assert p.stall_free and p.keep_last == 0
+    assert all(d.offload for d in p.layers)
 
 
 def test_slow_disk_gets_fewer_layers_offloaded():
-    fast = make_plan(uniform(), 5e9, 5e9)
     slow = make_plan(uniform(), 0.4e9, 0.4e9)
     slower = make_plan(uniform(), 0.1e9, 0.1e9)
     # 0.4 GB/s: one writer at 0.25 s per layer, each starting with its layer's saves,
     # finishes three layers (at 0.75 s) inside a 0.8 s forward.
-    assert (fast.keep_last, slow.keep_last) == (1, 5)
-    assert slow.stall_free
+    assert slow.stall_free and slow.keep_last == 5
+    assert [d.offload for d in slow.layers] == [True] * 3 + [False] * 5
     # At 100 MB/s not even one layer's write (1 s) fits in a 0.8 s forward.
     assert slower.keep_last == 8 and "too slow" in slower.reason
+    assert all(d.reason == "kept: I/O cannot be hidden" for d in slower.layers)
 
 
 def test_device_budget_is_respected():
@@ -38,22 +38,31 @@ def test_device_budget_is_respected():
     assert kept <= 250 * MB and p.keep_last == 2
     assert not p.stall_free and "budget" in p.reason
     # A budget that allows what the disk needs changes nothing.
-    assert make_plan(layers, 5e9, 5e9, device_budget=10**12).keep_last == 1
+    assert make_plan(layers, 0.4e9, 0.4e9, device_budget=10**12).keep_last == 5
     # Zero budget: everything offloaded.
-    assert make_plan(layers, 5e9, 5e9, device_budget=0).keep_last == 0
+    assert make_plan(layers, 0.4e9, 0.4e9, device_budget=0).keep_last == 0
 
 
 def test_min_keep_after_stalls():
     p = make_plan(uniform(), 5e9, 5e9, min_keep=3)
-    assert p.keep_last == 3 and p.stall_free
+    assert p.keep_last == 3 and p.stall_free and "(at least 3 kept after stalls)" in p.reason
 
 
 def test_reads_decide_when_writes_fit():
-    # Writes are fast; reads slow: the first layers (read last) have time, the last do not.
-    # 0.4 GB/s: 0.25 s to read a layer against 0.2 s of backward per layer.
+    # Writes are fast; reads take 0.25 s a layer against 0.2 s of backward each, so they
+    # fall behind by 0.05 s a layer: two kept layers' backward (0.4 s) give them the head start.
     p = make_plan(uniform(), 50e9, 0.4e9)
-    assert p.stall_free and p.keep_last == 3
+    assert p.stall_free and p.keep_last == 2
     assert "keep the last" in p.table()
+
+
+def test_late_reads_mark_the_layers_read_last():
+    # Two layers may be kept (budget); reads take 0.33 s a layer against 0.2 s of backward
+    # each: layers 5..3 are back in time, layer 2 and all read after it are late.
+    p = make_plan(uniform(), 50e9, 0.3e9, device_budget=200 * MB)
+    assert not p.stall_free and p.keep_last == 2
+    stalls = [d.index for d in p.layers if d.reason == "offloaded by budget: its I/O may stall"]
+    assert stalls == [0, 1, 2]
 
 
 def test_a_host_tier_that_holds_everything_offloads_everything():
@@ -72,20 +81,61 @@ def test_the_host_tier_spills_the_first_layers_saved():
     host = HostTier(400 * MB, None)
     p = make_plan(uniform(), 0.4e9, 0.4e9, host=host)
     assert p.stall_free and p.keep_last == 4 and p.spill_bytes == 100 * MB
+    # Writes start when layer 3's saves pass 300 MB (0.3 s) and end at 0.55 s.
+    assert abs(p.write_finish_s - 0.55) < 1e-9
     # A fast disk takes the overflow: everything offloaded, 500 of the 800 MB spilled.
     fast = make_plan(uniform(), 5e9, 5e9, host=host)
     assert fast.keep_last == 0 and fast.spill_bytes == 500 * MB
 
 
+def test_spill_writes_start_when_the_arena_passes_three_quarters():
+    # 200 MB saved in 0.05 s into a 100 MB arena: the overflow can go only from 0.019 s (75 MB
+    # saved), and at 2 GB/s out against 4 GB/s in the arena is full at 0.031 s: the forward
+    # would wait, so the layer is kept.
+    layers = [LayerProfile(0, 200 * MB, 0.05, 0.1), LayerProfile(1, 200 * MB, 0.1, 0.2)]
+    assert make_plan(layers, 2e9, 2e9, host=HostTier(100 * MB, None)).keep_last == 2
+
+
 def test_slow_copies_to_the_host_tier_keep_layers():
-    # 100 MB per 0.1 s layer needs 1 GB/s of copies; at 0.5 GB/s three layers' copies end by
-    # 0.7 s, inside the 0.8 s forward, whatever the disk.
+    # 100 MB per 0.1 s layer needs 1 GB/s of copies; at 0.5 GB/s four layers' copies end at
+    # 0.8 s, with the forward, whatever the disk.
     host = HostTier(2000 * MB, 0.5e9)
     for bw in (5e9, 0.1e9):
         p = make_plan(uniform(), bw, bw, host=host)
-        assert p.stall_free and p.keep_last == 5 and p.copy_finish_s <= p.forward_s
-    # Fast copies: only the last layer is kept, since copying it back takes time too.
-    assert make_plan(uniform(), 5e9, 5e9, host=HostTier(2000 * MB, 20e9)).keep_last == 1
+        assert p.stall_free and p.keep_last == 4 and abs(p.copy_finish_s - p.forward_s) < 1e-9
+    # Fast copies: everything goes; the last layer is copied back in 5 ms of its 0.2 s backward.
+    assert make_plan(uniform(), 5e9, 5e9, host=HostTier(2000 * MB, 20e9)).keep_last == 0
+
+
+def test_copies_in_flight_are_bounded_by_half_the_arena():
+    # A 100 MB arena lets 50 MB be in flight: at 0.5 GB/s the first layer's copy is 50 MB
+    # behind at its end, a second layer's would be 100 MB behind.
+    p = make_plan(uniform(), 1e9, 1e9, host=HostTier(100 * MB, 0.5e9))
+    assert p.keep_last == 7 and p.stall_free
+
+
+def test_reads_of_spilled_bytes_wait_for_the_writes_still_going():
+    # 800 MB arena, 0.2 GB/s disk: with nothing kept the writes of the last 200 MB run until
+    # 1.6 s, 0.8 s into the backward, and the first layer's bytes come back late; keeping one
+    # layer spills 100 MB, written by 1.1 s, in time.
+    p = make_plan(uniform(), 0.2e9, 0.2e9, host=HostTier(800 * MB, None))
+    assert p.keep_last == 1 and p.spill_bytes == 100 * MB
+
+
+def test_a_layer_partly_spilled_reads_only_its_part():
+    # 650 MB arena: with two layers kept, 112.5 MB spill (past 487.5 MB): layer 0 and 12.5 MB
+    # of layer 1. At 0.15 GB/s that is in time only because layer 1 reads just its part.
+    p = make_plan(uniform(), 0.15e9, 0.15e9, host=HostTier(650 * MB, None))
+    assert p.keep_last == 2 and p.spill_bytes == 112_500_000
+
+
+def test_a_transfer_must_start_by_its_layers_backward():
+    # Layer 0 (a long backward) has 50 MB spilled, written until 0.65 s, 0.45 s into the
+    # backward; its backward starts at 0.2 s. The read would end in time (0.455 s of 0.7 s)
+    # but its first bytes are late, so layer 0 is offloaded alone, with nothing spilled.
+    layers = [LayerProfile(0, 100 * MB, 0.1, 0.5), LayerProfile(1, 100 * MB, 0.1, 0.2)]
+    p = make_plan(layers, 0.1e9, 10e9, host=HostTier(200 * MB, None))
+    assert p.keep_last == 1 and p.spill_bytes == 0
 
 
 def test_a_small_arena_waits_for_the_disk():
@@ -93,12 +143,6 @@ def test_a_small_arena_waits_for_the_disk():
     # at 0.4 GB/s only the first layer (25 MB of it spilled) goes.
     p = make_plan(uniform(), 0.4e9, 0.4e9, host=HostTier(100 * MB, None))
     assert p.stall_free and p.keep_last == 7 and p.spill_bytes == 25 * MB
-
-
-def test_late_reads_mark_the_layers_read_last():
-    # Two layers may be kept (budget); reads take 0.33 s a layer against 0.2 s of backward
-    # each: layer 5 is back in time, layer 4 and all read after it are late.
-    p = make_plan(uniform(), 50e9, 0.3e9, device_budget=200 * MB)
-    assert not p.stall_free and p.keep_last == 2
-    stalls = [d.index for d in p.layers if d.reason == "offloaded by budget: its I/O may stall"]
-    assert stalls == [0, 1, 2, 3, 4]
+    # Copies at 0.5 GB/s run with the first layer's saves, 50 MB behind at its end (the
+    # bound); started at its end they would be 100 MB behind.
+    assert make_plan(uniform(), 0.2e9, 0.2e9, host=HostTier(100 * MB, 0.5e9)).keep_last == 7

@@ -104,12 +104,16 @@ class _Run:
         return self.late < 0
 
 
+EPS = 1e-9  # seconds: a transfer that ends as its window does fits (sums of floats round)
+
+
 def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostTier | None) -> _Run:
-    """A layer's bytes are saved evenly through its forward and may leave from its start; the
-    backward's reads run back to back from its start. Without a host tier every byte is
-    written to NVMe, its source held until then. With one, a copy lands in the arena and the
-    store writes the oldest bytes out once it is three quarters full (it keeps a quarter free
-    or leaving): the forward waits when a copy finds no room or half the arena is in flight,
+    """A layer's bytes are saved evenly through its forward and needed evenly through its
+    backward; a transfer runs at its rate from when its first byte can go, and must start
+    by the layer's backward and end with it. Without a host tier every byte is written to
+    NVMe, its source held until then. With one, a copy lands in the arena and the store
+    writes the oldest bytes out once it is three quarters full (it keeps a quarter free or
+    leaving): the forward waits when a copy finds no room or half the arena is in flight,
     and the last bytes saved come back from memory."""
     n = len(layers)
     off = layers[: n - k]
@@ -130,14 +134,15 @@ def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostT
         if rate:
             room_ok &= (copy_finish - t) * rate <= cap // 2  # the transport's bound on copies in flight
         more = saved - soft - spill
-        if more > 0:
-            write_finish = max(max(write_finish, start) + more / wbw, t)
+        if more > 0:  # written out from when this layer's saves pass three quarters of the arena
+            begin = start + x.forward_s * (soft + spill - (saved - x.bytes)) / x.bytes
+            write_finish = max(max(write_finish, begin) + more / wbw, t)
             spill += more
         room_ok &= saved - (spill - max(0.0, write_finish - t) * wbw) <= cap  # held: saved less written
     if host is None:
-        forward_ok, spill, copy_finish = write_finish <= forward, saved, write_finish
+        forward_ok, spill, copy_finish = write_finish <= forward + EPS, saved, write_finish
     else:
-        forward_ok = room_ok and copy_finish <= forward
+        forward_ok = room_ok and copy_finish <= forward + EPS
     # Backward visits layers n-1 .. 0; the first `spill` bytes saved come from NVMe (after
     # the writes still going), then every layer crosses back to the device.
     needed = sum(x.backward_s for x in layers[n - k :])
@@ -146,13 +151,15 @@ def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostT
     late = -1
     for x in reversed(off):
         saved -= x.bytes
-        ready = 0.0
         on_disk = min(x.bytes, max(0, spill - saved))
+        begin = end = 0.0
         if on_disk:
-            read += on_disk / rbw
-            ready = read
-        back = max(back, ready) + (x.bytes / rate if rate else 0.0)
-        if back > needed and late < 0:
+            begin, read = read, read + on_disk / rbw
+            end = read
+        if rate:  # the copy to the device follows the read, or starts when the last one is done
+            begin = max(begin, back)
+            back = end = max(begin + x.bytes / rate, end)
+        if (begin > needed + EPS or end > needed + x.backward_s + EPS) and late < 0:
             late = x.index
         needed += x.backward_s
     return _Run(forward_ok, late, write_finish, copy_finish, spill)
@@ -202,26 +209,23 @@ def make_plan(
     if not stall_free:
         k = max_keep
     r = _run(layers, k, wbw, rbw, host)
-    too_slow = "the disk is too slow" if host is None else "the copies and the disk are too slow"
-    if stall_free and k == n and n > 0:
+    # Keeping all always fits: only a device budget below that leaves stalls.
+    if not stall_free:
+        reason = f"the device budget ({format_size(device_budget or 0)}) allows keeping only {max_keep}; expect stalls"
+    elif k == n and n > 0:
+        too_slow = "the disk is too slow" if host is None else "the copies and the disk are too slow"
         reason = f"{too_slow} to hide any layer's I/O: keeping all"
-    elif stall_free:
+    else:
         reason = "writes fit in the forward and reads in the backward"
         if host is not None:
             reason = "the host tier and the disk keep up with the forward and the backward"
         if k == lo and lo > 0:
             reason += f" (at least {lo} kept after stalls)"
-    elif device_budget is not None and max_keep < n:
-        reason = f"the device budget ({format_size(device_budget)}) allows keeping only {max_keep}; expect stalls"
-    else:
-        reason = f"{too_slow} to hide any layer's I/O: keeping all"
     decisions = []
     for layer in layers:
         if layer.index >= n - k:
-            why = (
-                "its backward comes too soon to read it back" if stall_free and k < n else "kept: I/O cannot be hidden"
-            )
-            if device_budget is not None and not stall_free and max_keep < n:
+            why = "its backward comes too soon to read it back" if k < n else "kept: I/O cannot be hidden"
+            if not stall_free:
                 why = "kept within the device budget"
             decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, False, why))
         else:

@@ -4,6 +4,7 @@ disk keeps up and more when it does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -142,10 +143,10 @@ class Adaptive:
                 self.min_keep = min(n, self.plan.keep_last + 1)
             elif self.ctl.quiet(can_lower=self.min_keep > 0):
                 self.min_keep -= 1  # the disk kept up for a while: try offloading one more layer
-        layers = [
-            LayerProfile(i, self.bytes.get(i + 1, 0), self.fwd.get(i + 1, 0.0), 2 * self.fwd.get(i + 1, 0.0))
-            for i in range(n)
-        ]
+        fwd, saved = self.fwd, self.bytes
+        layers = [LayerProfile(i, saved.get(i + 1, 0), fwd.get(i + 1, 0.0), 2 * fwd.get(i + 1, 0.0)) for i in range(n)]
+        if layers:  # what is saved before the first block goes whenever a block does: with block 0
+            layers[0] = dataclasses.replace(layers[0], bytes=layers[0].bytes + saved.get(0, 0))
         plan = make_plan(layers, self.bw[0], self.bw[1], off.config.policy.device_budget, self.min_keep, self.host)
         if self.plan is None or plan.keep_last != self.plan.keep_last:
             log.info("%s", plan.table())
