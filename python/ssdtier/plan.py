@@ -229,7 +229,7 @@ def make_plan(
                 why = "kept within the device budget"
             decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, False, why))
         else:
-            why = "saved during the forward, back before its backward"
+            why = "saved during the forward, back as its backward needs it"
             if not r.forward_ok or (not r.reads_ok and layer.index <= r.late):
                 why = "offloaded by budget: its I/O may stall"
             decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, True, why))
