@@ -20,7 +20,8 @@ seeds (so their losses can be compared bitwise with keep's):
 ``ssdtier_cufile`` as ``ssdtier_nvme`` with ``io.backend = "cufile"``: GPU memory to the disk
                   and back through cuFile (GDS, or its compatibility mode), the arena unused.
 
-The model is ssdtier.models.GPT: plain-op attention, so each block saves its T x T scores.
+The model is ssdtier.models.GPT with flash attention (``--attention sdpa``, as LLM training
+uses; ``plain`` builds it from ops that save each block's T x T scores).
 A step is forward + backward + fused AdamW under bf16 autocast (``--dtype``). After
 ``--warmup`` steps (gradients and optimizer state then exist), the peak counter is reset:
 peak GPU memory = ``max_memory_allocated`` over the measured steps, activation memory = that
@@ -138,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         g.add_argument(f"--{name}", type=kind, help=f"{what} (default {FULL[key]}; --quick {QUICK[key]})")
     g.add_argument("--batch", help="micro-batch, or 'auto': the largest keep fits (default auto; --quick 8)")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast or plain fp32")
+    g.add_argument(
+        "--attention",
+        choices=("sdpa", "plain"),
+        default="sdpa",
+        help="sdpa: scaled_dot_product_attention (flash attention, as LLM training uses); plain: matmul and "
+        "softmax ops, which save each block's T x T scores (default sdpa)",
+    )
     g.add_argument("--dropout", type=float, default=0.0, help="dropout (LLM pretraining uses none)")
     g.add_argument("--seed", type=int, default=0, help="seed of weights and batch")
     g.add_argument("--compare-losses", type=int, default=2, help="first losses compared bitwise with keep's")
@@ -927,7 +935,8 @@ def header(results: dict[str, Any]) -> list[str]:
         f"{m['mem_total'] / GiB:.0f} GiB RAM, kernel {m['kernel']}; Python {m['python']}, torch {m['torch']}, "
         f"CUDA {m['cuda']}",
         f"model: GPT {results['params'] / 1e6:,.0f}M parameters: {a['layers']} blocks, d_model {a['d_model']}, "
-        f"{a['heads']} heads, seq {a['seq']}, vocab {a['vocab']}, dropout {a['dropout']}; {a['dtype']}"
+        f"{a['heads']} heads ({a.get('attention', 'plain')} attention), seq {a['seq']}, vocab {a['vocab']}, "
+        f"dropout {a['dropout']}; {a['dtype']}"
         f"{' autocast' if a['dtype'] == 'bf16' else ''}, fused AdamW",
         f"--dir {m['dir']} on {mt['device']} ({mt['fstype']}), {m['disk_free'] / GiB:.0f} GiB free",
     ]

@@ -162,6 +162,7 @@ def gpt_config(args: argparse.Namespace, checkpoint: bool) -> Any:
         n_heads=args.heads,
         dropout=args.dropout,
         checkpoint=checkpoint,
+        sdpa=getattr(args, "attention", "plain") == "sdpa",  # gpu_step.py's --attention
     )
 
 

@@ -931,6 +931,15 @@ def test_every_mode_is_exact(store_dir):
         assert_same(ref, train(CONFIGS["bert"], offload_config(store_dir, mode=mode)))
 
 
+def test_fused_attention_is_exact(store_dir):
+    # scaled_dot_product_attention saves q, k, v (views of one projection), its output and
+    # the softmax's log-sum-exp: each comes back as it was.
+    cfg = GPTConfig(n_layers=3, sdpa=True, **TINY)
+    got = train(cfg, offload_config(store_dir))
+    assert_same(train(cfg), got)
+    assert got[2].tensors_offloaded > 0 and got[2].dedup_hits > 0
+
+
 class TwoUses(nn.Module):
     def __init__(self):
         super().__init__()

@@ -166,6 +166,15 @@ def test_an_entry_unpacked_on_two_streams_is_waited_for_on_both(store_dir, evict
     assert s.dedup_hits > 0 and s.copied_ahead > 0, s
 
 
+def test_fused_attention_on_cuda(store_dir):
+    # The bench's model: scaled_dot_product_attention saves q, k, v, its output, the
+    # log-sum-exp and (a flash kernel's) RNG state tensors.
+    cfg = GPTConfig(n_layers=3, sdpa=True, **TINY)
+    got = train_cuda(cfg, offload_config(store_dir, host="64MiB"))
+    assert_same(train_cuda(cfg), got)
+    assert got[2].tensors_offloaded > 0
+
+
 def test_races_widened_with_sleep(store_dir):
     ref = train_cuda(CFG, sleep_cycles=50_000_000)
     got = train_cuda(CFG, offload_config(store_dir), sleep_cycles=50_000_000)

@@ -174,6 +174,7 @@ def test_report_has_ratios_goal_and_failures(gs):
     assert "4.0 + 4.0" in text and "2.00 / 3.00" in text and "0.50 of fio's write" in text
     assert "(a row at another batch than keep's: its activations and step time x keep are per sample)" in text
     assert "goal: activations <= 0.3 of keep" in text
+    assert "8 heads (sdpa attention)" in text
     assert "ssdtier_nvme MET (0.250, 1.020)" in text and "checkpoint NOT MET" in text
     assert "ssdtier_nvme: ssdtier plan: keep the last 3 of 24 layers; why\nssdtier_nvme: host tier 2GiB; more\n" in text
     # 40 GiB in a third of 1 s need 129 GB/s; 20 GB/s moves 0.16 of them.
@@ -226,6 +227,7 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
     assert res["modes"]["ssdtier_nvme"]["per_step"]["nvme_written"] > 0  # (on the CPU, ssdtier_host's too: zero copy)
     assert res["modes"]["ssdtier_adaptive"]["store"]["policy"]["mode"] == "adaptive"
     assert "keep the last" in res["modes"]["ssdtier_adaptive"]["plan"]
+    assert res["args"]["attention"] == "sdpa"  # flash attention, as LLM training uses
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
 
 

@@ -177,6 +177,27 @@ def test_no_sdpa(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     batch_loss(model, batch_for(model)).backward()
 
 
+def test_gpt_with_sdpa_matches_plain_attention() -> None:
+    # One fused kernel instead of matmul, softmax, matmul: the same function up to rounding
+    # (the softmax is computed another way), causal, and it saves no T x T scores.
+    torch.manual_seed(0)
+    plain = build_model(GPTConfig(n_layers=2, dropout=0.0))
+    fused = build_model(GPTConfig(n_layers=2, dropout=0.0, sdpa=True))
+    fused.load_state_dict(plain.state_dict())
+    idx, tgt = gpt_batch(plain.config, 2, torch.Generator().manual_seed(0))
+    a, b = plain(idx, tgt)[1], fused(idx, tgt)[1]
+    torch.testing.assert_close(a, b)
+    t = plain.config.seq_len
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        fused(idx, tgt)
+    assert not any(s[-2:] == (t, t) for s in saved)
+    logits = fused(idx[:, :5])[0]
+    idx2 = idx[:, :5].clone()
+    idx2[:, 4] = (idx2[:, 4] + 1) % plain.config.vocab_size
+    assert torch.equal(logits[:, :4], fused(idx2)[0][:, :4])
+
+
 def test_tied_heads() -> None:
     gpt = build("gpt")
     assert gpt.lm_head.weight is gpt.tok_emb.weight

@@ -90,7 +90,11 @@ class _StackConfig:
 
 @dataclass
 class GPTConfig(_StackConfig):
-    """Configuration of :class:`GPT`. ``d_ff=None`` means ``4 * d_model``."""
+    """Configuration of :class:`GPT`. ``d_ff=None`` means ``4 * d_model``. ``sdpa=True``
+    attends with ``F.scaled_dot_product_attention`` (flash attention on a GPU, which saves
+    no T x T scores) instead of plain ops."""
+
+    sdpa: bool = False
 
 
 @dataclass
@@ -162,7 +166,8 @@ class RMSNorm(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention from plain ops: matmul, masked_fill, softmax, dropout.
+    """Multi-head attention from plain ops: matmul, masked_fill, softmax, dropout; or with
+    ``sdpa=True`` one ``F.scaled_dot_product_attention`` call.
 
     Self-attention (fused ``qkv`` projection) unless ``cross=True``, in which case
     queries come from ``x`` (``q``) and keys/values from ``context`` (``kv``).
@@ -179,8 +184,10 @@ class MultiHeadAttention(nn.Module):
         max_len: int,
         cross: bool = False,
         bias: bool = True,
+        sdpa: bool = False,
     ) -> None:
         super().__init__()
+        self.sdpa = sdpa
         if d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         self.d_model = d_model
@@ -213,6 +220,10 @@ class MultiHeadAttention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        if self.sdpa:  # GPT's self-attention: square, so is_causal is its causal mask
+            p = self.attn_drop.p if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+            return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(b, t, c)))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         if self.causal:
             att = att.masked_fill(~self.causal_mask[:t, :s], float("-inf"))
@@ -276,7 +287,9 @@ class GPTBlock(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.dropout, causal=True, max_len=cfg.seq_len)
+        self.attn = MultiHeadAttention(
+            cfg.d_model, cfg.n_heads, cfg.dropout, causal=True, max_len=cfg.seq_len, sdpa=cfg.sdpa
+        )
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.dropout)
 
