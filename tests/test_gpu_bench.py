@@ -167,7 +167,7 @@ def fake_results(gs):
 
 def test_report_has_ratios_goal_and_failures(gs):
     res = fake_results(gs)
-    gs.compare(SimpleNamespace(compare_losses=2), res)
+    gs.compare(SimpleNamespace(compare_losses=2, deterministic=False, attention="plain"), res)
     text = gs.render_steps(res)
     assert re.search(r"\| save_on_cpu +\| +OOM \|", text) and re.search(r"\| torchtune +\| +not installed \|", text)
     assert re.search(r"\| +0\.250 \|", text)  # ssdtier_nvme's activations / keep's
@@ -180,6 +180,35 @@ def test_report_has_ratios_goal_and_failures(gs):
     # 40 GiB in a third of 1 s need 129 GB/s; 20 GB/s moves 0.16 of them.
     assert "copies GPU <-> pinned host: 20.0 GB/s" in text and "need 129 GB/s: at most 0.16 of them" in text
     json.dumps(res)
+
+
+def test_fio_falls_back_to_psync_where_io_uring_is_refused(gs, monkeypatch, tmp_path):
+    from ssdtier.bench import disk
+    from ssdtier.errors import SsdtierError
+
+    def fake(fio, path, rw, size, block, depth, extra=()):
+        if "--ioengine=io_uring" in extra:
+            raise SsdtierError("fio failed: io_uring_queue_init: Function not implemented")
+        return {"bw_bytes": 1e9 if rw == "write" else 2e9, "cmd": ["fio", *extra]}
+
+    monkeypatch.setattr(disk, "run_fio", fake)
+    monkeypatch.setattr(gs.shutil, "which", lambda name: "/usr/bin/fio")
+    got = gs.fio_bandwidth(gs.parse_args(["--dir", str(tmp_path), "--quick"]))
+    assert got["status"] == "ok" and got["engine"] == "psync" and (got["write"], got["read"]) == (1e9, 2e9)
+    res = {**fake_results(gs), "fio": got}
+    assert "fio on --dir (0.25 GiB, psync, O_DIRECT" in gs.render_steps(res)
+
+
+def test_fused_attention_compares_only_the_first_loss(gs):
+    # Its backward is not bitwise reproducible: from the second step on every mode's weights
+    # differ from keep's, ssdtier or not.
+    res = fake_results(gs)
+    res["modes"]["checkpoint"]["losses"][1] = "0x1.2p+0"
+    gs.compare(SimpleNamespace(compare_losses=2, deterministic=False, attention="sdpa"), res)
+    assert res["losses_compared"] == 1 and res["modes"]["checkpoint"]["losses_equal_keep"]
+    assert "(losses: only the first 1 compared" in gs.render_steps(res)
+    gs.compare(SimpleNamespace(compare_losses=2, deterministic=True, attention="sdpa"), res)
+    assert res["losses_compared"] == 2 and not res["modes"]["checkpoint"]["losses_equal_keep"]
 
 
 def test_stats_deltas_leave_the_plan_as_it_is(gs):
