@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 import pytest
 import torch
@@ -287,3 +288,39 @@ def test_an_activation_larger_than_the_arena_is_copied_through_once_said(transpo
     out = torch.empty(2 << 20, dtype=torch.uint8)
     transport.native.read_staged(e.key, out.data_ptr(), out.numel(), out)
     assert torch.equal(out, src)
+
+
+def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
+    # The arena full and its entries still being written (a slow disk): a read ahead finds
+    # no room at once and the store skips it. Asked again as the backward goes on, it is
+    # read and copied ahead, not read at its unpack.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    cfg = offload_config(store_dir, host="1MiB")
+    cfg["io"]["throttle"] = "1MB"  # 0.26 s a 256 KiB write or read
+    with ssdtier.attach(model, cfg) as off:
+        tr = off.cuda
+        old = offload(tr, source(256 << 10, 1))
+        gpu.run()
+        tr.poll()
+        tr.native.evict(old.key)
+        fill = [offload(tr, source(256 << 10, 2 + i)) for i in range(4)]
+        gpu.run()
+        tr.poll()
+        assert not tr.native.location(old.key)[0]
+        tr.start_read(old, False)
+        tr.stage_later(old)
+        tr.stage_ready()
+        assert tr.store.stats().prefetch_skipped >= 1 and old.staged is None
+        for _ in range(1000):  # 5 s at most
+            if old.staged is not None:
+                break
+            time.sleep(0.005)
+            tr.stage_ready()
+        assert old.staged is not None and tr.store.stats().prefetches == 1
+        assert bytes(tr.restore(old))[:4] == bytes([1]) * 4
+        for e in [old, *fill]:
+            e.refs = 0
+            tr.release(e)
+            tr.free_key(e)
+        gpu.run()
+        tr.poll()

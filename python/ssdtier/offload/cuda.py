@@ -251,6 +251,14 @@ class CudaTransport:
             if reading[2] is not None and not reading[2].done():
                 waiting.append(e)
                 continue
+            if not reading[3] and e.d2h is None and not self.native.location(e.key)[0]:
+                # The store skipped the read (no room in the arena then): ask again, as the
+                # backward frees slots and the writes under way end.
+                ticket = self.native.prefetch(e.key)
+                if not ticket.done():
+                    e.reading = (None, 0, ticket, False)
+                waiting.append(e)
+                continue
             self._stage(e)
         self.staging = waiting
 
