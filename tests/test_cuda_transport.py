@@ -259,7 +259,7 @@ def test_the_arena_is_unregistered_before_it_can_be_unmapped(store_dir, gpu):
 
 def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monkeypatch):
     # Not in the first forward: pinning faults in every page of the arena.
-    monkeypatch.setattr(offloader, "_cuda_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 0))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
     arena = off.store.arena

@@ -91,8 +91,8 @@ class _StackConfig:
 @dataclass
 class GPTConfig(_StackConfig):
     """Configuration of :class:`GPT`. ``d_ff=None`` means ``4 * d_model``. ``sdpa=True``
-    attends with ``F.scaled_dot_product_attention`` (flash attention on a GPU, which saves
-    no T x T scores) instead of plain ops."""
+    attends with ``F.scaled_dot_product_attention`` (a fused kernel on a GPU, flash or
+    cuDNN, which saves no T x T scores) instead of plain ops."""
 
     sdpa: bool = False
 

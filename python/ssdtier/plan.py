@@ -200,15 +200,11 @@ def make_plan(
             max_keep += 1
     lo = min(min_keep, max_keep)
     k = lo
-    while k <= max_keep:
-        r = _run(layers, k, wbw, rbw, host)
-        if r.forward_ok and r.reads_ok:
-            break
-        k += 1
-    stall_free = k <= max_keep
-    if not stall_free:
-        k = max_keep
     r = _run(layers, k, wbw, rbw, host)
+    while not (r.forward_ok and r.reads_ok) and k < max_keep:
+        k += 1
+        r = _run(layers, k, wbw, rbw, host)
+    stall_free = r.forward_ok and r.reads_ok
     # Keeping all always fits: only a device budget below that leaves stalls.
     if not stall_free:
         reason = f"the device budget ({format_size(device_budget or 0)}) allows keeping only {max_keep}; expect stalls"

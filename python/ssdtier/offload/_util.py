@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
@@ -11,6 +12,13 @@ import torch
 from ..errors import SsdtierWarning
 
 PAGE = 4096
+
+
+def cuda_device(model: torch.nn.Module) -> torch.device | None:
+    """The GPU the model's first CUDA parameter or buffer is on, if any."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return next((t.device for t in tensors if t.is_cuda), None)
+
 
 # Run as Python, never traced by torch.compile.
 eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)

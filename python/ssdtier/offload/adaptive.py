@@ -15,7 +15,7 @@ import torch
 from ..errors import SsdtierWarning
 from ..plan import HostTier, LayerProfile, Plan, make_plan
 from ..store import TieredStore
-from ._util import aligned_storage
+from ._util import aligned_storage, cuda_device
 from .control import StepControl
 
 if TYPE_CHECKING:
@@ -36,8 +36,7 @@ class Adaptive:
         self.bytes: dict[int, int] = {}  # layer tag -> bytes saved
         self.t0: dict[int, tuple[float, float]] = {}  # layer tag -> (start, store wait then)
         # On a GPU host clocks time kernel launches: CUDA events time the blocks, read at replan.
-        self.device = next((p.device for p in off.model.parameters() if p.is_cuda), None)
-        self.gpu = self.device is not None
+        self.device = cuda_device(off.model)  # None: on the CPU
         self.ev0: dict[int, torch.cuda.Event] = {}  # layer tag -> event at its start
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (tag, start, end)
         self.stall0 = 0.0
@@ -85,14 +84,14 @@ class Adaptive:
         arena = off.store.arena
         if arena is None or not arena.numel():
             return None
-        if self.gpu:
+        if self.device is not None:
             if off._gds is not None:
                 return None
             return HostTier(arena.numel(), copy_bandwidth(self.device))
         return None if off.config.io.zero_copy else HostTier(arena.numel(), None)
 
     def block_enter(self, tag: int) -> None:
-        if self.gpu:
+        if self.device is not None:
             if self._timing():
                 ev = self.ev0[tag] = torch.cuda.Event(enable_timing=True)
                 ev.record(torch.cuda.current_stream(self.device))
@@ -105,7 +104,7 @@ class Adaptive:
         return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
     def block_exit(self, tag: int) -> None:
-        if self.gpu:
+        if self.device is not None:
             start_ev = self.ev0.pop(tag, None)
             if start_ev is not None and self._timing():
                 end = torch.cuda.Event(enable_timing=True)

@@ -19,7 +19,7 @@ from ..config import Config, resolve_config
 from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Plan
 from ..store import ByteStore
-from ._util import Once, warn
+from ._util import Once, cuda_device, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
@@ -71,10 +71,6 @@ def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
 
 def _on_cpu(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-def _cuda_device(model: nn.Module) -> torch.device | None:
-    return next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.is_cuda), None)
 
 
 class Offloader:
@@ -143,7 +139,7 @@ class Offloader:
         self._handles: list[Any] = []
         self.adaptive: Adaptive | None = None
         try:
-            device = _cuda_device(model)
+            device = cuda_device(model)
             offloads = pol.mode != "none" or pol.device_budget is not None
             if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
