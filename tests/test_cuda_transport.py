@@ -291,9 +291,9 @@ def test_an_activation_larger_than_the_arena_is_copied_through_once_said(transpo
 
 
 def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
-    # The arena full and its entries still being written (a slow disk): a read ahead finds
-    # no room at once and the store skips it. Asked again as the backward goes on, it is
-    # read and copied ahead, not read at its unpack.
+    # The arena full of entries needed sooner, still being written (a slow disk): a read
+    # ahead finds no room and the store skips it. Asked again once the backward used one of
+    # them, it is read and copied ahead, not read at its unpack.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     cfg = offload_config(store_dir, host="1MiB")
     cfg["io"]["throttle"] = "1MB"  # 0.26 s a 256 KiB write or read
@@ -311,6 +311,10 @@ def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
         tr.stage_later(old)
         tr.stage_ready()
         assert tr.store.stats().prefetch_skipped >= 1 and old.staged is None
+        used = fill.pop()
+        used.refs = 0
+        tr.release(used)
+        tr.free_key(used)  # its slot comes back once its write ends
         for _ in range(1000):  # 5 s at most
             if old.staged is not None:
                 break
@@ -324,3 +328,31 @@ def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
             tr.free_key(e)
         gpu.run()
         tr.poll()
+
+
+def test_a_read_ahead_keeps_its_entry_in_the_arena(store_dir, gpu):
+    # The arena full, its oldest entry is being written out to make room. Read ahead, it
+    # stays in the arena when the next copy needs a slot: that copy takes the next one's.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    cfg = offload_config(store_dir, host="1MiB")
+    cfg["io"]["throttle"] = "1MB"  # 0.26 s a 256 KiB write
+    with ssdtier.attach(model, cfg) as off:
+        tr = off.cuda
+        es = []
+        for i in range(4):
+            es.append(offload(tr, source(256 << 10, i)))
+            gpu.run()
+            tr.poll()
+        assert tr.native.location(es[0].key) == (True, False)  # its write under way
+        tr.start_read(es[0], True)
+        assert es[0].reading[2] is None  # nothing to read
+        tr.store.flush()
+        es.append(offload(tr, source(256 << 10, 4)))
+        gpu.run()
+        tr.poll()
+        assert tr.native.location(es[0].key) == (True, True)
+        assert tr.native.location(es[1].key) == (False, True)
+        for e in es:
+            e.refs = 0
+            tr.release(e)
+            tr.free_key(e)

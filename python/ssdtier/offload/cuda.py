@@ -230,8 +230,11 @@ class CudaTransport:
 
     def start_read(self, e: Entry, from_host: bool) -> None:
         if e.d2h is not None:  # still being copied to the arena: copied back from its slot
-            from_host = True
-        e.reading = (None, 0, None if from_host else self.native.prefetch(e.key), from_host)
+            e.reading = (None, 0, None, True)
+            return
+        # Asked even when in the arena: the store then keeps it there until its unpack.
+        ticket = self.native.prefetch(e.key)
+        e.reading = (None, 0, None if from_host and ticket.done() else ticket, from_host)
 
     def stage_later(self, e: Entry) -> None:
         if not self.stage_off:

@@ -226,16 +226,16 @@ fn put_get_free_cycles_do_not_grow() {
 
 #[test]
 fn eviction_policies_pick_their_victims() {
-    // Arena of 4 pages; the store keeps a quarter (1 page) free or leaving, so
-    // each step below evicts exactly one victim, chosen by the policy.
+    // Arena of 4 pages; written entries stay until a slot is short, so each step below
+    // evicts exactly one victim, chosen by the policy.
     // Steps: put A B C D · get B · put E · get A · get B. Expected resident sets after each step.
     let expect: [(Eviction, [&str; 3]); 3] = [
         // Lifetime goes by put order alone: B first although it was just read.
-        (Eviction::Lifetime, ["CDE", "ADE", "BDE"]),
+        (Eviction::Lifetime, ["BCDE", "ACDE", "BCDE"]),
         // FIFO goes by entry into the host tier: A, read back, counts as new.
-        (Eviction::Fifo, ["CDE", "ADE", "ABE"]),
+        (Eviction::Fifo, ["BCDE", "ACDE", "ABDE"]),
         // LRU goes by last access: the read of B keeps it.
-        (Eviction::Lru, ["BDE", "ABE", "ABE"]),
+        (Eviction::Lru, ["BCDE", "ABDE", "ABDE"]),
     ];
     for (policy, want) in expect {
         let d = real_dir();
@@ -396,6 +396,92 @@ fn a_skipped_read_ahead_does_not_cascade() {
     let (s, keys) = spilled(d.path(), 16);
     assert_eq!(read_through(&s, &keys, 4, false), keys.len() as u64 * (256 << 10));
     assert!(s.stats().prefetch_skipped >= 1);
+}
+
+/// A store with a 1 MiB arena (four entries of 256 KiB) whose writes take 0.25 s each.
+fn slow_writes(dir: &std::path::Path, eviction: Eviction) -> Store {
+    let mut c = cfg(&[dir], 1 << 20, Backend::Auto);
+    c.throttle_bytes_per_sec = 1 << 20;
+    c.eviction = eviction;
+    Store::new(c).unwrap()
+}
+
+#[test]
+fn read_ahead_never_evicts_what_is_needed_before_it() {
+    // Lifetime: an entry put later is needed sooner. An arena full of those skips a read
+    // ahead of an earlier entry rather than evicting one of them; LRU knows no such order.
+    for (policy, evicts) in [(Eviction::Lifetime, false), (Eviction::Lru, true)] {
+        let d = real_dir();
+        let mut c = cfg(&[d.path()], 1 << 20, Backend::Auto);
+        c.eviction = policy;
+        let s = Store::new(c).unwrap();
+        let keys: Vec<u64> = (0..8).map(|i| put(&s, &pattern(256 << 10, i))).collect();
+        s.flush().unwrap();
+        for &k in &keys {
+            s.evict(k).unwrap();
+        }
+        for &k in keys[4..].iter().rev() {
+            s.prefetch(k).unwrap().wait().unwrap();
+        }
+        for (i, &k) in keys.iter().enumerate().skip(4) {
+            assert!(get(&s, k) == pattern(256 << 10, i as u64)); // no longer a read ahead
+        }
+        let resident = |s: &Store| keys[4..].iter().filter(|&&k| s.location(k).unwrap().0).count();
+        assert_eq!(resident(&s), 4);
+        s.prefetch(keys[3]).unwrap().wait().unwrap();
+        assert_eq!(s.location(keys[3]).unwrap().0, evicts, "{policy:?}");
+        assert_eq!(resident(&s), if evicts { 3 } else { 4 }, "{policy:?}");
+        assert_eq!(s.stats().prefetch_skipped, u64::from(!evicts), "{policy:?}");
+        if !evicts {
+            // Once the backward used one of them, the read ahead finds room.
+            s.free(keys[7]).unwrap();
+            s.prefetch(keys[3]).unwrap().wait().unwrap();
+            assert_eq!(s.location(keys[3]).unwrap(), (true, true));
+        }
+        assert!(get(&s, keys[3]) == pattern(256 << 10, 3));
+    }
+}
+
+#[test]
+fn read_ahead_of_an_entry_being_evicted_keeps_it() {
+    for ahead in [false, true] {
+        let d = real_dir();
+        let s = slow_writes(d.path(), Eviction::Lifetime);
+        // The fourth put fills the arena and starts writing the first out (the headroom).
+        let keys: Vec<u64> = (0..4).map(|i| put(&s, &pattern(256 << 10, i))).collect();
+        assert_eq!(s.location(keys[0]).unwrap(), (true, false), "its write is still in flight");
+        if ahead {
+            assert!(s.prefetch(keys[0]).unwrap().is_done());
+        }
+        s.flush().unwrap();
+        // A fifth needs a slot: the written entry gives it up, unless it was asked for.
+        put(&s, &pattern(256 << 10, 4));
+        assert_eq!(s.location(keys[0]).unwrap().0, ahead, "ahead {ahead}");
+        assert_eq!(s.location(keys[1]).unwrap().0, !ahead, "ahead {ahead}");
+        let read = s.stats().nvme_bytes_read;
+        assert!(get(&s, keys[0]) == pattern(256 << 10, 0));
+        assert_eq!(s.stats().nvme_bytes_read > read, !ahead, "ahead {ahead}");
+    }
+}
+
+#[test]
+fn an_eviction_write_keeps_its_slot_until_one_is_short() {
+    for room in [false, true] {
+        let d = real_dir();
+        let s = slow_writes(d.path(), Eviction::Lifetime);
+        let keys: Vec<u64> = (0..4).map(|i| put(&s, &pattern(256 << 10, i))).collect();
+        s.flush().unwrap();
+        assert_eq!(s.location(keys[0]).unwrap(), (true, true), "written, and still in the arena");
+        if room {
+            s.free(keys[3]).unwrap(); // used meanwhile, as a backward does
+        }
+        put(&s, &pattern(256 << 10, 4));
+        assert_eq!(s.location(keys[0]).unwrap(), (room, true), "room {room}");
+        // An explicit evict gives the slot up.
+        s.evict(keys[0]).unwrap();
+        assert_eq!(s.location(keys[0]).unwrap(), (false, true));
+        assert!(get(&s, keys[0]) == pattern(256 << 10, 0));
+    }
 }
 
 #[test]

@@ -28,7 +28,7 @@ pub(crate) enum State {
 }
 
 pub(crate) enum WriteSrc {
-    /// Its arena slot, which it gives up once written if `evict`.
+    /// Its arena slot; with `evict`, written to make room, so its slot counts as on its way out.
     Slot { slot: Range, evict: bool },
     /// Caller memory (`write_from`); counts against the bytes that may wait for NVMe.
     Caller,

@@ -11,45 +11,59 @@ use crate::engine::Dir;
 use crate::error::Result;
 use std::sync::MutexGuard;
 
+/// What a caller of [`Store::make_room`] may do to get a slot.
+#[derive(Clone, Copy)]
+pub(crate) enum Room {
+    /// A put: waits for eviction writes, keeps headroom, and at last takes read-ahead entries.
+    Put,
+    /// A read the caller waits for: as a put, but never takes read-ahead entries.
+    Read,
+    /// A read ahead: no waiting and no headroom, and only entries ranked before `before` in
+    /// the eviction order go (with lifetime: those needed after the entry read ahead).
+    Ahead { before: u64 },
+}
+
 impl Store {
-    /// Find a host slot of `len` bytes, evicting by policy. With `wait`, waits for eviction
-    /// writes; without, takes only what is free or clean. Entries read ahead and not used yet
-    /// go only with `last_resort`, when nothing else is leaving. None when the entry cannot
-    /// get a slot (bigger than the arena, or everything else pinned or read ahead).
+    /// Find a host slot of `len` bytes, evicting by policy as `room` allows. None when the
+    /// entry cannot get a slot (bigger than the arena, or everything else pinned or read
+    /// ahead, or for `Ahead` none to be had without waiting).
     ///
     /// The lock may be released meanwhile: callers check their entry's state again.
     pub(crate) fn make_room<'a>(
         &'a self,
         mut g: MutexGuard<'a, Inner>,
         len: u64,
-        wait: bool,
-        last_resort: bool,
+        room: Room,
     ) -> Result<(MutexGuard<'a, Inner>, Option<Range>)> {
         let Some(need) = g.host.round(len).filter(|&n| n > 0 && n <= g.host.capacity()) else {
             return Ok((g, None));
         };
-        // Keep a quarter of the arena free or on its way out, so the disk stays busy while the
+        let (wait, before) = match room {
+            Room::Put | Room::Read => (true, u64::MAX),
+            Room::Ahead { before } => (false, before),
+        };
+        // Keep some of the arena free or on its way out, so the disk stays busy while the
         // caller fills the next slot.
-        let headroom = g.host.capacity() / 4;
+        let headroom = if wait { g.headroom() } else { 0 };
         loop {
             g.reap();
             if let Some(slot) = g.host.alloc(need) {
                 if wait {
-                    self.start_evictions(&mut g, 0, headroom, false);
+                    self.start_evictions(&mut g, 0, headroom, false, before);
                 }
                 return Ok((g, Some(slot)));
             }
             // No NVMe room is not an error here: without a slot the caller streams through
             // staging, which reports it if it applies.
-            self.start_evictions(&mut g, need, headroom, false);
+            self.start_evictions(&mut g, need, headroom, false, before);
             if let Some(slot) = g.host.alloc(need) {
                 return Ok((g, Some(slot)));
             }
             if !wait {
                 return Ok((g, None));
             }
-            if g.leaving == 0 && last_resort {
-                self.start_evictions(&mut g, need, 0, true);
+            if g.leaving == 0 && matches!(room, Room::Put) {
+                self.start_evictions(&mut g, need, 0, true, before);
                 if let Some(slot) = g.host.alloc(need) {
                     return Ok((g, Some(slot)));
                 }
@@ -65,11 +79,11 @@ impl Store {
         }
     }
 
-    /// Start evictions until free + leaving ≥ `need + headroom`. Clean entries give up their
-    /// slot at once; dirty ones are written first, until NVMe has no room for them. Entries
-    /// read ahead and not used yet go only with `take_prefetched`: evicting them would mean
-    /// reading them again.
-    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool) {
+    /// Start evictions of entries ranked before `before` until free + leaving + clean ≥ `need
+    /// + headroom`. Clean entries give up their slot while no free range holds `need`; dirty
+    /// ones are written first, until NVMe has no room for them. Entries read ahead and not used yet go only with
+    /// `take_prefetched`: evicting them would mean reading them again.
+    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool, before: u64) {
         let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving);
         let mut nvme_full = false;
         let mut after: Option<(bool, u64, u64)> = None;
@@ -80,12 +94,20 @@ impl Store {
             };
             let Some(&cand) = next else { break };
             after = Some(cand);
-            let (prefetched, _, key) = cand;
+            let (prefetched, prio, key) = cand;
             if prefetched && !take_prefetched {
                 break; // the index puts read-ahead entries last
             }
+            if prio >= before {
+                break; // ranked in order after the read-ahead ones
+            }
             let Ok(mut e) = g.take(key) else { continue };
             match std::mem::replace(&mut e.state, State::Empty) {
+                // Counted, but kept until a slot is short: a clean slot is had at once.
+                State::Clean { slot, disk } if g.host.largest_free() >= need => {
+                    budget = budget.saturating_sub(slot.len());
+                    e.state = State::Clean { slot, disk };
+                }
                 State::Clean { slot, disk } => {
                     budget = budget.saturating_sub(slot.len());
                     g.free_slot(slot);

@@ -41,7 +41,7 @@ pub(crate) struct Inner {
     /// An error of a background write that nobody waited on yet.
     pub deferred: Option<Error>,
     pub status: Status,
-    policy: Eviction,
+    pub policy: Eviction,
 }
 
 impl Inner {
@@ -196,7 +196,7 @@ impl Inner {
             let res = io.poll().expect("done");
             let abandoned = io.abandoned();
             e.state = match std::mem::replace(&mut e.state, State::Empty) {
-                State::Writing { src, disk, .. } => self.end_write(&mut e, src, disk, res, abandoned),
+                State::Writing { src, disk, .. } => self.end_write(src, disk, res, abandoned),
                 State::Reading { dst, disk, .. } => self.end_read(&mut e, dst, disk, res, abandoned),
                 other => other,
             };
@@ -226,14 +226,15 @@ impl Inner {
         }
     }
 
-    fn end_write(&mut self, e: &mut Entry, src: WriteSrc, disk: Placement, res: Result<()>, abandoned: bool) -> State {
+    /// What evictions keep free, on its way out or clean: a quarter of the arena.
+    pub fn headroom(&self) -> u64 {
+        self.host.capacity() / 4
+    }
+
+    fn end_write(&mut self, src: WriteSrc, disk: Placement, res: Result<()>, abandoned: bool) -> State {
         match (src, res) {
-            (WriteSrc::Slot { slot, evict }, Ok(())) if evict && e.pins == 0 => {
-                self.free_slot(slot);
-                self.stats.evictions += 1;
-                e.prefetched = false;
-                State::Disk { disk }
-            }
+            // Even an eviction keeps its slot, clean: `make_room` drops it once a slot is short
+            // (at once), and by then the backward may have used it or freed room.
             (WriteSrc::Slot { slot, .. }, Ok(())) => State::Clean { slot, disk },
             (WriteSrc::Caller | WriteSrc::Staged | WriteSrc::External, Ok(())) => State::Disk { disk },
             (src, Err(err)) => {

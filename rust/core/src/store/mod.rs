@@ -25,6 +25,7 @@ use crate::engine::{Dir, IoQueue, PosixQueue, Throttle, UringQueue};
 use crate::error::{Error, Result};
 use crate::ticket::{Owner, Ticket};
 use entry::{Entry, ReadDst, State, WriteSrc};
+use evict::Room;
 use inner::{Inner, Status};
 use placement::{Piece, Space};
 use std::os::fd::RawFd;
@@ -297,7 +298,7 @@ impl Store {
     /// not fit in the host tier, and the caller writes it with [`Store::write_staged`].
     pub fn reserve(&self, len: u64) -> Result<(u64, Option<u64>)> {
         let g = self.lock()?;
-        let (mut g, slot) = self.make_room(g, len, true, true)?;
+        let (mut g, slot) = self.make_room(g, len, Room::Put)?;
         let off = slot.as_ref().map(|s| s.off());
         let state = match slot {
             Some(slot) => State::Filling { slot },
@@ -591,7 +592,7 @@ impl Store {
             }
             // On NVMe only: read it into a slot. A read never displaces read-ahead entries:
             // without a slot it streams past the arena.
-            let (g2, slot) = self.make_room(g, len, true, false)?;
+            let (g2, slot) = self.make_room(g, len, Room::Read)?;
             g = g2;
             let Some(slot) = slot else { return Ok(None) };
             // The lock may have been released: read only if the entry is still on NVMe only.
@@ -715,9 +716,10 @@ impl Store {
         Ok(io)
     }
 
-    /// Start reading the entry back into the host tier without waiting. Best effort: when
-    /// the arena has no room that can be made without waiting, nothing is read (counted as
-    /// `prefetch_skipped`).
+    /// Start reading the entry back into the host tier without waiting; an entry there
+    /// already stays until used (its eviction, if under way, is called off). Best effort:
+    /// when the arena has no room that can be made without waiting or without evicting an
+    /// entry ranked after this one, nothing is read (counted as `prefetch_skipped`).
     pub fn prefetch(&self, key: u64) -> Result<Arc<Ticket>> {
         let mut g = self.lock()?;
         g.reap();
@@ -725,10 +727,21 @@ impl Store {
         match &e.state {
             State::Reading { io, .. } => return Ok(io.clone()),
             State::Disk { .. } if e.len > 0 => {}
+            _ if e.readable_slot().is_some() && e.pins == 0 => {
+                let mut e = g.take(key)?;
+                e.prefetched = true;
+                if let State::Writing { src: WriteSrc::Slot { evict, .. }, .. } = &mut e.state {
+                    *evict = false;
+                }
+                g.put_back(key, e);
+                return Ok(Ticket::done());
+            }
             _ => return Ok(Ticket::done()),
         }
+        // Lifetime ranks by need: what was put after this entry is needed before it.
+        let before = if matches!(g.policy, Eviction::Lifetime) { e.put_seq } else { u64::MAX };
         let len = e.len;
-        let (mut g, slot) = self.make_room(g, len, false, false)?;
+        let (mut g, slot) = self.make_room(g, len, Room::Ahead { before })?;
         let Some(slot) = slot else {
             g.stats.prefetch_skipped += 1;
             return Ok(Ticket::done());
