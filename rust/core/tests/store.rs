@@ -465,6 +465,26 @@ fn read_ahead_of_an_entry_being_evicted_keeps_it() {
 }
 
 #[test]
+fn an_entry_read_ahead_and_used_is_evicted_in_order_again() {
+    let d = real_dir();
+    let (s, keys) = spilled(d.path(), 8);
+    for &k in keys[4..].iter().rev() {
+        s.prefetch(k).unwrap().wait().unwrap(); // the arena is full of entries read ahead
+    }
+    let dst = Aligned::new(256 << 10);
+    // Safety: dst is aligned and holds the entry; the copy from the arena is done at once.
+    unsafe { s.read_into(keys[7], dst.as_mut_ptr(), 256 << 10, None) }.unwrap().wait().unwrap();
+    // Used, keys[7] is no longer held as read ahead: a read of another takes its slot.
+    let evictions = s.stats().evictions;
+    assert!(s.acquire(keys[3]).unwrap().is_some());
+    s.release(keys[3]).unwrap();
+    assert_eq!(s.location(keys[7]).unwrap(), (false, true));
+    assert_eq!(s.stats().evictions, evictions + 1);
+    s.evict(keys[3]).unwrap(); // an explicit evict counts too
+    assert_eq!(s.stats().evictions, evictions + 2);
+}
+
+#[test]
 fn an_eviction_write_keeps_its_slot_until_one_is_short() {
     for room in [false, true] {
         let d = real_dir();

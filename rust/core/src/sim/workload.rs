@@ -573,6 +573,7 @@ fn thread_ops_in(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)], pendin
             }
         };
         r.map_err(|e| format!("op {i}: {e}"))?;
+        c.store.check_books().map_err(|e| format!("op {i}: {e}"))?;
     }
     if c.close_early {
         // Closed with the store's transfers in flight: close waits for them, and then refuses

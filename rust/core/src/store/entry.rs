@@ -1,5 +1,5 @@
 //! The state of one entry. Every change goes through `Inner::take` and
-//! `Inner::put_back` (store/mod.rs), which keep the eviction index, the list
+//! `Inner::put_back` (store/mod.rs), which keep the eviction indexes, the list
 //! of transfers in flight and the byte counters in step with the states.
 
 use super::placement::Placement;
@@ -78,16 +78,21 @@ impl Entry {
         }
     }
 
+    /// Its arena slot, filled or not.
+    pub fn slot(&self) -> Option<&Range> {
+        match &self.state {
+            State::Filling { slot }
+            | State::Host { slot }
+            | State::Clean { slot, .. }
+            | State::Writing { src: WriteSrc::Slot { slot, .. }, .. }
+            | State::Reading { dst: ReadDst::Slot(slot), .. } => Some(slot),
+            _ => None,
+        }
+    }
+
     /// Whether it holds an arena slot (filled or not).
     pub fn has_slot(&self) -> bool {
-        matches!(
-            self.state,
-            State::Filling { .. }
-                | State::Host { .. }
-                | State::Clean { .. }
-                | State::Writing { src: WriteSrc::Slot { .. }, .. }
-                | State::Reading { dst: ReadDst::Slot(_), .. }
-        )
+        self.slot().is_some()
     }
 
     /// Its NVMe copy holds the bytes (written, or being read back; none are needed for zero bytes).
@@ -123,6 +128,14 @@ impl Entry {
             super::Eviction::Fifo => self.host_seq,
         };
         Some((self.prefetched, prio, key))
+    }
+
+    /// Bytes of its slot if clean (also on NVMe) and not read ahead: had at once.
+    pub fn clean_bytes(&self) -> u64 {
+        match &self.state {
+            State::Clean { slot, .. } if !self.prefetched => slot.len(),
+            _ => 0,
+        }
     }
 
     /// Bytes of its slot on the way out (an eviction write in flight).

@@ -79,52 +79,48 @@ impl Store {
         }
     }
 
-    /// Start evictions of entries ranked before `before` until free + leaving + clean ≥ `need
-    /// + headroom`. Clean entries give up their slot while no free range holds `need`; dirty
-    /// ones are written first, until NVMe has no room for them. Entries read ahead and not used yet go only with
-    /// `take_prefetched`: evicting them would mean reading them again.
+    /// Make room among entries ranked before `before`: clean ones give up their slot while
+    /// no free range holds `need`; dirty ones are written out (until NVMe has no room) while
+    /// free + leaving + clean bytes fall short of `need + headroom`. Entries read ahead and
+    /// not used yet go only with `take_prefetched`: evicting them would mean reading them again.
     fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool, before: u64) {
-        let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving);
-        let mut nvme_full = false;
+        let may_go = |&(prefetched, prio, _): &(bool, u64, u64)| (take_prefetched || !prefetched) && prio < before;
+        while g.host.largest_free() < need {
+            let Some(&(_, _, key)) = g.clean.iter().next().filter(|k| may_go(k)) else { break };
+            let Ok(mut e) = g.take(key) else { break };
+            if let State::Clean { slot, disk } = std::mem::replace(&mut e.state, State::Empty) {
+                g.free_slot(slot);
+                g.stats.evictions += 1;
+                e.prefetched = false;
+                e.state = State::Disk { disk };
+            }
+            g.put_back(key, e);
+        }
+        let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving + g.clean_bytes);
         let mut after: Option<(bool, u64, u64)> = None;
         while budget > 0 {
             let next = match after {
-                None => g.index.iter().next(),
-                Some(a) => g.index.range((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)).next(),
+                None => g.dirty.iter().next(),
+                Some(a) => g.dirty.range((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)).next(),
             };
-            let Some(&cand) = next else { break };
+            let Some(&cand) = next.filter(|k| may_go(k)) else { break };
             after = Some(cand);
-            let (prefetched, prio, key) = cand;
-            if prefetched && !take_prefetched {
-                break; // the index puts read-ahead entries last
-            }
-            if prio >= before {
-                break; // ranked in order after the read-ahead ones
-            }
-            let Ok(mut e) = g.take(key) else { continue };
-            match std::mem::replace(&mut e.state, State::Empty) {
-                // Counted, but kept until a slot is short: a clean slot is had at once.
-                State::Clean { slot, disk } if g.host.largest_free() >= need => {
-                    budget = budget.saturating_sub(slot.len());
-                    e.state = State::Clean { slot, disk };
-                }
-                State::Clean { slot, disk } => {
-                    budget = budget.saturating_sub(slot.len());
-                    g.free_slot(slot);
-                    g.stats.evictions += 1;
-                    e.prefetched = false;
-                    e.state = State::Disk { disk };
-                }
-                State::Host { slot } if !nvme_full => {
+            let Ok(mut e) = g.take(cand.2) else { continue };
+            let res = match std::mem::replace(&mut e.state, State::Empty) {
+                State::Host { slot } => {
                     let size = slot.len();
-                    match self.start_write(g, &mut e, slot, true) {
-                        Ok(()) => budget = budget.saturating_sub(size),
-                        Err(_) => nvme_full = true,
-                    }
+                    self.start_write(g, &mut e, slot, true).map(|()| size)
                 }
-                other => e.state = other,
+                other => {
+                    e.state = other;
+                    Ok(0)
+                }
+            };
+            g.put_back(cand.2, e);
+            match res {
+                Ok(size) => budget = budget.saturating_sub(size),
+                Err(_) => break, // no NVMe room
             }
-            g.put_back(key, e);
         }
     }
 

@@ -1,5 +1,5 @@
 //! The books of a store, behind its lock: entries and their states, the
-//! eviction index, transfers in flight, free space, and whether the store
+//! eviction indexes, transfers in flight, free space, and whether the store
 //! still takes work.
 
 use super::entry::{Entry, ReadDst, State, WriteSrc};
@@ -22,8 +22,12 @@ pub(crate) enum Status {
 
 pub(crate) struct Inner {
     entries: HashMap<u64, Entry>,
-    /// Entries that may give up their slot now, in eviction order: (prefetched, priority, key).
-    pub index: BTreeSet<(bool, u64, u64)>,
+    /// Entries that may give up their slot now, in eviction order (prefetched, priority,
+    /// key): dirty ones, to be written first, and clean ones, whose slot goes at once.
+    pub dirty: BTreeSet<(bool, u64, u64)>,
+    pub clean: BTreeSet<(bool, u64, u64)>,
+    /// Slot bytes of the clean entries not read ahead.
+    pub clean_bytes: u64,
     /// Entries with a transfer in flight that `reap` finishes.
     inflight: BTreeSet<u64>,
     /// Bytes of caller memory held by writes from it (`write_from`).
@@ -48,7 +52,9 @@ impl Inner {
     pub fn new(host: RangeAllocator, space: Space, stats: Stats, policy: Eviction) -> Self {
         Inner {
             entries: HashMap::new(),
-            index: BTreeSet::new(),
+            dirty: BTreeSet::new(),
+            clean: BTreeSet::new(),
+            clean_bytes: 0,
             inflight: BTreeSet::new(),
             caller_bytes: 0,
             leaving: 0,
@@ -118,7 +124,12 @@ impl Inner {
     pub fn take(&mut self, key: u64) -> Result<Entry> {
         let e = self.entries.remove(&key).ok_or(Error::UnknownKey(key))?;
         if let Some(k) = e.evict_key(self.policy, key) {
-            self.index.remove(&k);
+            if e.on_nvme() {
+                self.clean.remove(&k);
+                self.clean_bytes -= e.clean_bytes();
+            } else {
+                self.dirty.remove(&k);
+            }
         }
         if e.reaped() {
             self.inflight.remove(&key);
@@ -131,7 +142,12 @@ impl Inner {
 
     pub fn put_back(&mut self, key: u64, e: Entry) {
         if let Some(k) = e.evict_key(self.policy, key) {
-            self.index.insert(k);
+            if e.on_nvme() {
+                self.clean.insert(k);
+                self.clean_bytes += e.clean_bytes();
+            } else {
+                self.dirty.insert(k);
+            }
         }
         if e.reaped() {
             self.inflight.insert(key);
@@ -196,7 +212,7 @@ impl Inner {
             let res = io.poll().expect("done");
             let abandoned = io.abandoned();
             e.state = match std::mem::replace(&mut e.state, State::Empty) {
-                State::Writing { src, disk, .. } => self.end_write(src, disk, res, abandoned),
+                State::Writing { src, disk, .. } => self.end_write(&mut e, src, disk, res, abandoned),
                 State::Reading { dst, disk, .. } => self.end_read(&mut e, dst, disk, res, abandoned),
                 other => other,
             };
@@ -231,11 +247,16 @@ impl Inner {
         self.host.capacity() / 4
     }
 
-    fn end_write(&mut self, src: WriteSrc, disk: Placement, res: Result<()>, abandoned: bool) -> State {
+    fn end_write(&mut self, e: &mut Entry, src: WriteSrc, disk: Placement, res: Result<()>, abandoned: bool) -> State {
         match (src, res) {
             // Even an eviction keeps its slot, clean: `make_room` drops it once a slot is short
             // (at once), and by then the backward may have used it or freed room.
-            (WriteSrc::Slot { slot, .. }, Ok(())) => State::Clean { slot, disk },
+            (WriteSrc::Slot { slot, evict }, Ok(())) => {
+                if evict {
+                    e.prefetched = false; // read ahead, and taken as a last resort all the same
+                }
+                State::Clean { slot, disk }
+            }
             (WriteSrc::Caller | WriteSrc::Staged | WriteSrc::External, Ok(())) => State::Disk { disk },
             (src, Err(err)) => {
                 // The file's range may still be written by the kernel if abandoned: keep it out of use.
@@ -309,10 +330,47 @@ impl Inner {
         s
     }
 
+    /// The books rebuilt from the entries' states, against those kept: for the simulation.
+    pub fn check_books(&self) -> std::result::Result<(), String> {
+        let (mut dirty, mut clean, mut inflight) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
+        let (mut clean_bytes, mut leaving, mut caller, mut doomed, mut slots) = (0, 0, 0, 0, 0);
+        for (&k, e) in &self.entries {
+            if let Some(x) = e.evict_key(self.policy, k) {
+                if e.on_nvme() {
+                    clean.insert(x)
+                } else {
+                    dirty.insert(x)
+                };
+            }
+            if e.reaped() {
+                inflight.insert(k);
+            }
+            clean_bytes += if e.evict_key(self.policy, k).is_some() { e.clean_bytes() } else { 0 };
+            leaving += e.leaving();
+            caller += e.caller_held();
+            doomed += usize::from(e.doomed);
+            slots += e.slot().map_or(0, |r| r.len());
+            if e.prefetched && !e.has_slot() {
+                return Err(format!("entry {k} is read ahead without a slot"));
+            }
+        }
+        let quarantined: u64 = self.host_quarantine.iter().map(Range::len).sum();
+        let kept = (&self.dirty, &self.clean, &self.inflight, self.clean_bytes, self.leaving, self.caller_bytes);
+        if kept != (&dirty, &clean, &inflight, clean_bytes, leaving, caller) || self.doomed != doomed {
+            return Err("the books differ from the entries' states".into());
+        }
+        if slots + quarantined != self.host.used() {
+            return Err(format!("{} arena bytes used, {} in slots", self.host.used(), slots + quarantined));
+        }
+        Ok(())
+    }
+
     /// Forget everything (close): the space goes with the store.
     pub fn clear(&mut self) {
         self.entries.clear();
-        self.index.clear();
+        self.dirty.clear();
+        self.clean.clear();
+        self.clean_bytes = 0;
         self.inflight.clear();
         self.caller_bytes = 0;
         self.leaving = 0;

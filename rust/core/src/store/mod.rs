@@ -640,6 +640,7 @@ impl Store {
             // Pinned and copied without the lock: `take` may wait for the caller's own locks.
             let mut e = g.take(key)?;
             e.pins += 1;
+            e.prefetched = false;
             g.put_back(key, e);
             drop(g);
             // Safety: the pinned slot holds `len` bytes and is neither freed nor evicted meanwhile.
@@ -700,8 +701,14 @@ impl Store {
             return Err(Error::Invalid(format!("read_into of entry {key} needs {need} bytes of room, got {room}")));
         }
         if let Some(off) = e.readable_slot() {
+            let prefetched = e.prefetched;
             // Safety: the slot holds len bytes; dst has room per the contract.
             unsafe { std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(off as usize), dst, len as usize) };
+            if prefetched {
+                let mut e = g.take(key)?;
+                e.prefetched = false; // used: evicted in policy order again
+                g.put_back(key, e);
+            }
             g.stats.host_hits += 1;
             g.stats.host_bytes_out += len;
             return Ok(Ticket::done());
@@ -796,6 +803,7 @@ impl Store {
                         unreachable!()
                     };
                     g.free_slot(slot);
+                    g.stats.evictions += 1;
                     e.prefetched = false;
                     e.state = State::Disk { disk };
                     g.put_back(key, e);
@@ -870,6 +878,11 @@ impl Store {
             let Some(t) = g.any_io() else { return Ok(()) };
             g = self.wait_for(g, &t, Need::NotClosed)?.0;
         }
+    }
+
+    /// Whether the books agree with the entries' states (the simulation asks after each op).
+    pub(crate) fn check_books(&self) -> std::result::Result<(), String> {
+        self.lock_any().check_books()
     }
 
     /// Wait for every write in flight. Returns the first error of a write that nobody waited on.
