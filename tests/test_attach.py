@@ -1003,7 +1003,7 @@ def test_auto_read_ahead_times_the_backward_without_its_waits(store_dir, monkeyp
 
     with ssdtier.attach(build_model(CONFIGS["gpt"]), offload_config(store_dir, prefetch_layers="auto")) as off:
         b = Backward()
-        b.seq = [SimpleNamespace(layer=j, nbytes=1000, refs=0) for j in range(3)]
+        b.seq = [SimpleNamespace(layer=j, nbytes=1000, refs=0, cuda=False) for j in range(3)]
         clock = iter([1.0, 1.5, 3.0])
         monkeypatch.setattr(readahead, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
         with off._lock:
@@ -1029,7 +1029,7 @@ def test_auto_read_ahead_margin(store_dir):
     with ssdtier.attach(model, offload_config(store_dir, prefetch_layers="auto")) as off:
         ahead = off.ahead
         b = Backward()
-        b.seq = [SimpleNamespace(layer=j // 5, nbytes=1_000_000) for j in range(10)]
+        b.seq = [SimpleNamespace(layer=j // 5, nbytes=1_000_000, cuda=False) for j in range(10)]
 
         def backward(stall=0.0):
             s = Sweep(b, list(range(9, -1, -1)), 0.0, 0.0)

@@ -16,6 +16,7 @@ import ssdtier
 from ssdtier.errors import SsdtierError
 from ssdtier.offload import offloader
 from ssdtier.offload.cuda import Pinned
+from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
 
 from .test_attach import offload_config
@@ -356,3 +357,24 @@ def test_a_read_ahead_keeps_its_entry_in_the_arena(store_dir, gpu):
             e.refs = 0
             tr.release(e)
             tr.free_key(e)
+
+
+def test_the_read_ahead_window_stays_within_half_the_arena(transport, gpu):
+    # Reads ahead land in the arena, which also holds what the backward needs first: a window
+    # learned on a fast disk (64 MiB here) reads at most half the arena (512 KiB) ahead.
+    es = [offload(transport, source(128 << 10, i)) for i in range(8)]
+    gpu.run()
+    transport.poll()
+    b = Backward()
+    for e in es:
+        e.pos = len(b.seq)
+        b.seq.append(e)
+        b.cum += e.nbytes
+    ahead = transport.off.ahead
+    ahead.window = 64 << 20
+    ahead.advance(b, -1)
+    assert b.sweep.arena_cap == 512 << 10 and b.sweep.read_to == 3  # 4 x 128 KiB
+    for e in es:
+        e.refs = 0
+        transport.release(e)
+        transport.free_key(e)

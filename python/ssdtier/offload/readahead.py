@@ -64,6 +64,7 @@ class Sweep:
     first reached each rank."""
 
     __slots__ = (
+        "arena_cap",
         "at",
         "cum",
         "guessed",
@@ -99,6 +100,7 @@ class Sweep:
         self.seen: list[int] = []  # positions, in the order of their first unpack
         self.held: set[int] = set()  # ranks served from their source, with no read
         self.t0, self.stall0 = now, stall
+        self.arena_cap = 0  # the most read ahead into the host arena (0: no bound)
         self.times: list[float | None] = [None] * len(order)  # seconds into the sweep less its waits, by rank
 
 
@@ -172,6 +174,9 @@ class ReadAhead:
             learned = self._order(b)
             order = learned or list(range(len(b.seq) - 1, -1, -1))
             s = b.sweep = Sweep(b, order, now, self.off.res.stall, guessed=not learned)
+            if any(e.cuda for e in b.seq):
+                # Read into the arena, where the entries the backward needs first stay.
+                s.arena_cap = self.off.cuda.bound
         self.sweep = s
         if 0 <= pos < len(s.rank):
             r = s.rank[pos]
@@ -181,6 +186,8 @@ class ReadAhead:
                 s.seen.append(pos)
             s.at = max(s.at, r)
         window = self.window if self.window is not None else self._first_window(s)
+        if s.arena_cap:
+            window = min(window, s.arena_cap)
         order, cum, nxt = s.order, s.cum, s.at + 1
         j = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
@@ -243,6 +250,8 @@ class ReadAhead:
             return
         # Tiny blocks: their backward is shorter than a read's latency, so blocks are no measure.
         most = max(AHEAD_MAX * s.layer_max, AHEAD_MIN_CAP)
+        if s.arena_cap:
+            most = min(most, max(s.arena_cap, s.largest))
         latency = min(t1 - t0 for t0, t1, _ in done)  # the others include waiting behind earlier reads
         bandwidth = sum(n for _, _, n in done) / _busy(done)
         sizes = [s.seq[p].nbytes for p in s.order]

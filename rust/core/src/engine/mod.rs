@@ -236,8 +236,8 @@ pub(crate) fn retryable(errno: i32) -> bool {
     matches!(errno, libc::EINTR | libc::EAGAIN | libc::EBUSY)
 }
 
-/// An optional bandwidth cap (benchmarks only) that delays submission so the
-/// long-run rate stays below `bytes_per_sec`.
+/// An optional bandwidth cap (benchmarks only): each transfer is submitted when a disk of
+/// `bytes_per_sec` would have finished it, after those before it.
 #[derive(Clone)]
 pub struct Throttle {
     /// When the capped device is free again.
@@ -259,9 +259,8 @@ impl Throttle {
         let wait = {
             let mut free_at = inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let now = Instant::now();
-            let start = (*free_at).max(now);
-            *free_at = start + Duration::from_secs_f64(len as f64 / self.bytes_per_sec);
-            start.saturating_duration_since(now)
+            *free_at = (*free_at).max(now) + Duration::from_secs_f64(len as f64 / self.bytes_per_sec);
+            free_at.saturating_duration_since(now)
         };
         if !wait.is_zero() {
             std::thread::sleep(wait);
