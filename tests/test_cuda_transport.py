@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import random
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from ssdtier.offload.cuda import Pinned
 from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
 
-from .test_attach import offload_config
+from .test_attach import CONFIGS, assert_same, offload_config, train
 
 
 class FakeEvent:
@@ -378,3 +379,33 @@ def test_the_read_ahead_window_stays_within_half_the_arena(transport, gpu):
         e.refs = 0
         transport.release(e)
         transport.free_key(e)
+
+
+@pytest.mark.parametrize(
+    ("model", "host", "policy"),
+    [
+        *((m, h, {"prefetch_layers": "auto"}) for m in ("gpt", "t5") for h in ("64KiB", "64MiB")),
+        ("bert", "128KiB", {"prefetch_layers": 2}),
+        ("bert", "128KiB", {"mode": "adaptive"}),
+    ],
+)
+def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatch, model, host, policy):
+    # CPU tensors take the CUDA transport's whole path, on fake streams whose events end at
+    # random as the transport asks: copies still landing at their unpack, spills to NVMe
+    # (small arenas), reads ahead staged on the prefetch stream, and exact gradients.
+    rng = random.Random(0)
+    query = FakeEvent.query
+
+    def ends_at_random(ev):
+        if rng.random() < 0.3:
+            gpu.run()
+        return query(ev)
+
+    ref = train(CONFIGS[model], micro=3)
+    monkeypatch.setattr(FakeEvent, "query", ends_at_random)
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    got = train(CONFIGS[model], offload_config(store_dir, host=host, **policy), micro=3)
+    assert_same(ref, got)
+    s = got[2]
+    assert s.tensors_offloaded > 0 and s.copied_ahead > 0, s
+    assert (s.bytes_read_nvme > 0) == (host != "64MiB"), s

@@ -79,6 +79,10 @@ class Offloader:
     Use it as a context manager (detaches on exit) or call :meth:`detach`.
     """
 
+    # Device types whose activations the CUDA transport copies to the arena on streams
+    # (tests add "cpu" to run it on a fake GPU).
+    _streamed = frozenset({"cuda"})
+
     def __init__(self, model: nn.Module, config: Config) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
@@ -351,7 +355,7 @@ class Offloader:
                 c["dedup_hits"] += 1
                 return Saved(self, hit[2], t, hit[2].first)
             try:
-                if t.is_cuda and (self._gds is None or not nbytes):
+                if dev.type in self._streamed and (self._gds is None or not nbytes):
                     whole = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
                     entry = self.cuda.offload(whole, nbytes, f)
                 else:
