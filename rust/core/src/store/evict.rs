@@ -42,8 +42,8 @@ impl Store {
             Room::Put | Room::Read => (true, u64::MAX),
             Room::Ahead { before } => (false, before),
         };
-        // Keep some of the arena free or on its way out, so the disk stays busy while the
-        // caller fills the next slot.
+        // Keep some of the arena free, on its way out or clean, so the disk stays busy while
+        // the caller fills the next slot.
         let headroom = if wait { g.headroom() } else { 0 };
         loop {
             g.reap();
