@@ -135,6 +135,14 @@ def offload(tr, src: torch.Tensor):
     return e
 
 
+def let_go(tr, *entries) -> None:
+    """Each entry's last handle goes, as autograd drops it."""
+    for e in entries:
+        e.refs = 0
+        tr.release(e)
+        tr.free_key(e)
+
+
 def in_store(tr, key) -> bool:
     try:
         tr.native.location(key)
@@ -180,9 +188,7 @@ def test_no_event_is_queried_while_a_cuda_graph_is_captured(transport, gpu):
 def test_an_entry_released_in_flight_keeps_its_slot_until_the_copy_lands(transport, gpu):
     e = offload(transport, source(64 << 10, 1))
     key = e.key
-    e.refs = 0
-    transport.release(e)
-    transport.free_key(e)
+    let_go(transport, e)
     assert in_store(transport, key)  # a read could fill a free slot under the copy
     gpu.run()
     transport.poll()
@@ -314,9 +320,7 @@ def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
         tr.stage_ready()
         assert tr.store.stats().prefetch_skipped >= 1 and old.staged is None
         used = fill.pop()
-        used.refs = 0
-        tr.release(used)
-        tr.free_key(used)  # its slot comes back once its write ends
+        let_go(tr, used)  # its slot comes back once its write ends
         for _ in range(1000):  # 5 s at most
             if old.staged is not None:
                 break
@@ -324,10 +328,7 @@ def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
             tr.stage_ready()
         assert old.staged is not None and tr.store.stats().prefetches == 1
         assert bytes(tr.restore(old))[:4] == bytes([1]) * 4
-        for e in [old, *fill]:
-            e.refs = 0
-            tr.release(e)
-            tr.free_key(e)
+        let_go(tr, old, *fill)
         gpu.run()
         tr.poll()
 
@@ -354,10 +355,7 @@ def test_a_read_ahead_keeps_its_entry_in_the_arena(store_dir, gpu):
         tr.poll()
         assert tr.native.location(es[0].key) == (True, True)
         assert tr.native.location(es[1].key) == (False, True)
-        for e in es:
-            e.refs = 0
-            tr.release(e)
-            tr.free_key(e)
+        let_go(tr, *es)
 
 
 def test_the_read_ahead_window_stays_within_half_the_arena(transport, gpu):
@@ -375,10 +373,7 @@ def test_the_read_ahead_window_stays_within_half_the_arena(transport, gpu):
     ahead.window = 64 << 20
     ahead.advance(b, -1)
     assert b.sweep.arena_cap == 512 << 10 and b.sweep.read_to == 3  # 4 x 128 KiB
-    for e in es:
-        e.refs = 0
-        transport.release(e)
-        transport.free_key(e)
+    let_go(transport, *es)
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,13 @@ impl Entry {
         }
     }
 
+    /// Whether its slot write in flight (if any) gives up the slot's room once it ends.
+    pub fn set_evict(&mut self, to: bool) {
+        if let State::Writing { src: WriteSrc::Slot { evict, .. }, .. } = &mut self.state {
+            *evict = to;
+        }
+    }
+
     /// Bytes of its slot on the way out (an eviction write in flight).
     pub fn leaving(&self) -> u64 {
         match &self.state {

@@ -87,14 +87,9 @@ impl Store {
         let may_go = |&(prefetched, prio, _): &(bool, u64, u64)| (take_prefetched || !prefetched) && prio < before;
         while g.host.largest_free() < need {
             let Some(&(_, _, key)) = g.clean.iter().next().filter(|k| may_go(k)) else { break };
-            let Ok(mut e) = g.take(key) else { break };
-            if let State::Clean { slot, disk } = std::mem::replace(&mut e.state, State::Empty) {
-                g.free_slot(slot);
-                g.stats.evictions += 1;
-                e.prefetched = false;
-                e.state = State::Disk { disk };
+            if g.drop_clean(key).is_err() {
+                break;
             }
-            g.put_back(key, e);
         }
         let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving + g.clean_bytes);
         let mut after: Option<(bool, u64, u64)> = None;

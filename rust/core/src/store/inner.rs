@@ -242,6 +242,22 @@ impl Inner {
         }
     }
 
+    /// A clean entry gives up its slot (its bytes stay on NVMe); anything else is left as is.
+    pub fn drop_clean(&mut self, key: u64) -> Result<()> {
+        let mut e = self.take(key)?;
+        e.state = match std::mem::replace(&mut e.state, State::Empty) {
+            State::Clean { slot, disk } => {
+                self.free_slot(slot);
+                self.stats.evictions += 1;
+                e.prefetched = false;
+                State::Disk { disk }
+            }
+            other => other,
+        };
+        self.put_back(key, e);
+        Ok(())
+    }
+
     /// What evictions keep free, on its way out or clean: a quarter of the arena.
     pub fn headroom(&self) -> u64 {
         self.host.capacity() / 4
@@ -337,15 +353,15 @@ impl Inner {
         for (&k, e) in &self.entries {
             if let Some(x) = e.evict_key(self.policy, k) {
                 if e.on_nvme() {
-                    clean.insert(x)
+                    clean.insert(x);
+                    clean_bytes += e.clean_bytes();
                 } else {
-                    dirty.insert(x)
-                };
+                    dirty.insert(x);
+                }
             }
             if e.reaped() {
                 inflight.insert(k);
             }
-            clean_bytes += if e.evict_key(self.policy, k).is_some() { e.clean_bytes() } else { 0 };
             leaving += e.leaving();
             caller += e.caller_held();
             doomed += usize::from(e.doomed);

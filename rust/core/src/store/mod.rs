@@ -576,9 +576,7 @@ impl Store {
                 e.pins += 1;
                 e.prefetched = false;
                 e.access_seq = seq;
-                if let State::Writing { src: WriteSrc::Slot { evict, .. }, .. } = &mut e.state {
-                    *evict = false;
-                }
+                e.set_evict(false);
                 g.put_back(key, e);
                 g.stats.host_bytes_out += len;
                 g.stats.host_gets += 1;
@@ -737,9 +735,7 @@ impl Store {
             _ if e.readable_slot().is_some() && e.pins == 0 => {
                 let mut e = g.take(key)?;
                 e.prefetched = true;
-                if let State::Writing { src: WriteSrc::Slot { evict, .. }, .. } = &mut e.state {
-                    *evict = false;
-                }
+                e.set_evict(false);
                 g.put_back(key, e);
                 return Ok(Ticket::done());
             }
@@ -789,26 +785,13 @@ impl Store {
                 State::Writing { .. } | State::Reading { .. } => {
                     let io = e.io().cloned().expect("in flight");
                     let mut e = g.take(key)?;
-                    if let State::Writing { src: WriteSrc::Slot { evict, .. }, .. } = &mut e.state {
-                        *evict = true;
-                    }
+                    e.set_evict(true);
                     g.put_back(key, e);
                     let (g2, r) = self.wait_unlocked(g, &io)?;
                     g = g2;
                     r?;
                 }
-                State::Clean { .. } => {
-                    let mut e = g.take(key)?;
-                    let State::Clean { slot, disk } = std::mem::replace(&mut e.state, State::Empty) else {
-                        unreachable!()
-                    };
-                    g.free_slot(slot);
-                    g.stats.evictions += 1;
-                    e.prefetched = false;
-                    e.state = State::Disk { disk };
-                    g.put_back(key, e);
-                    return Ok(());
-                }
+                State::Clean { .. } => return g.drop_clean(key),
                 State::Host { .. } => {
                     let mut e = g.take(key)?;
                     let State::Host { slot } = std::mem::replace(&mut e.state, State::Empty) else { unreachable!() };
