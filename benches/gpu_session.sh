@@ -1,49 +1,64 @@
 #!/usr/bin/env bash
-# A lent GPU machine (no network; python3 there has torch, pytest and hypothesis), in calls of
-# under 10 minutes each: the parts named as arguments run in order (none named: all of them).
-# Logs, JSON and Markdown go to $OUT; machine.txt and a summary come with every call.
+# A lent GPU machine (no network; python3 there has torch, pytest, pytest-timeout, xdist, psutil):
+# the parts named as arguments run in order, each under its own time limit, all within SESSION_S.
+# A session has 15 device-minutes, a start included, and a machine stays warm 30 s after a call:
 #
 # Here:    .venv/bin/maturin build --release -o .wheels      (an abi3 wheel, git-ignored)
 #          (optional, for the torchtune mode; its offloading module is loaded alone):
-#          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0 psutil
-# There (device tool: carry [".wheels"]), calls in this order of importance, each starting with
-# the cheap install, since a fresh machine has none (30 device-minutes a session in all):
-#   bash benches/gpu_session.sh install import info test_cuda pytest_all          # 5-8 min
-#   bash benches/gpu_session.sh install bench_1b                                  # ~9 min
-#   bash benches/gpu_session.sh install test_compile bench_quick cufile           # ~7 min
-#   bash benches/gpu_session.sh install fit                                       # ~9 min
+#          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
+#          bash benches/static_fio.sh                       (fio for the benches: none is there)
+# There (device tool: carry [".wheels"], timeout_s 330), back to back:
+#   bash benches/gpu_session.sh call1   # install import info test_cuda bench_quick cufile
+#   bash benches/gpu_session.sh call2   # install bench_1b (the 1B GPT, every mode side by side)
+#   bash benches/gpu_session.sh call3   # install test_compile pytest_all fit, if time is left
+# If call1 fails on something fixable, fix it and run call1 again before call2.
 #
-# The lent machines run gVisor (kernel 4.4): io_uring or O_DIRECT may be refused there, and then
-# the store says so and uses its POSIX engine; `info` and machine.txt record what was found.
+# Out: $OUT/summary.txt and $OUT/gpu_session.tgz (every log, JSON and Markdown), rewritten after
+# each part, since the device tool brings back at most 8 files. Failed parts' log tails are
+# printed too. io_uring or O_DIRECT may be refused (gVisor): the store then uses its POSIX engine
+# and `info` says so.
 #
-# Parts: install (pip install of the carried wheels), import (the installed wheel, not the source
-# tree, is what tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda
-# (all but torch.compile's), pytest_all, test_compile (torch.compile on CUDA, CUDA graphs),
-# cufile (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_quick
-# (benches/gpu_step.py --quick), bench_1b (the 1B GPT, every mode side by side, ssdtier_cufile
-# last), fit (the largest micro-batch of each mode);
-# on request only: train_step_cuda, train_step_cuda_big (benches/train_step.py --device cuda).
-# Each part has its own time limit, cut to what is left of SESSION_S (default 570) seconds, so
-# that one hang does not eat the call's 10 minutes and the summary is still printed.
+# Parts: install (the carried wheels), import (the installed wheel, not the source tree, is what
+# tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
+# torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
+# (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
+# largest micro-batch of each mode); on request only: train_step_cuda, train_step_cuda_big.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL=(install import info test_cuda pytest_all test_compile bench_quick bench_1b cufile fit)
+ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
 KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big "
-parts=("$@")
+parts=()
+for a in "$@"; do
+    case "$a" in
+    call1) parts+=(install import info test_cuda bench_quick cufile) ;;
+    call2) parts+=(install bench_1b) ;;
+    call3) parts+=(install test_compile pytest_all fit) ;;
+    *) parts+=("$a") ;;
+    esac
+done
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
     if [[ "$KNOWN" != *" $p "* ]]; then
-        echo "gpu_session: unknown part '$p'; parts:$KNOWN" >&2
+        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3" >&2
         exit 2
     fi
 done
 
 OUT="${OUT:-benches/out/gpu}"
+LOGS="${LOGS:-$(mktemp -d /tmp/gpu_session.XXXXXX)}" # packed into $OUT after each part
 PY="${PY:-python3}"
-SESSION_S="${SESSION_S:-570}"
-mkdir -p "$OUT"
+SESSION_S="${SESSION_S:-300}"
+if [ -x .wheels/bin/fio ] && ! command -v fio >/dev/null; then
+    export PATH="$PWD/.wheels/bin:$PATH"
+fi
+mkdir -p "$OUT" "$LOGS"
 summary=()
+failed=()
 ran_cuda=()
+pack() {
+    printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+    tar -czf "$OUT/gpu_session.tgz" -C "$LOGS" .
+}
 limit() { # a part's own limit, cut to the session's time left (less 5 s for the summary)
     local left=$((SESSION_S - SECONDS - 5))
     echo $(($1 < left ? $1 : left))
@@ -53,24 +68,28 @@ part() { # name, seconds, command...
     shift 2
     if [ "$secs" -lt 20 ]; then
         summary+=("$(printf '%-22s skipped: %ss left of SESSION_S=%s' "$name" "$secs" "$SESSION_S")")
+        pack
         return 124
     fi
     local t0=$SECONDS
-    timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$secs" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
-    summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log")")")
+    summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$LOGS/$name.log")")")
+    [ $rc -ne 0 ] && failed+=("$name")
+    pack
     return $rc
 }
 
 {
     nvidia-smi
     "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+    uname -a
     df -hT . /tmp
     lsblk -d -o NAME,ROTA,SIZE,MODEL 2>/dev/null
     command -v fio >/dev/null && fio --version || echo "fio: not installed"
     nproc
     free -g
-} >"$OUT/machine.txt" 2>&1
+} >"$LOGS/machine.txt" 2>&1
 
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90) # one hang costs 90 s, not the part
@@ -85,55 +104,60 @@ for p in "${parts[@]}"; do
         fi
         extra=(.wheels/extra/*.whl)
         [ -e "${extra[0]}" ] || extra=()
-        part install "$(limit 120)" "$PY" -m pip install --no-deps --no-index --force-reinstall "$wheel" ${extra[@]+"${extra[@]}"} || {
-            cat "$OUT/install.log"
+        part install "$(limit 60)" "$PY" -m pip install -q --no-deps --no-index --force-reinstall "$wheel" ${extra[@]+"${extra[@]}"} || {
+            cat "$LOGS/install.log"
             exit 1
         }
         ;;
     import)
-        part import "$(limit 60)" "$PY" -c "import ssdtier, ssdtier._native as n; print(ssdtier.__file__)"
+        part import "$(limit 30)" "$PY" -c "import ssdtier, ssdtier._native as n; print(ssdtier.__file__)"
         ;;
     info)
-        part info "$(limit 60)" "$PY" -m ssdtier info benches/out
-        ;;
-    cufile)
-        part cufile "$(limit 300)" "$PY" benches/cufile_bandwidth.py --json "$OUT/cufile_bandwidth.json"
+        part info "$(limit 45)" "$PY" -m ssdtier info benches/out
         ;;
     test_cuda)
         # The torch.compile tests (cold Inductor builds, minutes) are test_compile's.
-        part test_cuda "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} \
-            tests/test_cuda.py tests/test_io_errors.py -k "cuda and not torch_compile" -v
+        part test_cuda "$(limit 150)" "$PY" -m pytest -q -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} \
+            tests/test_cuda.py tests/test_io_errors.py -k "cuda and not torch_compile" -v -rfE --tb=short
         ran_cuda=(--ignore=tests/test_cuda.py) # pytest_all need not run them again
         ;;
     test_compile)
-        part test_compile "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v
+        part test_compile "$(limit 240)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v
         ;;
     pytest_all)
         par=()
         "$PY" -c "import xdist" 2>/dev/null && par=(-n 8) # pytest-xdist is there: 8 workers
-        part pytest_all "$(limit 420)" "$PY" -m pytest -q -p no:cacheprovider -x ${par[@]+"${par[@]}"} ${ran_cuda[@]+"${ran_cuda[@]}"}
+        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider -x ${par[@]+"${par[@]}"} ${ran_cuda[@]+"${ran_cuda[@]}"}
+        ;;
+    cufile)
+        part cufile "$(limit 75)" "$PY" benches/cufile_bandwidth.py --size 1GiB --repeats 2 --timeout-s 30 \
+            --json "$LOGS/cufile_bandwidth.json"
         ;;
     bench_quick | bench_1b | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
-        bench_quick) secs=$(limit 180) args=(--quick) margin=40 ;;
-        bench_1b) secs=$(limit 560) args=() margin=80 ;;
+        bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
+        bench_1b) secs=$(limit 560) args=(--steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
         fit) secs=$(limit 560) args=(--fit) margin=80 ;;
         esac
         part "$p" "$secs" "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
-            --json "$OUT/gpu_step_$p.json" --md "$OUT/gpu_step_$p.md"
+            --json "$LOGS/gpu_step_$p.json" --md "$LOGS/gpu_step_$p.md"
         ;;
     train_step_cuda)
         part train_step_cuda "$(limit 240)" "$PY" benches/train_step.py --device cuda --skip-per-tensor \
-            --json "$OUT/train_step_cuda.json"
+            --json "$LOGS/train_step_cuda.json"
         ;;
     train_step_cuda_big)
         part train_step_cuda_big "$(limit 300)" "$PY" benches/train_step.py --device cuda --skip-per-tensor \
             --layers 12 --d-model 1024 --seq 1024 --batch 8 --heads 16 --arena 2GiB \
-            --json "$OUT/train_step_cuda_big.json"
+            --json "$LOGS/train_step_cuda_big.json"
         ;;
     esac
 done
 
-echo "== gpu_session summary (logs in $OUT) =="
+echo "== gpu_session summary ($OUT/summary.txt; logs in $OUT/gpu_session.tgz) =="
 printf '%s\n' "${summary[@]}"
+for name in ${failed[@]+"${failed[@]}"}; do
+    echo "== $name.log, last lines =="
+    tail -n 30 "$LOGS/$name.log"
+done

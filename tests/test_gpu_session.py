@@ -1,0 +1,45 @@
+"""benches/gpu_session.sh without a GPU: parts, time limits, and what comes back (the device
+tool returns at most 8 files, so everything is packed into two)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benches" / "gpu_session.sh"
+
+
+def session(tmp_path: Path, *parts: str, **env: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path / "out"), "LOGS": str(tmp_path / "logs"), **env}
+    return subprocess.run(["bash", str(SCRIPT), *parts], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_unknown_part_is_refused_before_anything_runs(tmp_path):
+    r = session(tmp_path, "import", "bench_2b")
+    assert r.returncode == 2
+    assert "unknown part 'bench_2b'" in r.stderr and "call1" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_logs_come_back_as_a_summary_and_one_archive(tmp_path):
+    r = session(tmp_path, "import", "cufile", CUDA_VISIBLE_DEVICES="")  # cufile fails: no CUDA device
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_session.tgz", "summary.txt"]
+    with tarfile.open(tmp_path / "out" / "gpu_session.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"machine.txt", "import.log", "cufile.log"} <= names
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary] == [["import", "rc=0"], ["cufile", "rc=2"]]
+    # A failed part's log tail is printed, since the archive may not come back.
+    assert "== cufile.log, last lines ==" in r.stdout and "needs CUDA" in r.stdout
+
+
+def test_parts_past_the_session_time_are_skipped_not_started(tmp_path):
+    r = session(tmp_path, "import", "info", SESSION_S="15")
+    assert r.returncode == 0
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary.count("skipped: ") == 2 and "SESSION_S=15" in summary
+    assert not (tmp_path / "logs" / "import.log").exists()
