@@ -15,6 +15,7 @@ import torch
 
 import ssdtier
 from ssdtier.errors import SsdtierError
+from ssdtier.models import batch_loss, build_model, make_batch
 from ssdtier.offload import offloader
 from ssdtier.offload.cuda import Pinned
 from ssdtier.offload.readahead import Backward
@@ -376,6 +377,21 @@ def test_the_read_ahead_window_stays_within_half_the_arena(transport, gpu):
     let_go(transport, *es)
 
 
+def through_the_cuda_transport(gpu, monkeypatch) -> None:
+    """CPU tensors take the CUDA transport's path; each event query lets the fake GPU run
+    everything queued with probability 0.3 (seeded)."""
+    rng = random.Random(0)
+    query = FakeEvent.query
+
+    def ends_at_random(ev):
+        if rng.random() < 0.3:
+            gpu.run()
+        return query(ev)
+
+    monkeypatch.setattr(FakeEvent, "query", ends_at_random)
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+
+
 @pytest.mark.parametrize(
     ("model", "host", "policy"),
     [
@@ -388,19 +404,59 @@ def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatc
     # CPU tensors take the CUDA transport's whole path, on fake streams whose events end at
     # random as the transport asks: copies still landing at their unpack, spills to NVMe
     # (small arenas), reads ahead staged on the prefetch stream, and exact gradients.
-    rng = random.Random(0)
-    query = FakeEvent.query
-
-    def ends_at_random(ev):
-        if rng.random() < 0.3:
-            gpu.run()
-        return query(ev)
-
     ref = train(CONFIGS[model], micro=3)
-    monkeypatch.setattr(FakeEvent, "query", ends_at_random)
-    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    through_the_cuda_transport(gpu, monkeypatch)
     got = train(CONFIGS[model], offload_config(store_dir, host=host, **policy), micro=3)
     assert_same(ref, got)
     s = got[2]
     assert s.tensors_offloaded > 0 and s.copied_ahead > 0, s
     assert (s.bytes_read_nvme > 0) == (host != "64MiB"), s
+
+
+class Groups:
+    """The offloader's native store, recording the groups it is told of."""
+
+    def __init__(self, native) -> None:
+        self.native, self.seen = native, []
+
+    def set_group(self, group: int) -> None:
+        self.seen.append(group)
+        self.native.set_group(group)
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
+
+
+def pipelined(cfg, ssd=None, micro=4):
+    """A pipeline schedule's warmup (1F1B): ``micro`` forwards, then their backwards, earliest
+    first. Returns losses, grads, stats and the groups the store was told of."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    gen = torch.Generator().manual_seed(2)
+    batches = [make_batch(cfg, 2, gen) for _ in range(micro)]
+    off = ssdtier.attach(model, ssd) if ssd is not None else None
+    if off is not None:
+        off._native = Groups(off._native)
+    torch.manual_seed(1)
+    losses = [batch_loss(model, b) for b in batches]
+    for loss in losses:
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    stats = groups = None
+    if off is not None:
+        stats, groups = off.stats(), off._native.seen
+        off.detach()
+    return [x.detach() for x in losses], grads, stats, groups
+
+
+@pytest.mark.parametrize("eviction", ["lifetime", "lru"])
+def test_forwards_outstanding_as_pipelines_run_them_are_exact(store_dir, gpu, monkeypatch, eviction):
+    # Each forward is a group of the store's: with lifetime, the later forwards' entries are
+    # needed last (tests/store.rs checks the order), so reads ahead may evict them.
+    ref = pipelined(CONFIGS["gpt"])
+    through_the_cuda_transport(gpu, monkeypatch)
+    got = pipelined(CONFIGS["gpt"], offload_config(store_dir, host="512KiB", eviction=eviction))
+    assert_same(ref[:3], got[:3])
+    s, groups = got[2], got[3]
+    assert groups == [1, 2, 3, 4]
+    assert s.bytes_read_nvme > 0 and s.copied_ahead > 0, s

@@ -216,6 +216,7 @@ class Offloader:
             self._forward += 1
             f.forward = self._forward
             self.cuda.stage_off = False
+        self._native.set_group(f.forward)  # lifetime eviction: earlier forwards' backwards come first
         f.backward = Backward()
         if f.forward % 64 == 1:
             # Walking the module tree costs about 1 ms per 20 modules: the list of modules'

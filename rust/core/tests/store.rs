@@ -718,3 +718,29 @@ fn a_discard_during_a_transfer_outside_the_store_frees_it_at_the_end() {
     assert_eq!(s.stats().entries, 0);
     s.close().unwrap();
 }
+
+#[test]
+fn lifetime_evicts_the_later_forward_first_under_a_pipeline_schedule() {
+    // Two forwards outstanding (1F1B): the first one's backward comes first, so the second
+    // one's entries are needed last, its earliest put last of all.
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Auto)).unwrap();
+    s.set_group(1);
+    let a: Vec<u64> = (0..4).map(|i| put(&s, &pattern(256 << 10, i))).collect();
+    s.set_group(2);
+    let b: Vec<u64> = (4..8).map(|i| put(&s, &pattern(256 << 10, i))).collect();
+    s.flush().unwrap();
+    let resident = |keys: &[u64]| keys.iter().map(|&k| s.location(k).unwrap().0).collect::<Vec<_>>();
+    // The second forward's puts evicted its own earliest entries once the first one's were out
+    // (put-order lifetime would have kept all four of its entries and none of the first's).
+    assert_eq!((resident(&a), resident(&b)), (vec![false, false, true, true], vec![false, false, true, true]));
+    // The first backward reads a[1] ahead: the second forward's entries make room for it.
+    s.prefetch(a[1]).unwrap().wait().unwrap();
+    assert_eq!((resident(&a), resident(&b)), (vec![false, true, true, true], vec![false, false, false, true]));
+    // Nothing in the arena is needed after b[0]: its read ahead is skipped.
+    s.prefetch(b[0]).unwrap().wait().unwrap();
+    assert_eq!(s.stats().prefetch_skipped, 1);
+    for (i, &k) in a.iter().chain(&b).enumerate() {
+        assert!(get(&s, k) == pattern(256 << 10, i as u64));
+    }
+}

@@ -158,6 +158,12 @@ impl Store {
         py.detach(move || s.reserve(nbytes)).py_err(py)
     }
 
+    /// Entries put from now on belong to `group` (a forward); see the lifetime policy.
+    fn set_group(&self, py: Python<'_>, group: u64) {
+        let s = self.inner.clone();
+        py.detach(move || s.set_group(group));
+    }
+
     /// Create an entry of `nbytes` with no arena slot (for `begin_external_write`): its key.
     fn reserve_unslotted(&self, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
         self.inner.reserve_unslotted(nbytes).py_err(py)

@@ -519,6 +519,9 @@ fn thread_ops_in(c: &mut Ctx, ops: usize, shared: &[(u64, Arc<Vec<u8>>)], pendin
     for i in 0..ops {
         c.out.ops += 1;
         let keys: Vec<u64> = model.keys().copied().collect();
+        if i % 16 == 0 {
+            c.store.set_group(i as u64 / 16); // a forward every 16 ops (no draw: seeds keep their runs)
+        }
         let roll = c.rng.below(100);
         let r = if roll < 30 || keys.is_empty() {
             put(c, &mut model, pending)

@@ -58,14 +58,30 @@ pub(crate) struct Entry {
     pub prefetched: bool,
     /// Freed while a transfer was in flight (`discard`): gone once it ends.
     pub doomed: bool,
+    /// The group it was put in (`Store::set_group`: a forward), and its place in the put order.
+    pub group: u64,
     pub put_seq: u64,
     pub host_seq: u64,
     pub access_seq: u64,
 }
 
+/// An entry's place in an eviction index: (read ahead, rank, key), the smallest goes first.
+pub(crate) type EvictKey = (bool, u128, u64);
+
 impl Entry {
-    pub fn new(len: u64, state: State, seq: u64) -> Self {
-        Entry { len, state, pins: 0, prefetched: false, doomed: false, put_seq: seq, host_seq: seq, access_seq: seq }
+    pub fn new(len: u64, state: State, seq: u64, group: u64) -> Self {
+        let (pins, prefetched, doomed) = (0, false, false);
+        Entry { len, state, pins, prefetched, doomed, group, put_seq: seq, host_seq: seq, access_seq: seq }
+    }
+
+    /// Its eviction rank under `policy`. Lifetime: groups are used in the order they were put
+    /// and each one's entries in reverse, so the latest group's earliest entry is needed last.
+    pub fn rank(&self, policy: super::Eviction) -> u128 {
+        match policy {
+            super::Eviction::Lifetime => (u128::from(u64::MAX - self.group) << 64) | u128::from(self.put_seq),
+            super::Eviction::Lru => u128::from(self.access_seq),
+            super::Eviction::Fifo => u128::from(self.host_seq),
+        }
     }
 
     /// The arena offset to serve a read from: its bytes are in the slot.
@@ -118,16 +134,11 @@ impl Entry {
     }
 
     /// The key of this entry in the eviction index, if it may give up its slot now.
-    pub fn evict_key(&self, policy: super::Eviction, key: u64) -> Option<(bool, u64, u64)> {
+    pub fn evict_key(&self, policy: super::Eviction, key: u64) -> Option<EvictKey> {
         if self.pins > 0 || self.len == 0 || !matches!(self.state, State::Host { .. } | State::Clean { .. }) {
             return None;
         }
-        let prio = match policy {
-            super::Eviction::Lifetime => self.put_seq,
-            super::Eviction::Lru => self.access_seq,
-            super::Eviction::Fifo => self.host_seq,
-        };
-        Some((self.prefetched, prio, key))
+        Some((self.prefetched, self.rank(policy), key))
     }
 
     /// Bytes of its slot if clean (also on NVMe) and not read ahead: had at once.

@@ -1,7 +1,7 @@
 //! Room in the host arena: slots found by evicting entries in policy order,
 //! their bytes written to NVMe first when they are not there yet.
 
-use super::entry::{Entry, ReadDst, State, WriteSrc};
+use super::entry::{Entry, EvictKey, ReadDst, State, WriteSrc};
 use super::inner::Inner;
 use super::placement::Placement;
 use super::transfer::Mem;
@@ -20,7 +20,7 @@ pub(crate) enum Room {
     Read,
     /// A read ahead: no waiting and no headroom, and only entries ranked before `before` in
     /// the eviction order go (with lifetime: those needed after the entry read ahead).
-    Ahead { before: u64 },
+    Ahead { before: u128 },
 }
 
 impl Store {
@@ -39,7 +39,7 @@ impl Store {
             return Ok((g, None));
         };
         let (wait, before) = match room {
-            Room::Put | Room::Read => (true, u64::MAX),
+            Room::Put | Room::Read => (true, u128::MAX),
             Room::Ahead { before } => (false, before),
         };
         // Keep some of the arena free, on its way out or clean, so the disk stays busy while
@@ -83,8 +83,8 @@ impl Store {
     /// no free range holds `need`; dirty ones are written out (until NVMe has no room) while
     /// free + leaving + clean bytes fall short of `need + headroom`. Entries read ahead and
     /// not used yet go only with `take_prefetched`: evicting them would mean reading them again.
-    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool, before: u64) {
-        let may_go = |&(prefetched, prio, _): &(bool, u64, u64)| (take_prefetched || !prefetched) && prio < before;
+    fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool, before: u128) {
+        let may_go = |&(prefetched, rank, _): &EvictKey| (take_prefetched || !prefetched) && rank < before;
         while g.host.largest_free() < need {
             let Some(&(_, _, key)) = g.clean.iter().next().filter(|k| may_go(k)) else { break };
             if g.drop_clean(key).is_err() {
@@ -92,7 +92,7 @@ impl Store {
             }
         }
         let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving + g.clean_bytes);
-        let mut after: Option<(bool, u64, u64)> = None;
+        let mut after: Option<EvictKey> = None;
         while budget > 0 {
             let next = match after {
                 None => g.dirty.iter().next(),

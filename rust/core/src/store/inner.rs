@@ -2,7 +2,7 @@
 //! eviction indexes, transfers in flight, free space, and whether the store
 //! still takes work.
 
-use super::entry::{Entry, ReadDst, State, WriteSrc};
+use super::entry::{Entry, EvictKey, ReadDst, State, WriteSrc};
 use super::placement::{Placement, Space};
 use super::stats::Stats;
 use super::Eviction;
@@ -24,8 +24,8 @@ pub(crate) struct Inner {
     entries: HashMap<u64, Entry>,
     /// Entries that may give up their slot now, in eviction order (prefetched, priority,
     /// key): dirty ones, to be written first, and clean ones, whose slot goes at once.
-    pub dirty: BTreeSet<(bool, u64, u64)>,
-    pub clean: BTreeSet<(bool, u64, u64)>,
+    pub dirty: BTreeSet<EvictKey>,
+    pub clean: BTreeSet<EvictKey>,
     /// Slot bytes of the clean entries not read ahead.
     pub clean_bytes: u64,
     /// Entries with a transfer in flight that `reap` finishes.
@@ -38,6 +38,8 @@ pub(crate) struct Inner {
     doomed: usize,
     pub next_key: u64,
     pub seq: u64,
+    /// The group of the entries put from now on (`Store::set_group`).
+    pub group: u64,
     pub host: RangeAllocator,
     host_quarantine: Vec<Range>,
     pub space: Space,
@@ -61,6 +63,7 @@ impl Inner {
             doomed: 0,
             next_key: 1,
             seq: 0,
+            group: 0,
             host,
             host_quarantine: Vec::new(),
             space,
@@ -81,6 +84,12 @@ impl Inner {
     pub fn next_seq(&mut self) -> u64 {
         self.seq += 1;
         self.seq
+    }
+
+    /// A new entry, next in the put order, in the current group (not inserted yet).
+    pub fn new_entry(&mut self, len: u64, state: State) -> Entry {
+        let seq = self.next_seq();
+        Entry::new(len, state, seq, self.group)
     }
 
     /// A live entry (not discarded).

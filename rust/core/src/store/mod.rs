@@ -24,7 +24,7 @@ use crate::device::{DeviceFile, ALIGN};
 use crate::engine::{Dir, IoQueue, PosixQueue, Throttle, UringQueue};
 use crate::error::{Error, Result};
 use crate::ticket::{Owner, Ticket};
-use entry::{Entry, ReadDst, State, WriteSrc};
+use entry::{ReadDst, State, WriteSrc};
 use evict::Room;
 use inner::{Inner, Status};
 use placement::{Piece, Space};
@@ -293,6 +293,12 @@ impl Store {
 
     // ------------------------------------------------------------ put side
 
+    /// Entries put from now on belong to `group` (a forward). The lifetime policy takes groups
+    /// to be used in the order they were put, each one's entries in reverse (pipeline schedules).
+    pub fn set_group(&self, group: u64) {
+        self.lock_any().group = group;
+    }
+
     /// Create an entry of `len` bytes. Returns its key and the arena offset of its slot,
     /// which the caller fills and then passes to [`Store::commit`]; None means the entry does
     /// not fit in the host tier, and the caller writes it with [`Store::write_staged`].
@@ -305,9 +311,8 @@ impl Store {
             None if len == 0 => State::Empty,
             None => State::NoBytes,
         };
-        let seq = g.next_seq();
-        let key = g.insert(Entry::new(len, state, seq));
-        Ok((key, off))
+        let e = g.new_entry(len, state);
+        Ok((g.insert(e), off))
     }
 
     /// Create an entry of `len` bytes with no arena slot, for a write outside the store
@@ -315,8 +320,8 @@ impl Store {
     pub fn reserve_unslotted(&self, len: u64) -> Result<u64> {
         let mut g = self.lock()?;
         let state = if len == 0 { State::Empty } else { State::NoBytes };
-        let seq = g.next_seq();
-        Ok(g.insert(Entry::new(len, state, seq)))
+        let e = g.new_entry(len, state);
+        Ok(g.insert(e))
     }
 
     /// The slot of a reserved entry is filled: it may now be evicted.
@@ -527,15 +532,16 @@ impl Store {
             let Some(t) = g.oldest_write(|e| e.caller_held() > 0) else { break };
             g = self.wait_unlocked(g, &t)?.0;
         }
-        let seq = g.next_seq();
         g.stats.zero_copy_puts += 1;
         if len == 0 {
-            return Ok((g.insert(Entry::new(0, State::Empty, seq)), Ticket::done()));
+            let e = g.new_entry(0, State::Empty);
+            return Ok((g.insert(e), Ticket::done()));
         }
         let disk = self.alloc_disk(&mut g, len)?;
         // Safety: passed on from this function's contract; the ticket holds the owner.
         let io = unsafe { self.submit_pieces(&mut g, &disk.pieces, Dir::Write, Mem::Caller(src as *mut u8), owner) };
-        let key = g.insert(Entry::new(len, State::Writing { src: WriteSrc::Caller, disk, io: io.clone() }, seq));
+        let e = g.new_entry(len, State::Writing { src: WriteSrc::Caller, disk, io: io.clone() });
+        let key = g.insert(e);
         Ok((key, io))
     }
 
@@ -741,8 +747,8 @@ impl Store {
             }
             _ => return Ok(Ticket::done()),
         }
-        // Lifetime ranks by need: what was put after this entry is needed before it.
-        let before = if matches!(g.policy, Eviction::Lifetime) { e.put_seq } else { u64::MAX };
+        // Lifetime ranks by need: only what is needed after this entry may make room for it.
+        let before = if matches!(g.policy, Eviction::Lifetime) { e.rank(g.policy) } else { u128::MAX };
         let len = e.len;
         let (mut g, slot) = self.make_room(g, len, Room::Ahead { before })?;
         let Some(slot) = slot else {
