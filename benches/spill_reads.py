@@ -9,8 +9,8 @@ At best the backward reads back once what did not fit: entries minus arena. More
 from read-ahead evicting entries still needed, or evictions finishing after the backward
 freed room; "on demand" counts entries that were not in the arena at their use (a stall
 on a GPU). ``--throttle`` slows the disk so writes are still under way at the backward.
-Policies: ``lifetime`` (each forward a group, as attach() does), ``lifetime-1group`` (no
-groups: put order alone), ``lru``.
+Policies: ``lifetime`` (each forward a group, as attach() makes them once it saw backwards
+come earliest forward first), ``lifetime-1group`` (no groups: put order alone), ``lru``.
 
     python benches/spill_reads.py [--entries 64] [--forwards 1,4] [--arena 8,16,32] [--windows 1,4]
 """

@@ -427,9 +427,10 @@ class Groups:
         return getattr(self.native, name)
 
 
-def pipelined(cfg, ssd=None, micro=4):
-    """A pipeline schedule's warmup (1F1B): ``micro`` forwards, then their backwards, earliest
-    first. Returns losses, grads, stats and the groups the store was told of."""
+def pipelined(cfg, ssd=None, micro=4, steps=2, summed=False):
+    """Steps of ``micro`` forwards, then their backwards, earliest first (a pipeline schedule's
+    warmup, 1F1B), or of the sum of their losses (``summed``: latest first). Returns losses,
+    grads, stats and the groups the store was told of."""
     torch.manual_seed(0)
     model = build_model(cfg)
     gen = torch.Generator().manual_seed(2)
@@ -438,9 +439,11 @@ def pipelined(cfg, ssd=None, micro=4):
     if off is not None:
         off._native = Groups(off._native)
     torch.manual_seed(1)
-    losses = [batch_loss(model, b) for b in batches]
-    for loss in losses:
-        loss.backward()
+    losses = []
+    for _ in range(steps):
+        losses += [batch_loss(model, b) for b in batches]
+        for loss in [sum(losses[-micro:])] if summed else losses[-micro:]:
+            loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     stats = groups = None
     if off is not None:
@@ -449,14 +452,18 @@ def pipelined(cfg, ssd=None, micro=4):
     return [x.detach() for x in losses], grads, stats, groups
 
 
-@pytest.mark.parametrize("eviction", ["lifetime", "lru"])
-def test_forwards_outstanding_as_pipelines_run_them_are_exact(store_dir, gpu, monkeypatch, eviction):
-    # Each forward is a group of the store's: with lifetime, the later forwards' entries are
-    # needed last (tests/store.rs checks the order), so reads ahead may evict them.
-    ref = pipelined(CONFIGS["gpt"])
+@pytest.mark.parametrize("summed", [False, True], ids=["1f1b", "summed"])
+@pytest.mark.parametrize("prefetch", [3, "auto"])
+def test_forwards_outstanding_are_exact_and_ranked_as_their_backwards_come(
+    store_dir, gpu, monkeypatch, prefetch, summed
+):
+    # Once a backward was seen to come earliest forward first while later ones wait, each
+    # forward is a group of the store's, whose lifetime policy then evicts the later forwards'
+    # entries first (tests/store.rs checks the order). Latest first is put order: no groups.
+    ref = pipelined(CONFIGS["gpt"], summed=summed)
     through_the_cuda_transport(gpu, monkeypatch)
-    got = pipelined(CONFIGS["gpt"], offload_config(store_dir, host="512KiB", eviction=eviction))
+    got = pipelined(CONFIGS["gpt"], offload_config(store_dir, host="512KiB", prefetch_layers=prefetch), summed=summed)
     assert_same(ref[:3], got[:3])
     s, groups = got[2], got[3]
-    assert groups == [1, 2, 3, 4]
+    assert groups == ([0] * 8 if summed else [0, 0, 0, 0, 5, 6, 7, 8])
     assert s.bytes_read_nvme > 0 and s.copied_ahead > 0, s

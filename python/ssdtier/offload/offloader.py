@@ -120,6 +120,9 @@ class Offloader:
         self._tls = PerThread(self)
         self._last_fwd = Fwd(self)  # the forward that pushed the hooks last, on any thread
         self._forward = 0  # forwards begun, on any thread
+        # Backwards seen to come earliest forward first while later ones wait (pipeline 1F1B):
+        # then each forward is a group of the store's, the later ones evicted first.
+        self._fifo = False
         self._param_ptrs: set[tuple[torch.device, int]] = set()
         # The parameter and buffer dicts of the model's modules (`.to()` swaps the tensors in them).
         self._param_dicts: list[dict[str, Any]] = []
@@ -216,7 +219,7 @@ class Offloader:
             self._forward += 1
             f.forward = self._forward
             self.cuda.stage_off = False
-        self._native.set_group(f.forward)  # lifetime eviction: earlier forwards' backwards come first
+        self._native.set_group(f.forward if self._fifo else 0)
         f.backward = Backward()
         if f.forward % 64 == 1:
             # Walking the module tree costs about 1 ms per 20 modules: the list of modules'
@@ -253,7 +256,7 @@ class Offloader:
             self._hooks.__exit__(None, None, None)
             unpush(f)
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
-                if self.ahead.auto and f.backward.seq:
+                if self.ahead.auto and f.backward.seq and not (self._fifo and self._waiting(f.forward, older=True)):
                     # The backward comes next: its first entries are wanted now (a source whose
                     # write is still in flight stays and serves it; the others are read back).
                     self.ahead.advance(f.backward, -1)
@@ -446,6 +449,8 @@ class Offloader:
                 c["forwarded"] += 1
                 return out
             b = e.backward
+            if not b.done:
+                self._backward_begins(e.forward)
             if e.layer != b.last and b.due(e.layer):
                 self.cpu.poll()  # writes done since the last block let their sources go
                 if not self.ahead.auto:
@@ -473,6 +478,19 @@ class Offloader:
             e.view = out  # held like e.hold, until the entry's last handle is unpacked
         return out
 
+    def _waiting(self, forward: int, older: bool) -> bool:
+        """Whether a forward older (or newer) than ``forward`` holds entries: its backward is
+        still to come."""
+        return any(f < forward if older else f > forward for f, _ in self._by_layer)
+
+    def _backward_begins(self, forward: int) -> None:
+        """The first unpack of ``forward``'s backward: the forwards still waiting tell the
+        schedule. Only newer ones: earliest first (1F1B); only older: latest first."""
+        older, newer = self._waiting(forward, True), self._waiting(forward, False)
+        if older != newer and self._fifo != newer:
+            self._fifo = newer
+            log.info("ssdtier: backwards come %s forward first", "earliest" if newer else "latest")
+
     def _unpack_other(self, h: Any, tp: type) -> torch.Tensor:
         """A handle of a tensor that was not offloaded, or of a DTensor."""
         if tp is Kept:
@@ -482,6 +500,9 @@ class Offloader:
                 check_version(t, h.version, t._version)
             self.c["forwarded"] += 1  # served from memory, with no read
             b = h.backward
+            if not b.done:
+                with self._lock:
+                    self._backward_begins(h.forward)
             if h.layer != b.last and b.due(h.layer):
                 self.cpu.poll()
                 with self._lock:
