@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 dest="$PWD/.wheels/bin"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-(cd "$work" && apt-get source -qq --download-only fio 2>/dev/null)
+(cd "$work" && apt-get source -qq --download-only fio 2>/dev/null) || {
+    echo "static_fio: apt-get source fio failed: add deb-src to apt's sources, then apt-get update" >&2
+    exit 1
+}
 tar -xzf "$work"/fio_*.orig.tar.gz -C "$work"
 src=$(ls -d "$work"/fio-*/)
 (cd "$src" && ./configure --build-static --disable-native >/dev/null && make -j"$(nproc)" -s >/dev/null 2>&1)
