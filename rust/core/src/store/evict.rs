@@ -62,7 +62,7 @@ impl Store {
             if !wait {
                 return Ok((g, None));
             }
-            if g.leaving == 0 && matches!(room, Room::Put) {
+            if g.books.leaving == 0 && matches!(room, Room::Put) {
                 self.start_evictions(&mut g, need, 0, true, before);
                 if let Some(slot) = g.host.alloc(need) {
                     return Ok((g, Some(slot)));
@@ -86,17 +86,17 @@ impl Store {
     fn start_evictions(&self, g: &mut Inner, need: u64, headroom: u64, take_prefetched: bool, before: u128) {
         let may_go = |&(prefetched, rank, _): &EvictKey| (take_prefetched || !prefetched) && rank < before;
         while g.host.largest_free() < need {
-            let Some(&(_, _, key)) = g.clean.iter().next().filter(|k| may_go(k)) else { break };
+            let Some(&(_, _, key)) = g.books.clean.iter().next().filter(|k| may_go(k)) else { break };
             if g.drop_clean(key).is_err() {
                 break;
             }
         }
-        let mut budget = (need + headroom).saturating_sub(g.host.available() + g.leaving + g.clean_bytes);
+        let mut budget = (need + headroom).saturating_sub(g.host.available() + g.books.leaving + g.books.clean_bytes);
         let mut after: Option<EvictKey> = None;
         while budget > 0 {
             let next = match after {
-                None => g.dirty.iter().next(),
-                Some(a) => g.dirty.range((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)).next(),
+                None => g.books.dirty.iter().next(),
+                Some(a) => g.books.dirty.range((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)).next(),
             };
             let Some(&cand) = next.filter(|k| may_go(k)) else { break };
             after = Some(cand);

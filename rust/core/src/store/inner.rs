@@ -20,10 +20,11 @@ pub(crate) enum Status {
     Closed,
 }
 
-pub(crate) struct Inner {
-    entries: HashMap<u64, Entry>,
-    /// Entries that may give up their slot now, in eviction order (prefetched, priority,
-    /// key): dirty ones, to be written first, and clean ones, whose slot goes at once.
+/// What `take` and `put_back` keep in step with the entries' states.
+#[derive(Default, PartialEq, Eq)]
+pub(crate) struct Books {
+    /// Entries that may give up their slot now, in eviction order (prefetched, rank, key):
+    /// dirty ones, to be written first, and clean ones, whose slot goes at once.
     pub dirty: BTreeSet<EvictKey>,
     pub clean: BTreeSet<EvictKey>,
     /// Slot bytes of the clean entries not read ahead.
@@ -35,7 +36,40 @@ pub(crate) struct Inner {
     /// Bytes of slots on their way out (eviction writes in flight).
     pub leaving: u64,
     /// Entries discarded while a transfer was in flight: not counted as entries any more.
-    doomed: usize,
+    doomed: u64,
+}
+
+impl Books {
+    /// Count entry `key` in (`add`) or out of the books.
+    fn count(&mut self, policy: Eviction, key: u64, e: &Entry, add: bool) {
+        fn set<T: Ord>(s: &mut BTreeSet<T>, x: T, add: bool) {
+            if add {
+                s.insert(x);
+            } else {
+                s.remove(&x);
+            }
+        }
+        let n = |x: u64, total: &mut u64| if add { *total += x } else { *total -= x };
+        if let Some(k) = e.evict_key(policy, key) {
+            if e.on_nvme() {
+                set(&mut self.clean, k, add);
+                n(e.clean_bytes(), &mut self.clean_bytes);
+            } else {
+                set(&mut self.dirty, k, add);
+            }
+        }
+        if e.reaped() {
+            set(&mut self.inflight, key, add);
+        }
+        n(e.caller_held(), &mut self.caller_bytes);
+        n(e.leaving(), &mut self.leaving);
+        n(u64::from(e.doomed), &mut self.doomed);
+    }
+}
+
+pub(crate) struct Inner {
+    entries: HashMap<u64, Entry>,
+    pub books: Books,
     pub next_key: u64,
     pub seq: u64,
     /// The group of the entries put from now on (`Store::set_group`).
@@ -54,13 +88,7 @@ impl Inner {
     pub fn new(host: RangeAllocator, space: Space, stats: Stats, policy: Eviction) -> Self {
         Inner {
             entries: HashMap::new(),
-            dirty: BTreeSet::new(),
-            clean: BTreeSet::new(),
-            clean_bytes: 0,
-            inflight: BTreeSet::new(),
-            caller_bytes: 0,
-            leaving: 0,
-            doomed: 0,
+            books: Books::default(),
             next_key: 1,
             seq: 0,
             group: 0,
@@ -132,44 +160,19 @@ impl Inner {
     /// Take an entry out to change it; give it back with `put_back`.
     pub fn take(&mut self, key: u64) -> Result<Entry> {
         let e = self.entries.remove(&key).ok_or(Error::UnknownKey(key))?;
-        if let Some(k) = e.evict_key(self.policy, key) {
-            if e.on_nvme() {
-                self.clean.remove(&k);
-                self.clean_bytes -= e.clean_bytes();
-            } else {
-                self.dirty.remove(&k);
-            }
-        }
-        if e.reaped() {
-            self.inflight.remove(&key);
-        }
-        self.caller_bytes -= e.caller_held();
-        self.leaving -= e.leaving();
-        self.doomed -= usize::from(e.doomed);
+        self.books.count(self.policy, key, &e, false);
         Ok(e)
     }
 
     pub fn put_back(&mut self, key: u64, e: Entry) {
-        if let Some(k) = e.evict_key(self.policy, key) {
-            if e.on_nvme() {
-                self.clean.insert(k);
-                self.clean_bytes += e.clean_bytes();
-            } else {
-                self.dirty.insert(k);
-            }
-        }
-        if e.reaped() {
-            self.inflight.insert(key);
-        }
-        self.caller_bytes += e.caller_held();
-        self.leaving += e.leaving();
-        self.doomed += usize::from(e.doomed);
+        self.books.count(self.policy, key, &e, true);
         self.entries.insert(key, e);
     }
 
     /// The oldest write in flight matching `pred`, to wait on.
     pub fn oldest_write(&self, pred: impl Fn(&Entry) -> bool) -> Option<std::sync::Arc<crate::Ticket>> {
-        self.inflight
+        self.books
+            .inflight
             .iter()
             .filter_map(|k| self.entries.get(k))
             .find(|e| matches!(e.state, State::Writing { .. }) && pred(e))
@@ -210,6 +213,7 @@ impl Inner {
     /// Finish the transfers whose tickets are done.
     pub fn reap(&mut self) {
         let done: Vec<u64> = self
+            .books
             .inflight
             .iter()
             .copied()
@@ -345,7 +349,7 @@ impl Inner {
         s.nvme_used = self.space.used();
         s.nvme_peak = self.space.peak();
         s.quarantined_bytes = self.quarantined_bytes();
-        s.entries = (self.entries.len() - self.doomed) as u64;
+        s.entries = self.entries.len() as u64 - self.books.doomed;
         s.device_used = self.space.device_used();
         s.device_high_water = self.space.device_high_water();
         s.failure = match &self.status {
@@ -357,31 +361,16 @@ impl Inner {
 
     /// The books rebuilt from the entries' states, against those kept: for the simulation.
     pub fn check_books(&self) -> std::result::Result<(), String> {
-        let (mut dirty, mut clean, mut inflight) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
-        let (mut clean_bytes, mut leaving, mut caller, mut doomed, mut slots) = (0, 0, 0, 0, 0);
+        let (mut books, mut slots) = (Books::default(), 0);
         for (&k, e) in &self.entries {
-            if let Some(x) = e.evict_key(self.policy, k) {
-                if e.on_nvme() {
-                    clean.insert(x);
-                    clean_bytes += e.clean_bytes();
-                } else {
-                    dirty.insert(x);
-                }
-            }
-            if e.reaped() {
-                inflight.insert(k);
-            }
-            leaving += e.leaving();
-            caller += e.caller_held();
-            doomed += usize::from(e.doomed);
+            books.count(self.policy, k, e, true);
             slots += e.slot().map_or(0, |r| r.len());
             if e.prefetched && !e.has_slot() {
                 return Err(format!("entry {k} is read ahead without a slot"));
             }
         }
         let quarantined: u64 = self.host_quarantine.iter().map(Range::len).sum();
-        let kept = (&self.dirty, &self.clean, &self.inflight, self.clean_bytes, self.leaving, self.caller_bytes);
-        if kept != (&dirty, &clean, &inflight, clean_bytes, leaving, caller) || self.doomed != doomed {
+        if books != self.books {
             return Err("the books differ from the entries' states".into());
         }
         if slots + quarantined != self.host.used() {
@@ -393,12 +382,6 @@ impl Inner {
     /// Forget everything (close): the space goes with the store.
     pub fn clear(&mut self) {
         self.entries.clear();
-        self.dirty.clear();
-        self.clean.clear();
-        self.clean_bytes = 0;
-        self.inflight.clear();
-        self.caller_bytes = 0;
-        self.leaving = 0;
-        self.doomed = 0;
+        self.books = Books::default();
     }
 }

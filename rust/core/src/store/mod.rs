@@ -526,7 +526,7 @@ impl Store {
         let mut g = self.lock()?;
         loop {
             g.reap();
-            if g.caller_bytes == 0 || g.caller_bytes + rounded <= g.host.capacity() {
+            if g.books.caller_bytes == 0 || g.books.caller_bytes + rounded <= g.host.capacity() {
                 break;
             }
             let Some(t) = g.oldest_write(|e| e.caller_held() > 0) else { break };
