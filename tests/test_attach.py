@@ -22,6 +22,7 @@ from torch import nn
 
 import ssdtier
 from ssdtier.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
+from ssdtier.offload.entry import Reading, Writing
 
 from .conftest import store_config
 
@@ -816,16 +817,17 @@ def test_unpack_of_pack_is_the_same_view(view_offloaders, path, spec):
         v = apply(v, op, seed)
     off = view_offloaders[path]
     written = off.stats().bytes_written_nvme
-    hb, hv = off._pack(base), off._pack(v)
-    # Written from its own pages: wait, so that the unpack reads it back (not served from the source).
-    if hb.entry.ticket is not None:  # None: done already (the second pack polled it) or not zero-copy
-        hb.entry.ticket.wait()
-    off.cpu.poll()
-    assert hb.entry.src is None
+    hb = off._pack(base)
+    out = hb.entry.out
+    hv = off._pack(v)
     if path == "zero_copy":
-        assert hb.entry.lead % 64 == 0 and hb.entry.wrote == base.untyped_storage().data_ptr()
+        assert type(out) is Writing, "written from its own pages"
+        assert hb.entry.lead % 64 == 0 and out.wrote == base.untyped_storage().data_ptr()
+        out.ticket.wait()  # so that the unpack reads it back (not served from the source)
     else:
-        assert hb.entry.wrote == 0, "copied, not written from its own pages"
+        assert out is None, "copied, not written from its own pages"
+    off.cpu.poll()
+    assert hb.entry.out is None
     loc = off.store._native.location(hb.entry.key)[0]  # in the arena?
     assert loc == (path == "arena")
     assert (off.stats().bytes_written_nvme > written) == (path != "arena")
@@ -1087,7 +1089,7 @@ class _Probe(torch.autograd.Function):
             return g, None
 
         def reading():
-            return {e.layer for group in off._by_layer.values() for e in group if e.reading is not None}
+            return {e.layer for group in off._by_layer.values() for e in group if type(e.back) is Reading}
 
         before = reading()
         ctx.saved_tensors  # noqa: B018 (the unpack)
@@ -1265,9 +1267,8 @@ def test_auto_read_ahead_window_is_under_a_layer_when_reads_are_quick(store_dir,
 
         def quick_start_read(e):
             start_read(e)
-            st, pad, ticket, from_host = e.reading
-            if ticket is not None:
-                e.reading = (st, pad, _QuickTicket(ticket), from_host)
+            if e.back.ticket is not None:
+                e.back.ticket = _QuickTicket(e.back.ticket)
 
         off._start_read = quick_start_read
         seen = []

@@ -18,6 +18,7 @@ from ssdtier.errors import SsdtierError
 from ssdtier.models import batch_loss, build_model, make_batch
 from ssdtier.offload import offloader
 from ssdtier.offload.cuda import Pinned
+from ssdtier.offload.entry import Copying, Held
 from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
 
@@ -139,8 +140,8 @@ def offload(tr, src: torch.Tensor):
 def let_go(tr, *entries) -> None:
     """Each entry's last handle goes, as autograd drops it."""
     for e in entries:
-        e.refs = 0
-        tr.release(e)
+        e.refs, e.back = 0, None
+        tr.off.drop_source(e)
         tr.free_key(e)
 
 
@@ -156,12 +157,12 @@ def test_a_source_is_dropped_at_once_and_committed_when_its_copy_lands(transport
     src = source(64 << 10, 7)
     e = offload(transport, src)
     assert gpu.recorded == [(src.data_ptr(), transport.streams[src.device][0])]
-    assert e.gpu is None and list(transport.pending) == [e] and transport.inflight == 64 << 10
+    assert type(e.out) is Copying and list(transport.pending) == [e] and transport.inflight == 64 << 10
     transport.poll()
-    assert e.d2h is not None  # not landed: nothing ran
+    assert type(e.out) is Copying  # not landed: nothing ran
     gpu.run()
     transport.poll()
-    assert e.d2h is None and not transport.pending and transport.inflight == 0
+    assert e.out is None and not transport.pending and transport.inflight == 0
     off = transport.native.acquire(e.key)  # committed: readable
     assert torch.equal(transport.store.slot(off, e.nbytes), src)
     transport.native.release(e.key)
@@ -171,7 +172,7 @@ def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu):
     es = [offload(transport, source(192 << 10, i)) for i in range(4)]
     # 3 x 192 KiB would pass 512 KiB: the host waited for the oldest copies first.
     assert transport.inflight <= 512 << 10
-    assert es[0].d2h is None and es[-1].d2h is not None
+    assert es[0].out is None and type(es[-1].out) is Copying
     assert transport.store.arena is not None
 
 
@@ -180,10 +181,10 @@ def test_no_event_is_queried_while_a_cuda_graph_is_captured(transport, gpu):
     gpu.run()
     gpu.capturing = True  # a graph captured by hand (torch.cuda.graph) after an eager step
     transport.poll()
-    assert e.d2h is not None and list(transport.pending) == [e]
+    assert type(e.out) is Copying and list(transport.pending) == [e]
     gpu.capturing = False
     transport.poll()
-    assert e.d2h is None and not transport.pending
+    assert e.out is None and not transport.pending
 
 
 def test_an_entry_released_in_flight_keeps_its_slot_until_the_copy_lands(transport, gpu):
@@ -199,30 +200,30 @@ def test_an_entry_released_in_flight_keeps_its_slot_until_the_copy_lands(transpo
 def test_an_unpack_before_landing_copies_from_the_slot_after_the_copy(transport, gpu):
     src = source(64 << 10, 9)
     e = offload(transport, src)
-    first = e.d2h.event
-    st = transport.restore(e)
+    first = e.out.event
+    st = transport.restore(e, None)[0]
     assert bytes(st) == bytes(src.numpy())
     # The copy back waited for the copy in; the slot is committed only after the copy back.
-    assert first in gpu.current.waits and e.d2h.event is not first
+    assert first in gpu.current.waits and e.out.event is not first
     gpu.run(until=first)
     transport.poll()
-    assert e.d2h is not None
+    assert type(e.out) is Copying
     gpu.run()
     transport.poll()
-    assert e.d2h is None and transport.native.location(e.key)[0]
+    assert e.out is None and transport.native.location(e.key)[0]
 
 
 def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(transport, gpu):
     src = source(64 << 10, 3)
     e = offload(transport, src)
     transport.start_read(e, False)
-    assert e.reading[2] is None  # no NVMe read: its bytes are on their way to the arena
+    assert e.back.ticket is None  # no NVMe read: its bytes are on their way to the arena
     transport.stage_later(e)
     transport.stage_ready()
-    out, ev, stream = e.staged
+    out, ev, stream = e.back.staged
     prefetch = transport.streams[src.device][1]
     assert stream is prefetch and ev in prefetch.events and torch.equal(out, src)
-    st = transport.restore(e)
+    st = transport.restore(e, e.back.staged)[0]
     # The compute stream waits for the copy and its use of the prefetch stream's block is recorded.
     assert ev in gpu.current.waits and (st.data_ptr(), gpu.current) in gpu.recorded
 
@@ -237,7 +238,7 @@ def test_the_byte_window_learns_from_reads_into_the_arena(transport, gpu):
     ahead = transport.off.ahead
     assert ahead.auto
     ahead._want(e)
-    ticket = e.reading[2]
+    ticket = e.back.ticket
     assert ticket is not None and [(t, n) for _, t, n in ahead.reads] == [(ticket, 64 << 10)]
     ticket.wait()
 
@@ -249,7 +250,7 @@ def test_a_source_resized_while_copied_serves_its_unpack(transport, gpu, warned)
     src.untyped_storage().resize_(0)
     gpu.run()
     transport.poll()
-    assert e.key is None and e.gpu is not None and not in_store(transport, key)
+    assert e.key is None and type(e.out) is Held and not in_store(transport, key)
     assert transport.off.c["failed_writes"] == 1
     assert warned("freed or resized while it was being copied out")
 
@@ -292,7 +293,7 @@ def test_an_offloader_collected_undetached_unregisters_its_arena(store_dir, gpu)
 def test_an_activation_larger_than_the_arena_is_copied_through_once_said(transport, gpu, warned):
     src = source(2 << 20, 4)
     e = offload(transport, src)
-    assert e.d2h is None and not transport.pending  # written already, synchronously
+    assert e.out is None and not transport.pending  # written already, synchronously
     assert warned("is larger than the host arena") and transport.native.location(e.key) == (False, True)
     out = torch.empty(2 << 20, dtype=torch.uint8)
     transport.native.read_staged(e.key, out.data_ptr(), out.numel(), out)
@@ -319,16 +320,16 @@ def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
         tr.start_read(old, False)
         tr.stage_later(old)
         tr.stage_ready()
-        assert tr.store.stats().prefetch_skipped >= 1 and old.staged is None
+        assert tr.store.stats().prefetch_skipped >= 1 and old.back.staged is None
         used = fill.pop()
         let_go(tr, used)  # its slot comes back once its write ends
         for _ in range(1000):  # 5 s at most
-            if old.staged is not None:
+            if old.back.staged is not None:
                 break
             time.sleep(0.005)
             tr.stage_ready()
-        assert old.staged is not None and tr.store.stats().prefetches == 1
-        assert bytes(tr.restore(old))[:4] == bytes([1]) * 4
+        assert old.back.staged is not None and tr.store.stats().prefetches == 1
+        assert bytes(tr.restore(old, old.back.staged)[0])[:4] == bytes([1]) * 4
         let_go(tr, old, *fill)
         gpu.run()
         tr.poll()
@@ -349,7 +350,7 @@ def test_a_read_ahead_keeps_its_entry_in_the_arena(store_dir, gpu):
             tr.poll()
         assert tr.native.location(es[0].key) == (True, False)  # its write under way
         tr.start_read(es[0], True)
-        assert es[0].reading[2] is None  # nothing to read
+        assert es[0].back.ticket is None  # nothing to read
         tr.store.flush()
         es.append(offload(tr, source(256 << 10, 4)))
         gpu.run()

@@ -14,7 +14,7 @@ import torch
 from ..errors import SsdtierError
 from . import cufile
 from ._util import PAGE, aligned_storage
-from .entry import Entry
+from .entry import Entry, Held, Made, Reading, Writing
 
 if TYPE_CHECKING:
     from .cufile import CuFile
@@ -43,8 +43,8 @@ class CpuTransport:
             # Held until written; the ticket holds it too, so its pages outlive the write.
             key, ticket = self.native.write_from(ptr - lead, lead + nbytes, st)
             e = Entry(key, nbytes, st.device, False, f)
-            e.lead, e.src, e.ticket, e.wrote = lead, st, ticket, ptr
-            self.off.res.writing += nbytes
+            e.lead, e.out = lead, Writing(st, ticket, ptr)
+            self.off.res.sources += nbytes
             self.writing.append(e)
             return e
         key = self.native.put_from(ptr, nbytes, st)  # a copy into the arena (or to NVMe)
@@ -61,19 +61,20 @@ class CpuTransport:
             self.native.free(key)
             raise
         e = Entry(key, nbytes, st.device, False, f)
-        e.src, e.ticket, e.wrote = st, ticket, ptr
-        self.off.res.writing += nbytes
+        e.out = Writing(st, ticket, ptr)
+        self.off.res.sources += nbytes
         self.writing.append(e)
         return e
 
     def skip_write(self, e: Entry) -> None:
         """The backward wants a source whose cuFile write has not started: the source serves
         it, so the write is dropped and the disk left to the reads."""
-        ticket = e.ticket
-        if not isinstance(ticket, cufile.Transfer) or not ticket.cancel():
+        w = e.out
+        assert type(w) is Writing
+        if not isinstance(w.ticket, cufile.Transfer) or not w.ticket.cancel():
             return
         self.writing.remove(e)
-        e.ticket = None
+        e.out = Held(w.src)
         key, e.key = e.key, None
         with contextlib.suppress(SsdtierError):  # it raises the reason given, as the store's error
             self.native.end_external(key, "not needed: the backward came first")
@@ -84,31 +85,28 @@ class CpuTransport:
         """Drop the sources of writes that are done."""
         if self.writing:
             with self.off._lock:  # another thread's pack or unpack may poll too
-                while self.writing and self.writing[0].ticket.done():
+                while self.writing and self.writing[0].out.ticket.done():
                     self._end_write(self.writing.popleft())
 
     def _end_write(self, e: Entry) -> None:
         off = self.off
-        ticket, e.ticket = e.ticket, None
+        w = e.out
+        assert type(w) is Writing
+        e.out = Held(w.src)
         failed: SsdtierError | None = None
         try:
-            ticket.wait()
+            w.ticket.wait()
         except SsdtierError as err:
             failed = err
         if failed is None and e.refs:
-            failed = off._moved(e, e.src)
+            failed = off._moved(e, w.src, w.wrote)
         if e.refs == 0:  # released while writing (its key was discarded then)
-            self.drop_src(e)
+            off.drop_source(e)
         elif failed is not None:
             off._copy_lost(e, failed)  # the source stays in memory and serves the unpack
         elif not e.wanted:
-            self.drop_src(e)
+            off.drop_source(e)
         # Else the backward is about to use it: it stays and serves the unpack, with no read.
-
-    def drop_src(self, e: Entry) -> None:
-        if e.src is not None:
-            e.src = None
-            self.off.res.writing -= e.nbytes
 
     def start_read(self, e: Entry) -> None:
         """The bytes go from NVMe straight into the page-aligned buffer that becomes the
@@ -120,33 +118,32 @@ class CpuTransport:
         st, pad = aligned_storage(e.lead + e.nbytes)
         self.off._track(st, e.nbytes)
         ticket = self.native.read_into(e.key, st.data_ptr() + pad, st.nbytes() - pad, st)
-        e.reading = (st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
+        e.back = Reading(st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
 
     def _read_gds(self, e: Entry) -> None:
         """cuFile reads into new memory. On a GPU it comes from a stream that runs no work, so
         nothing queued can still use it; the unpack records its use on its own stream
         (``made``, as the arena's copies do)."""
         assert self.gds is not None and e.key is not None
-        made = None
+        made = event = None
         if e.device.type == "cuda":
             side = self.side.get(e.device)
             if side is None:
                 side = self.side[e.device] = torch.cuda.Stream(e.device)
             buf = self.off.cuda._new_on(e, side)
-            made = torch.cuda.Event()
-            made.record(side)
-            e.made = (made, side, [side])
+            event = torch.cuda.Event()
+            event.record(side)
+            made = Made(event, side, [side])
         else:
             buf = torch.empty(e.nbytes, dtype=torch.uint8)
         st = buf.untyped_storage()
         self.off._track(st, e.nbytes)
-        # After ``made``: with deterministic algorithms torch.empty queues a fill of the memory.
-        e.reading = (st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, made), False)
+        # After ``event``: with deterministic algorithms torch.empty queues a fill of the memory.
+        e.back = Reading(st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, event), False, made)
 
     def close(self) -> None:
         for e in self.writing:
-            e.ticket = None
-            self.drop_src(e)
+            self.off.drop_source(e)
         self.writing.clear()
 
 

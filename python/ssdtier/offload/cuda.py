@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._util import warn
-from .entry import Entry
+from .entry import Copying, Entry, Held, Made, Reading
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -74,19 +74,6 @@ class Pinned:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: CUDA may be gone already
             self.close()
-
-
-class D2H:
-    """An entry's copy into its arena slot, in flight. The source was dropped at once (the
-    allocator keeps its block until the offload stream is done with it); ``src`` is a weak
-    reference to its storage, to see at landing whether the storage was freed or resized."""
-
-    __slots__ = ("event", "slot", "src")
-
-    def __init__(self, event: Any, slot: int, src: weakref.ref) -> None:
-        # ``event``: when the slot may be committed: the copy into it, and any copy out of it
-        # made before it landed (each such copy waits for the previous event).
-        self.event, self.slot, self.src = event, slot, src
 
 
 class CudaTransport:
@@ -152,7 +139,6 @@ class CudaTransport:
                 if nbytes:
                     self._write_through(key, whole, nbytes)
                 return entry
-            entry.wrote = whole.data_ptr()
             slot = self.store.slot(off, nbytes)
             stream.wait_stream(torch.cuda.current_stream(whole.device))
             with torch.cuda.stream(stream):
@@ -167,7 +153,7 @@ class CudaTransport:
                     stream.synchronize()  # a copy into the slot may be queued: it ends first
             native.free(key)
             raise
-        entry.d2h = D2H(event, off, weakref.ref(whole.untyped_storage()))
+        entry.out = Copying(event, off, weakref.ref(whole.untyped_storage()), whole.data_ptr())
         self.inflight += nbytes
         self.pending.append(entry)
         return entry
@@ -187,7 +173,7 @@ class CudaTransport:
     def _wait_oldest(self) -> None:
         """Back-pressure: the host waits for the oldest copy into or out of the arena."""
         if self.pending:
-            self.pending[0].d2h.event.synchronize()
+            self.pending[0].out.event.synchronize()
         elif self.h2d:
             self.h2d[0][0].synchronize()
         self.poll()
@@ -204,24 +190,25 @@ class CudaTransport:
             if key in self.free_later and all(k != key for _, k in self.h2d):
                 self.free_later.discard(key)
                 off._free_key(key)
-        while self.pending and self.pending[0].d2h.event.query():
+        while self.pending and self.pending[0].out.event.query():
             self._landed(self.pending.popleft())
 
     def _landed(self, e: Entry) -> None:
         off = self.off
-        d2h, e.d2h = e.d2h, None
+        copy, e.out = e.out, None
+        assert type(copy) is Copying
         self.inflight -= e.nbytes
         if not e.refs:  # released while in flight: its key was left to free now
             key, e.key = e.key, None
             off._free_key(key)
             return
-        src = d2h.src()
-        failed = off._moved(e, src) if src is not None else None
+        src = copy.src()
+        failed = off._moved(e, src, copy.wrote) if src is not None else None
         if failed is not None:
             # The storage lives on with other bytes (freed or resized meanwhile): it serves
             # the unpack, as autograd without ssdtier would read it.
-            e.gpu = torch.empty(0, dtype=torch.uint8, device=e.device).set_(src)
-            off.res.gpu += e.nbytes
+            e.out = Held(src)
+            off.res.sources += e.nbytes
             off._copy_lost(e, failed)
             return
         self.native.commit(e.key)
@@ -229,12 +216,12 @@ class CudaTransport:
     # ---------------------------------------------------------------- backward
 
     def start_read(self, e: Entry, from_host: bool) -> None:
-        if e.d2h is not None:  # still being copied to the arena: copied back from its slot
-            e.reading = (None, 0, None, True)
+        if type(e.out) is Copying:  # still being copied to the arena: copied back from its slot
+            e.back = Reading(None, 0, None, True)
             return
         # Asked even when in the arena: the store then keeps it there until its unpack.
         ticket = self.native.prefetch(e.key)
-        e.reading = (None, 0, None if from_host and ticket.done() else ticket, from_host)
+        e.back = Reading(None, 0, None if from_host and ticket.done() else ticket, from_host)
 
     def stage_later(self, e: Entry) -> None:
         if not self.stage_off:
@@ -248,27 +235,27 @@ class CudaTransport:
         for e in self.staging:
             if self.stage_off:
                 break  # out of GPU memory (_stage): the rest are copied at their unpack
-            reading = e.reading
-            if reading is None or e.key is None or e.staged is not None:
+            r = e.back
+            if type(r) is not Reading or e.key is None or r.staged is not None:
                 continue  # unpacked, released, or failed meanwhile
-            if reading[2] is not None and not reading[2].done():
+            if r.ticket is not None and not r.ticket.done():
                 waiting.append(e)
                 continue
-            if not reading[3] and e.d2h is None and not self.native.location(e.key)[0]:
+            if not r.from_host and type(e.out) is not Copying and not self.native.location(e.key)[0]:
                 # The store skipped the read (no room in the arena then): ask again, as the
                 # backward frees slots and the writes under way end.
                 ticket = self.native.prefetch(e.key)
                 if not ticket.done():
-                    e.reading = (None, 0, ticket, False)
+                    r.ticket = ticket
                 waiting.append(e)
                 continue
-            self._stage(e)
+            self._stage(e, r)
         self.staging = waiting
 
-    def _stage(self, e: Entry) -> None:
+    def _stage(self, e: Entry, r: Reading) -> None:
         prefetch = self._streams(e.device)[1]
         try:
-            if e.d2h is not None:
+            if type(e.out) is Copying:
                 out, ev = self._copy_landing(e, prefetch)
             else:
                 assert e.key is not None
@@ -284,7 +271,7 @@ class CudaTransport:
             # next forward.
             self.stage_off = True
             return
-        e.staged = (out, ev, prefetch)
+        r.staged = (out, ev, prefetch)
         self.off._track(out.untyped_storage(), e.nbytes)
         self.off.c["copied_ahead"] += 1
 
@@ -314,28 +301,29 @@ class CudaTransport:
     def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
         """Copy an entry back from the slot its copy to the arena is still filling: ``stream``
         waits for that copy, and the slot is committed (may be evicted) only after this one."""
-        d2h = e.d2h
+        copy = e.out
+        assert type(copy) is Copying
         out = self._new_on(e, stream)
-        stream.wait_event(d2h.event)
+        stream.wait_event(copy.event)
         with torch.cuda.stream(stream):
-            out.copy_(self.store.slot(d2h.slot, e.nbytes), non_blocking=True)
+            out.copy_(self.store.slot(copy.slot, e.nbytes), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        d2h.event = ev
+        copy.event = ev
         return out, ev
 
-    def restore(self, e: Entry) -> torch.UntypedStorage:
-        """The entry back on the GPU: the copy made ahead, or one made now on the compute stream."""
-        staged, e.staged = e.staged, None
+    def restore(self, e: Entry, staged: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.UntypedStorage, Made]:
+        """The entry back on the GPU: the copy made ahead (``staged``), or one made now on the
+        compute stream; and how it was made."""
         if staged is not None:
             # Copied ahead on the prefetch stream: the compute stream waits for that copy.
-            e.made = (staged[1], staged[2], [])
+            made = Made(staged[1], staged[2], [])
             st = staged[0].untyped_storage()  # tracked since it was staged
-            self.use_on_current_stream(e, st)
-            return st
+            self.use_on_current_stream(e.device, made, st)
+            return st, made
         self.poll()
         current = torch.cuda.current_stream(e.device)
-        if e.d2h is not None:
+        if type(e.out) is Copying:
             out, ev = self._copy_landing(e, current)
         else:
             out, ev = self._copy_now(e)
@@ -344,8 +332,7 @@ class CudaTransport:
         if ev is None:
             ev = torch.cuda.Event()
             ev.record(current)
-        e.made = (ev, current, [current])
-        return st
+        return st, Made(ev, current, [current])
 
     def _copy_now(self, e: Entry) -> tuple[torch.Tensor, Any]:
         """Copy an entry back to the GPU on the current stream; returns it and the copy's
@@ -365,37 +352,25 @@ class CudaTransport:
             res.stall += time.perf_counter() - t0
         return self._copy_from_slot(e, off, torch.cuda.current_stream(e.device))
 
-    def use_on_current_stream(self, e: Entry, st: torch.UntypedStorage) -> None:
+    @staticmethod
+    def use_on_current_stream(device: torch.device, made: Made, st: torch.UntypedStorage) -> None:
         """Before the current stream uses a restored storage, it waits for the copy that made
         it, and a block allocated for another stream is recorded as used here too, so the
         allocator does not reuse it before this stream is done with it."""
-        assert e.made is not None
-        ev, allocated, waited = e.made
-        current = torch.cuda.current_stream(e.device)
-        if current in waited:
+        current = torch.cuda.current_stream(device)
+        if current in made.waited:
             return
-        current.wait_event(ev)
-        waited.append(current)
-        if current != allocated:
-            torch.empty(0, dtype=torch.uint8, device=e.device).set_(st).record_stream(current)
+        current.wait_event(made.event)
+        made.waited.append(current)
+        if current != made.allocated:
+            torch.empty(0, dtype=torch.uint8, device=device).set_(st).record_stream(current)
 
     # ---------------------------------------------------------------- release, close
-
-    def release(self, e: Entry) -> None:
-        """What an entry holds on the GPU side goes when its last handle does. A copy to the
-        arena still in flight stays in ``pending``: the slot is freed when it lands."""
-        if e.gpu is not None:  # its copy was lost (poll): the source served it
-            self.off.res.gpu -= e.nbytes
-        # Copied ahead and never unpacked: its block is the prefetch stream's, which is done
-        # with it only after the copy into it, in stream order.
-        e.staged = None
-        e.gpu = None
-        e.made = None
 
     def free_key(self, e: Entry) -> None:
         """Free a released entry's key, or once the copies into and out of its slot are done."""
         key = e.key
-        if e.d2h is not None:
+        if type(e.out) is Copying:
             pass  # poll frees it when its copy lands
         elif key is not None and any(k == key for _, k in self.h2d):
             self.free_later.add(key)  # the slot stays pinned until then (poll frees it)
@@ -406,7 +381,7 @@ class CudaTransport:
 
     def close(self) -> None:
         for e in self.pending:  # copies into the arena still running
-            e.d2h.event.synchronize()
+            e.out.event.synchronize()
         for ev, _ in self.h2d:  # copies out of the arena still running (their keys freed later)
             ev.synchronize()
         self.pending.clear()

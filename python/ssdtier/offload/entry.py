@@ -106,40 +106,111 @@ class Kept:
             off.res.kept -= self.nbytes
 
 
+# An entry's way out: ``Entry.out`` is one of these, or None once only the store holds it.
+
+
+class Copying:
+    """CUDA: its copy into an arena slot, in flight. The source was dropped at once (the
+    allocator keeps its block until the offload stream is done with it); ``src`` is a weak
+    reference to its storage, to see at landing whether it was freed or resized."""
+
+    __slots__ = ("event", "slot", "src", "wrote")
+
+    def __init__(self, event: Any, slot: int, src: weakref.ref, wrote: int) -> None:
+        # ``event``: when the slot may be committed: the copy into it, and any copy out of it
+        # made before it landed (each such copy waits for the previous event).
+        self.event, self.slot, self.src, self.wrote = event, slot, src, wrote
+
+
+class Writing:
+    """Written to NVMe from its source's own memory (zero copy, cuFile): the source is held
+    until the write is done. ``wrote``: the source's data pointer when the write was issued."""
+
+    __slots__ = ("src", "ticket", "wrote")
+
+    def __init__(self, src: torch.UntypedStorage, ticket: Any, wrote: int) -> None:
+        self.src, self.ticket, self.wrote = src, ticket, wrote
+
+
+class Held:
+    """Its source is held and serves the unpack, with no read: the read-ahead wanted it when
+    its write ended, or the store has no copy (``Entry.key`` None: the write failed, or a
+    cuFile write not yet begun was called off)."""
+
+    __slots__ = ("src",)
+
+    def __init__(self, src: torch.UntypedStorage) -> None:
+        self.src = src
+
+
+# Its way back: ``Entry.back`` is one of these, or None while nothing is under way.
+
+
+class Reading:
+    """A read under way: into ``st`` (None: into the arena, for the CUDA transport), the data
+    ``pad`` bytes into it; ``ticket`` None once done; ``from_host`` served from the arena."""
+
+    __slots__ = ("from_host", "made", "pad", "st", "staged", "ticket")
+
+    def __init__(
+        self, st: torch.UntypedStorage | None, pad: int, ticket: Any, from_host: bool, made: Made | None = None
+    ) -> None:
+        self.st, self.pad, self.ticket, self.from_host = st, pad, ticket, from_host
+        self.made = made  # cuFile: how ``st`` was made on the GPU
+        # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
+        # prefetch stream, the stream it was allocated on).
+        self.staged: tuple[torch.Tensor, Any, Any] | None = None
+
+
+class Made:
+    """How a restored CUDA storage was made: the event of its copy, the stream its block was
+    allocated for, and the streams that have waited for the event. An unpack on another
+    stream waits for the copy too, and records its use."""
+
+    __slots__ = ("allocated", "event", "waited")
+
+    def __init__(self, event: Any, allocated: Any, waited: list[Any]) -> None:
+        self.event, self.allocated, self.waited = event, allocated, waited
+
+
+class Restored:
+    """Read back: the storage (weakly, while an unpacked view uses it) and where its data starts."""
+
+    __slots__ = ("made", "pad", "ref")
+
+    def __init__(self, ref: weakref.ref, pad: int, made: Made | None) -> None:
+        self.ref, self.pad, self.made = ref, pad, made
+
+
 class Entry:
-    """One offloaded storage."""
+    """One offloaded storage: where its bytes are going (``out``) and coming back (``back``)."""
 
     __slots__ = (
+        "back",
         "backward",
         "cuda",
-        "d2h",
         "device",
         "dkey",
         "first",
         "forward",
-        "gpu",
         "hold",
         "key",
         "layer",
         "lead",
-        "made",
         "nbytes",
+        "out",
         "pos",
-        "reading",
         "refs",
-        "restored",
-        "src",
-        "staged",
-        "ticket",
         "view",
         "waiting",
         "wanted",
-        "wrote",
     )
 
     def __init__(self, key: int, nbytes: int, device: torch.device, cuda: bool, fwd: Fwd) -> None:
         self.key: int | None = key  # None once the store has no copy (a failed write)
         self.nbytes, self.device, self.cuda = nbytes, device, cuda
+        self.out: Copying | Writing | Held | None = None
+        self.back: Reading | Restored | None = None
         self.dkey: tuple[torch.device, int] | None = None  # its key in the dedup map
         # Its forward and layer, and the forward's backwards, which start each layer's read-ahead once.
         self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
@@ -148,29 +219,7 @@ class Entry:
         # storage shared by several saved tensors is read back once.
         self.waiting = 0
         self.hold: torch.UntypedStorage | None = None
-        # CUDA: the source, held only when its copy to the arena was lost (it serves the unpack).
-        self.gpu: torch.Tensor | None = None
-        # CPU, zero copy: the source storage, held until its write from its own pages is
-        # done (for good if the write failed), the write's ticket, and the bytes of the first
-        # page before the data (the write covers whole pages).
-        self.src: torch.UntypedStorage | None = None
-        self.ticket: Any = None
-        self.lead = 0
-        self.wrote = 0  # the source's data pointer when its write was issued
-        self.d2h: Any = None  # CUDA: its copy to the arena in flight (cuda.D2H)
-        # The restored storage and the byte offset of the data in it, while some unpacked view
-        # still uses it.
-        self.restored: tuple[weakref.ref, int] | None = None
-        # A read under way: (buffer storage or None, offset of the data in it, ticket or None,
-        # served from the host arena).
-        self.reading: tuple[torch.UntypedStorage | None, int, Any, bool] | None = None
-        # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
-        # prefetch stream, the compute stream it was allocated on).
-        self.staged: tuple[torch.Tensor, Any, Any] | None = None
-        # CUDA: how the restored storage was made: (event of its copy, the stream its block was
-        # allocated for, the streams that have waited for that event). An unpack on another
-        # stream (a forward that used several) waits for the copy too, and records its use.
-        self.made: tuple[Any, Any, list[Any]] | None = None
+        self.lead = 0  # bytes of the first page before the data (a direct write covers whole pages)
         # The read-ahead reached it: its bytes should be in memory (a source still held stays).
         self.wanted = False
         # The tensor first saved (weakly) and its version probe, for the dedup hits that save
@@ -178,6 +227,11 @@ class Entry:
         self.first: tuple | None = None  # (tensor ref, probe, size, stride, offset)
         self.view: torch.Tensor | None = None
         self.pos = -1  # its place in its forward's pack order (read-ahead by bytes)
+
+    def source(self) -> torch.UntypedStorage | None:
+        """The source storage held in memory (a write from it in flight, or serving the unpack)."""
+        out = self.out
+        return out.src if type(out) is Writing or type(out) is Held else None
 
 
 class Saved:

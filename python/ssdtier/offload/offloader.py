@@ -24,7 +24,7 @@ from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
 from .cufile import open_cufile
-from .entry import Distributed, Entry, Kept, Same, Saved, check_version, version_of
+from .entry import Distributed, Entry, Kept, Reading, Restored, Same, Saved, Writing, check_version, version_of
 from .forward import (
     NO_OFFLOAD,
     BlockEnter,
@@ -399,14 +399,14 @@ class Offloader:
         return kept
 
     @staticmethod
-    def _moved(e: Entry, src: torch.UntypedStorage) -> SsdtierError | None:
+    def _moved(e: Entry, src: torch.UntypedStorage, wrote: int) -> SsdtierError | None:
         """An error if the source storage was freed or resized while its bytes were being
         copied out (as sharded data parallelism does with a gathered parameter's storage after
         the forward): what was copied may not be what was saved. Whatever the storage holds at
         the unpack is what autograd without ssdtier would see, so the unpack is served from it.
         A storage freed and given new bytes at the same address is not seen here; parameters,
         the storages that this happens to, are recognised and kept in _pack."""
-        if src.data_ptr() != e.wrote or src.nbytes() != e.nbytes:
+        if src.data_ptr() != wrote or src.nbytes() != e.nbytes:
             return SsdtierError(
                 f"the storage of a saved tensor ({e.nbytes} bytes) was freed or resized while it was being copied out"
             )
@@ -444,8 +444,10 @@ class Offloader:
                 out = e.view
                 if not e.waiting:
                     e.view = None
-                if e.made is not None:  # another stream's unpack: wait for the copy, record the use
-                    self.cuda.use_on_current_stream(e, out.untyped_storage())
+                back = e.back
+                if type(back) is Restored and back.made is not None:
+                    # Another stream's unpack: wait for the copy, record the use.
+                    self.cuda.use_on_current_stream(e.device, back.made, out.untyped_storage())
                 c["forwarded"] += 1
                 return out
             b = e.backward
@@ -521,26 +523,28 @@ class Offloader:
 
     def _restore(self, e: Entry) -> tuple[torch.UntypedStorage, int]:
         """The entry's storage, and where its data starts in it."""
-        src = e.gpu.untyped_storage() if e.gpu is not None else e.src
+        src = e.source()
         if src is not None:
-            # Its copy or write is still in flight (or failed): served from the source.
+            # Its write is still in flight (or failed, or done while wanted): the source serves.
             self.c["forwarded"] += 1
             return src, 0
-        if e.restored is not None:
-            ref, pad = e.restored
-            st = ref()
+        back = e.back
+        if type(back) is Restored:
+            st = back.ref()
             if st is not None:
                 self.c["forwarded"] += 1
-                if e.made is not None:
-                    self.cuda.use_on_current_stream(e, st)
-                return st, pad
-        ahead = e.reading is not None  # read ahead (else read now, on demand)
+                if back.made is not None:
+                    self.cuda.use_on_current_stream(e.device, back.made, st)
+                return st, back.pad
+        ahead = type(back) is Reading  # read ahead (else read now, on demand)
         if not ahead:
             self._start_read(e)
-        st, pad, ticket, from_host = e.reading
-        e.reading = None
-        if from_host:
+            back = e.back
+        assert type(back) is Reading
+        e.back = None
+        if back.from_host:
             self.c["forwarded"] += 1
+        ticket = back.ticket
         if ticket is not None:
             if not ticket.done():
                 t0 = time.perf_counter()
@@ -551,12 +555,15 @@ class Offloader:
                     self.res.stall_ahead += waited
             else:
                 ticket.wait()  # raises the read's error, if any
-        if st is None:
-            st = self.cuda.restore(e)
-        elif e.made is not None:  # read by cuFile into memory of another stream
-            self.cuda.use_on_current_stream(e, st)
-        e.restored = (weakref.ref(st), pad)
-        return st, pad
+        made = back.made
+        if back.st is None:
+            st, made = self.cuda.restore(e, back.staged)
+        else:
+            st = back.st
+            if made is not None:  # read by cuFile into memory of another stream
+                self.cuda.use_on_current_stream(e.device, made, st)
+        e.back = Restored(weakref.ref(st), back.pad, made)
+        return st, back.pad
 
     def _track(self, st: torch.UntypedStorage, nbytes: int) -> None:
         """Count restored or read-ahead bytes as resident until their storage is freed."""
@@ -583,16 +590,15 @@ class Offloader:
             e.refs -= 1
             if e.refs:
                 return
-            if e.cuda:
-                self.cuda.release(e)
-            e.restored = None
+            # A copy made ahead and never unpacked goes too: its block is the prefetch
+            # stream's, which is done with it only after the copy into it, in stream order.
+            back, e.back = e.back, None
             e.hold = e.view = e.first = None
-            if e.reading is not None and e.reading[2] is not None:
+            if type(back) is Reading and back.ticket is not None:
                 # The buffer must outlive its read. A read that failed is of no concern here:
                 # nobody will unpack this entry (raising would skip freeing it, from __del__).
                 with contextlib.suppress(SsdtierError):
-                    e.reading[2].wait()
-            e.reading = None
+                    back.ticket.wait()
             if e.dkey is not None:
                 hit = self._dedup.get(e.dkey)
                 if hit is not None and hit[2] is e:
@@ -603,19 +609,25 @@ class Offloader:
                 if not group:
                     del self._by_layer[(e.forward, e.layer)]
             self._live -= 1
-            if e.ticket is None:
+            if type(e.out) is Writing:
+                # The store lets the key go when the write ends, and the source is dropped
+                # when a poll sees it done.
+                key, e.key = e.key, None
+                self._free_key(key)
+            else:
+                self.drop_source(e)
                 if e.cuda:
                     self.cuda.free_key(e)
                 else:
-                    self.cpu.drop_src(e)
                     self._free_key(e.key)
-            else:
-                # Its write is in flight: the store lets the key go when the write ends, and the
-                # source is dropped when a poll sees it done.
-                key, e.key = e.key, None
-                self._free_key(key)
             if self._closed and self._live == 0:
                 self._close_store()
+
+    def drop_source(self, e: Entry) -> None:
+        """Let go of the source an entry holds, if any."""
+        if e.source() is not None:
+            e.out = None
+            self.res.sources -= e.nbytes
 
     def _free_key(self, key: int | None) -> None:
         if key is not None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .control import StepControl
+from .entry import Entry, Held, Writing
 
 if TYPE_CHECKING:
     from .offloader import Offloader
@@ -137,17 +138,19 @@ class ReadAhead:
                 self._want(entry)
         off.cuda.stage_ready()
 
-    def _want(self, entry: Any) -> bool:
+    def _want(self, entry: Entry) -> bool:
         """Have ``entry`` read back, unless it is in memory; False if its source is (its
         write still in flight, or done and not yet let go): it serves with no read."""
         if entry.refs == 0:
             return True
         entry.wanted = True
-        if entry.src is not None:
-            if entry.ticket is not None:
-                self.off.cpu.skip_write(entry)
+        out = entry.out
+        if type(out) is Writing:
+            self.off.cpu.skip_write(entry)
             return False
-        if entry.reading is None and entry.gpu is None and entry.restored is None:
+        if type(out) is Held:
+            return False
+        if entry.back is None:
             if not entry.cuda and entry.device.type in self.off.cpu.gds_types:  # cuFile: into GPU memory
                 if self.off.cuda.stage_off:
                     return True  # out of GPU memory: the unpack reads it
@@ -160,8 +163,9 @@ class ReadAhead:
                 self.off._start_read(entry)
             if entry.cuda:
                 self.off.cuda.stage_later(entry)
-            if self.auto and entry.reading[2] is not None:  # an NVMe read: tune() learns from it
-                self.reads.append((time.perf_counter(), entry.reading[2], entry.nbytes))
+            ticket = entry.back.ticket
+            if self.auto and ticket is not None:  # an NVMe read: tune() learns from it
+                self.reads.append((time.perf_counter(), ticket, entry.nbytes))
         return True
 
     def advance(self, b: Backward, pos: int) -> None:

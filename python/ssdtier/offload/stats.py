@@ -100,19 +100,18 @@ class OffloadStats:
 class Resident:
     """Bytes of saved activations the offloader holds in memory, by where, and the peak."""
 
-    __slots__ = ("gpu", "kept", "peak", "restored", "stall", "stall_ahead", "writing")
+    __slots__ = ("kept", "peak", "restored", "sources", "stall", "stall_ahead")
 
     def __init__(self) -> None:
         self.kept = 0  # kept tensors, each storage once
-        self.gpu = 0  # CUDA sources held because their copy to the arena was lost
-        self.writing = 0  # CPU sources whose write from their own pages is in flight
+        self.sources = 0  # sources held: writes from their own memory in flight, or serving unpacks
         self.restored = 0  # restored or read-ahead storages still alive
         self.peak = 0
         self.stall = 0.0  # seconds the backward waited for reads
         self.stall_ahead = 0.0  # the part of it spent on reads the read-ahead had started
 
     def note(self, host_used: int) -> None:
-        now = self.kept + self.gpu + self.writing + self.restored + host_used
+        now = self.kept + self.sources + self.restored + host_used
         if now > self.peak:
             self.peak = now
 
