@@ -109,7 +109,7 @@ def from_native(kind: str, message: str, errno: int | None, filename: str | None
         return StoreFailedError(_errno.EIO, message)
     if kind == "config":
         return ConfigError(message)
-    if kind == "invalid":
+    if kind in ("invalid", "forked"):
         return InvalidUseError(message)
     if kind == "busy":
         return EntryBusyError(message)

@@ -379,6 +379,11 @@ class CudaTransport:
         if self.h2d or self.pending:
             self.poll()  # so deferred keys go soon after the backward, not next forward
 
+    def forget_pin(self) -> None:
+        """In a fork child: the arena is not mapped here, and CUDA is the parent's."""
+        if self.pinned is not None:
+            self.pinned.arena = None
+
     def close(self) -> None:
         for e in self.pending:  # copies into the arena still running
             e.out.event.synchronize()

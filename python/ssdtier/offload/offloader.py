@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -166,6 +167,7 @@ class Offloader:
                 self._handles.append(mod.register_forward_pre_hook(Hook(self._exclude_enter)))
                 self._handles.append(mod.register_forward_hook(Hook(self._exclude_exit), always_call=True))
             _ATTACHED[model] = weakref.ref(self)
+            _LIVE.add(self)
         except BaseException:
             # Nothing left behind: no hook on the model, and the store closed.
             for h in self._handles:
@@ -700,6 +702,20 @@ class Offloader:
             if self._live == 0:
                 self._close_store()
 
+    def _in_fork_child(self) -> None:
+        """After fork(), in the child (a DataLoader worker, say): the store's threads and rings
+        and the CUDA context are the parent's. The model's hooks go, the handles left let go of
+        nothing, and attach() works again here."""
+        self._lock = threading.RLock()  # a thread of the parent may have held it
+        self._closed = True
+        self._release = _let_go_of_nothing
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if attached(self.model) is self:
+            del _ATTACHED[self.model]
+        self.cuda.forget_pin()
+
     def _close_store(self) -> None:
         self.cuda.close()
         if self._gds is not None:
@@ -724,6 +740,20 @@ class Offloader:
 
 # Each model's offloader, weakly both ways: nothing of ssdtier's is stored in the model.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Offloader]] = weakref.WeakKeyDictionary()
+# Every offloader still alive (detached ones too, while graphs hold their entries).
+_LIVE: weakref.WeakSet[Offloader] = weakref.WeakSet()
+
+
+def _let_go_of_nothing(e: Entry) -> None:
+    pass
+
+
+def _after_fork_in_child() -> None:
+    for off in list(_LIVE):
+        off._in_fork_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def attached(model: nn.Module) -> Offloader | None:

@@ -8,6 +8,7 @@ use std::ptr::NonNull;
 pub struct Arena {
     ptr: Option<NonNull<u8>>,
     len: usize,
+    born: u64,
 }
 
 // Safety: the region is plain memory owned by this struct; callers coordinate
@@ -19,7 +20,7 @@ impl Arena {
     /// Map `len` bytes (rounded up to the page size). Zero maps nothing.
     pub fn new(len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(Arena { ptr: None, len: 0 });
+            return Ok(Arena { ptr: None, len: 0, born: 0 });
         }
         let page = 4096usize;
         let len = len.div_ceil(page) * page;
@@ -41,7 +42,11 @@ impl Arena {
                 std::io::Error::from_raw_os_error(errno)
             )));
         }
-        Ok(Arena { ptr: NonNull::new(p as *mut u8), len })
+        // Not copied into fork() children (DataLoader workers): the kernel would copy every
+        // pinned page at the fork, and the parent's writes would fault on shared ones after it.
+        // Safety: advice on the mapping just made.
+        unsafe { libc::madvise(p, len, libc::MADV_DONTFORK) };
+        Ok(Arena { ptr: NonNull::new(p as *mut u8), len, born: crate::fork::generation() })
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
@@ -59,6 +64,9 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        if crate::fork::since(self.born) {
+            return; // not mapped in a fork child: the range may hold another mapping now
+        }
         if let Some(p) = self.ptr {
             // Safety: the mapping was made by `new` with this length and is unmapped once.
             unsafe { libc::munmap(p.as_ptr() as *mut libc::c_void, self.len) };

@@ -28,6 +28,8 @@ pub enum Error {
     Failed(String),
     /// The store was used after `close()`.
     Closed,
+    /// A store or ticket made before fork() was used in the child.
+    Forked,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -110,6 +112,9 @@ impl fmt::Display for Error {
             Error::External(why) => write!(f, "a transfer outside the store failed: {why}"),
             Error::Failed(why) => write!(f, "the store refuses new work after a failure: {why}"),
             Error::Closed => f.write_str("the store is closed"),
+            Error::Forked => f.write_str(
+                "this store was made before fork(): a forked child cannot use it (make a new one, or attach again, in the child)",
+            ),
         }
     }
 }

@@ -7,6 +7,7 @@ pub mod arena;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod fork;
 pub mod sim;
 pub mod store;
 pub mod ticket;

@@ -11,6 +11,7 @@ pub type Owner = Box<dyn Send + Sync>;
 pub struct Ticket {
     state: Mutex<State>,
     cv: Condvar,
+    born: u64,
 }
 
 struct State {
@@ -37,6 +38,7 @@ impl Ticket {
         Arc::new(Ticket {
             state: Mutex::new(State { pending, error: None, abandoned: false, created, finished, owner }),
             cv: Condvar::new(),
+            born: crate::fork::generation(),
         })
     }
 
@@ -102,8 +104,14 @@ impl Ticket {
         s.finished == Some(s.created)
     }
 
+    /// Also true in a fork child, where nothing will complete it ([`Ticket::wait`] says why).
     pub fn is_done(&self) -> bool {
-        self.lock().pending == 0
+        self.forked() || self.lock().pending == 0
+    }
+
+    /// True in a child forked after the ticket was made: its I/O threads are the parent's.
+    pub fn forked(&self) -> bool {
+        crate::fork::since(self.born)
     }
 
     /// True when a chunk was abandoned: its memory may still be written by the kernel.
@@ -113,12 +121,18 @@ impl Ticket {
 
     /// The outcome once done, None while chunks are in flight.
     pub fn poll(&self) -> Option<Result<()>> {
+        if self.forked() {
+            return Some(Err(Error::Forked));
+        }
         let s = self.lock();
         (s.pending == 0).then(|| s.error.clone().map_or(Ok(()), Err))
     }
 
     /// Block until every chunk has completed; the first error, if any.
     pub fn wait(&self) -> Result<()> {
+        if self.forked() {
+            return Err(Error::Forked);
+        }
         let mut s = self.lock();
         while s.pending > 0 {
             s = self.cv.wait(s).unwrap_or_else(PoisonError::into_inner);
@@ -128,6 +142,9 @@ impl Ticket {
 
     /// Like [`Ticket::wait`], giving up after `timeout`: None if still in flight.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
+        if self.forked() {
+            return Some(Err(Error::Forked));
+        }
         let s = self.lock();
         let (s, _) = self.cv.wait_timeout_while(s, timeout, |s| s.pending > 0).unwrap_or_else(PoisonError::into_inner);
         (s.pending == 0).then(|| s.error.clone().map_or(Ok(()), Err))

@@ -744,3 +744,40 @@ fn lifetime_evicts_the_later_forward_first_under_a_pipeline_schedule() {
         assert!(get(&s, k) == pattern(256 << 10, i as u64));
     }
 }
+
+#[test]
+fn a_fork_child_refuses_the_parents_store_and_drops_it_untouched() {
+    for backend in [Backend::IoUring, Backend::Posix] {
+        let d = real_dir();
+        // 2 MiB into a 1 MiB arena: evictions to NVMe under way at the fork.
+        let s = Store::new(cfg(&[d.path()], 1 << 20, backend)).unwrap();
+        let keys: Vec<u64> = (0..8).map(|i| put(&s, &pattern(256 << 10, i))).collect();
+        let t = s.prefetch(keys[0]).unwrap();
+        // Safety: the child only calls the store and leaves with _exit, unwinding nothing.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // A panic must not unwind into the test harness, whose other threads are not here.
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let refused = s.forked()
+                    && matches!(s.location(keys[1]), Err(Error::Forked))
+                    && matches!(t.wait(), Err(Error::Forked))
+                    && s.stats().nvme_bytes_written == 0;
+                let closed = s.close().is_ok();
+                drop(s); // neither joins the parent's I/O threads nor touches its rings or arena
+                refused && closed
+            }));
+            unsafe { libc::_exit(if ok.unwrap_or(false) { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // Safety: waits for the child just made.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{backend:?}: child status {status}");
+        assert!(!s.forked());
+        t.wait().unwrap();
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(get(&s, k), pattern(256 << 10, i as u64));
+        }
+        s.close().unwrap();
+    }
+}

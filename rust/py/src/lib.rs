@@ -2,8 +2,11 @@
 //! block (I/O, waiting for evictions) releases the GIL; copies from caller
 //! memory take it again, so Python cannot resize the source meanwhile.
 
+mod release;
+
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use release::{drain, PyOwner};
 use ssdtier_core::{self as core, Backend, DeviceConfig, Error, Eviction, StoreConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,6 +22,7 @@ fn to_py(py: Python<'_>, err: Error) -> PyErr {
         Error::Busy { .. } => "busy",
         Error::UnknownKey(_) => "key",
         Error::Closed => "closed",
+        Error::Forked => "forked",
     };
     let errno = err.errno();
     let filename = match &err {
@@ -80,19 +84,28 @@ struct Ticket {
 #[pymethods]
 impl Ticket {
     /// True once the transfer has finished (successfully or not).
-    fn done(&self) -> bool {
-        self.inner.is_done()
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        if self.inner.forked() {
+            return Err(to_py(py, Error::Forked));
+        }
+        let done = self.inner.is_done();
+        if done {
+            drain(py); // its owner went before it showed done: gone now too
+        }
+        Ok(done)
     }
 
     /// Block until the transfer has finished; raises its error, if any. Ctrl-C interrupts the
     /// wait (the transfer goes on, and its memory stays held until it ends).
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         if let Some(r) = self.inner.poll() {
+            drain(py);
             return r.py_err(py); // done: no GIL round trip
         }
         loop {
             let t = self.inner.clone();
             if let Some(r) = py.detach(move || t.wait_timeout(Duration::from_millis(50))) {
+                drain(py);
                 return r.py_err(py);
             }
             py.check_signals()?;
@@ -199,8 +212,9 @@ impl Store {
     /// `address` is page-aligned, holds `nbytes` rounded up to 4096, and stays unchanged while
     /// `owner` lives; the ticket holds `owner` until the write is done.
     fn write_from(&self, py: Python<'_>, address: usize, nbytes: u64, owner: Py<PyAny>) -> PyResult<(u64, Ticket)> {
+        drain(py);
         let s = self.inner.clone();
-        let owner: core::Owner = Box::new(owner);
+        let owner: core::Owner = PyOwner::new(owner);
         // Safety: the Python layer passes the page-aligned start of a live CPU storage's pages,
         // kept alive by `owner`, which the ticket holds until the write is done.
         let (key, t) =
@@ -290,8 +304,9 @@ impl Store {
         nbytes: u64,
         owner: Py<PyAny>,
     ) -> PyResult<Option<Ticket>> {
+        drain(py);
         let s = self.inner.clone();
-        let owner: core::Owner = Box::new(owner);
+        let owner: core::Owner = PyOwner::new(owner);
         // Safety: the Python layer passes a page-aligned buffer of `nbytes` that `owner` keeps
         // alive, and the ticket holds `owner` until the read has landed.
         let t = py.detach(move || unsafe { s.read_into(key, address as *mut u8, nbytes, Some(owner)) }).py_err(py)?;
@@ -317,6 +332,7 @@ impl Store {
 
     /// Forget an entry without waiting: its space comes back when its transfer in flight ends.
     fn discard(&self, py: Python<'_>, key: u64) -> PyResult<()> {
+        drain(py);
         self.inner.discard(key).py_err(py)
     }
 
@@ -332,7 +348,9 @@ impl Store {
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let s = self.inner.clone();
-        py.detach(move || s.close()).py_err(py)
+        let r = py.detach(move || s.close()).py_err(py);
+        drain(py); // the owners of the transfers it waited for
+        r
     }
 
     /// (in the host arena, on NVMe) for an entry.

@@ -49,6 +49,8 @@ pub struct Store {
     cfg: StoreConfig,
     backend_name: &'static str,
     notices: Mutex<Vec<String>>,
+    /// The fork generation it was made in (`fork`): a fork child never uses it.
+    born: u64,
 }
 
 /// An entry's pieces handed out for a transfer outside the store, counted as the engine's are.
@@ -199,6 +201,7 @@ impl Store {
             cfg,
             backend_name,
             notices: Mutex::new(notices),
+            born: crate::fork::generation(),
         })
     }
 
@@ -211,10 +214,16 @@ impl Store {
         self.arena.len()
     }
     pub fn host_used(&self) -> u64 {
+        if self.forked() {
+            return 0;
+        }
         self.lock_any().host.used()
     }
     /// Seconds spent waiting on transfers so far (cheap: no full stats).
     pub fn wait_seconds(&self) -> f64 {
+        if self.forked() {
+            return 0.0;
+        }
         self.lock_any().stats.wait_seconds
     }
     pub fn backend(&self) -> &'static str {
@@ -237,7 +246,11 @@ impl Store {
         std::mem::take(&mut *self.notices.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
+    /// Zeros in a fork child (its books are the parent's).
     pub fn stats(&self) -> Stats {
+        if self.forked() {
+            return Stats::default();
+        }
         let mut g = self.lock_any();
         g.reap();
         let mut s = g.snapshot();
@@ -273,7 +286,16 @@ impl Store {
         })
     }
 
+    /// True in a child forked after the store was made: its threads, rings and locks are the
+    /// parent's, so every call that needs them fails with [`Error::Forked`].
+    pub fn forked(&self) -> bool {
+        crate::fork::since(self.born)
+    }
+
     fn lock_for(&self, need: Need) -> Result<MutexGuard<'_, Inner>> {
+        if self.forked() {
+            return Err(Error::Forked);
+        }
         let g = self.lock_any();
         match (&g.status, need) {
             (Status::Closed, _) | (Status::Closing, Need::Open) => Err(Error::Closed),
@@ -296,6 +318,9 @@ impl Store {
     /// Entries put from now on belong to `group` (a forward). The lifetime policy takes groups
     /// to be used in the order they were put, each one's entries in reverse (pipeline schedules).
     pub fn set_group(&self, group: u64) {
+        if self.forked() {
+            return;
+        }
         self.lock_any().group = group;
     }
 
@@ -454,6 +479,9 @@ impl Store {
     /// The transfer begun by `begin_external_*` ended with `res`. A failed write leaves the
     /// entry without bytes (its caller still has them); a failed read leaves it on NVMe.
     pub fn end_external(&self, key: u64, res: Result<()>) -> Result<()> {
+        if self.forked() {
+            return Err(Error::Forked);
+        }
         let marker = {
             let g = self.lock_any();
             match &g.get_any(key)?.state {
@@ -889,6 +917,9 @@ impl Store {
     /// error of a background write nobody waited on is returned; the failure of a failed
     /// store was reported by the calls it refused, so closing it is Ok.
     pub fn close(&self) -> Result<()> {
+        if self.forked() {
+            return Ok(()); // the parent's to close: nothing here is touched
+        }
         let mut g = self.lock_any();
         match g.status {
             Status::Closed => return Ok(()),
@@ -925,6 +956,13 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        if self.forked() {
+            // The queues' threads are not in this process and their rings are the parent's:
+            // neither joined nor closed (the arenas are not mapped here either).
+            let devices = std::mem::take(self.devices.get_mut().unwrap_or_else(PoisonError::into_inner));
+            std::mem::forget(devices);
+            return;
+        }
         // Wait for transfers in flight before the arena and staging go away.
         let _ = self.close();
     }
