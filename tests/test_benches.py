@@ -152,3 +152,11 @@ def test_hook_profile_child_times_plain_and_ssdtier(store_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     t = json.loads(out.read_text())
     assert t["saved_per_step"] == 12 and t["offloaded_per_step"] >= 4 and t["ssdtier_s"] > 0
+
+
+def test_fork_cost_starts_workers_with_and_without_ssdtier(store_dir):
+    p = run("fork_cost.py", "--reps", "1", "--workers", "1", "--arena", "64MiB", "--dir", str(store_dir))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith(("plain ", "ssdtier "))]
+    assert [r[0] for r in rows] == ["plain", "ssdtier"] and all(len(r) == 5 for r in rows), p.stdout
+    assert float(rows[0][2]) == 1.0 and float(rows[1][3]) > 0, p.stdout
