@@ -19,6 +19,7 @@ from .test_attach import (
     check_storage_freed_while_copied_out,
     offload_config,
 )
+from .test_fork import private_bytes
 
 # CUBLAS_WORKSPACE_CONFIG (needed for deterministic cuBLAS) is set in conftest.py, before CUDA starts.
 
@@ -508,6 +509,36 @@ def test_the_arena_is_pinned_at_attach(store_dir):
     model = build_model(CFG).cuda()
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
         assert off.cuda.registered or off.uses_cufile  # before the first forward (cuFile: no arena use)
+
+
+def test_dataloader_fork_workers_get_no_copy_of_the_pinned_arena(store_dir):
+    # cudaHostRegister pins the arena: a fork would copy all of it into every worker.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ref = train_cuda(CFG, micro=1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        model = build_model(CFG).cuda()
+        batch = make_batch(CFG, 2, torch.Generator().manual_seed(2), device="cuda")
+        with ssdtier.attach(model, offload_config(store_dir, host="256MiB")) as off:
+            if not off.cuda.registered:
+                pytest.skip("the arena is not registered (cuFile, or registration failed)")
+            torch.manual_seed(1)
+            loss = batch_loss(model, batch)  # copies to the arena in flight at the fork
+            data = TensorDataset(torch.arange(8))
+            workers = iter(DataLoader(data, batch_size=2, num_workers=2, multiprocessing_context="fork"))
+            first = next(workers)[0].tolist()
+            private = [private_bytes(w.pid) for w in workers._workers]
+            rest = [x for (b,) in workers for x in b.tolist()]
+            loss.backward()
+        torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert first + rest == list(range(8))
+    assert max(private) < 128 << 20, private
+    assert torch.equal(loss.detach(), ref[0][0])
+    assert all(torch.equal(p.grad, ref[1][n]) for n, p in model.named_parameters())
 
 
 def test_the_arena_is_unregistered_when_an_offloader_is_collected_undetached(store_dir):

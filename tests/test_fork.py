@@ -17,7 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import ssdtier
 from ssdtier.errors import InvalidUseError
 from ssdtier.offload.offloader import attached
+from ssdtier.store import ByteStore
 
+from .conftest import store_config
 from .test_attach import offload_config
 from .test_lifecycle import _step, _twins
 
@@ -49,6 +51,15 @@ def _in_child(check, timeout=120.0) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail(f"the fork child hung for {timeout:.0f} s")
+
+
+def private_bytes(pid: int) -> int:
+    """Memory of process ``pid`` not shared with any other (a fork child's own copies)."""
+    path = f"/proc/{pid}/smaps_rollup"
+    if not os.path.exists(path):
+        path = f"/proc/{pid}/smaps"  # the same lines per mapping (gVisor has no rollup)
+    with open(path) as f:
+        return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(("Private_Clean", "Private_Dirty")))
 
 
 def _mapped(addr: int) -> bool:
@@ -117,3 +128,16 @@ def test_training_with_dataloader_workers_is_exact(store_dir):
         assert off.stats().bytes_read_nvme > 0
     for (wl, wg), (gl, gg) in zip(want, got, strict=True):
         assert len(wl) == len(gl) == 7 and all(map(torch.equal, wl, gl)) and all(map(torch.equal, wg, gg))
+
+
+def test_a_fork_child_gets_no_copy_of_a_pinned_arena(store_dir):
+    # Pinned pages (io_uring fixed buffers here, cudaHostRegister on a GPU) are copied into
+    # the child at the fork unless the mapping is left out of it.
+    with ByteStore(store_config(store_dir, host="256MiB", fixed_buffers=True, zero_copy=False)) as store:
+        if not store.fixed_buffers:
+            pytest.skip("the arena could not be registered here (RLIMIT_MEMLOCK)")
+
+        def child():
+            assert private_bytes(os.getpid()) < 64 << 20
+
+        assert _in_child(child) == 0
