@@ -23,6 +23,7 @@ from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
 
 from .test_attach import CONFIGS, assert_same, offload_config, train
+from .test_fork import _in_child
 
 
 class FakeEvent:
@@ -278,6 +279,28 @@ def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monk
     assert not gpu.registered
     with ssdtier.attach(model, offload_config(store_dir, host="1MiB", mode="none")) as off:
         assert not gpu.registered  # keeps everything: the arena is not used
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_fork_child_leaves_the_parents_pinned_arena_and_copies_alone(store_dir, gpu, monkeypatch):
+    monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 0))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
+    pinned = dict(gpu.registered)
+    e = offload(off.cuda, source(64 << 10, 1))  # its copy in flight at the fork
+
+    def child():
+        off.detach()  # nothing to do here: the store, the pin and the copies are the parent's
+        off.cuda.pinned.close()
+        assert gpu.registered == pinned and list(off.cuda.pending) == [e]
+
+    assert _in_child(child) == 0
+    gpu.run()
+    off.cuda.poll()
+    assert type(e.out) is not Copying and off.cuda.native.location(e.key)[0]
+    let_go(off.cuda, e)
+    off.detach()
+    assert not gpu.registered
 
 
 def test_an_offloader_collected_undetached_unregisters_its_arena(store_dir, gpu):
