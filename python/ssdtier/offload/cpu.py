@@ -42,10 +42,8 @@ class CpuTransport:
         if self.zero_copy and lead % 64 == 0:
             # Held until written; the ticket holds it too, so its pages outlive the write.
             key, ticket = self.native.write_from(ptr - lead, lead + nbytes, st)
-            e = Entry(key, nbytes, st.device, False, f)
-            e.lead, e.out = lead, Writing(st, ticket, ptr)
-            self.off.res.sources += nbytes
-            self.writing.append(e)
+            e = self._writing(Entry(key, nbytes, st.device, False, f), st, ticket, ptr)
+            e.lead = lead
             return e
         key = self.native.put_from(ptr, nbytes, st)  # a copy into the arena (or to NVMe)
         return Entry(key, nbytes, st.device, False, f)
@@ -60,9 +58,13 @@ class CpuTransport:
         except BaseException:
             self.native.free(key)
             raise
-        e = Entry(key, nbytes, st.device, False, f)
+        return self._writing(Entry(key, nbytes, st.device, False, f), st, ticket, ptr)
+
+    def _writing(self, e: Entry, st: torch.UntypedStorage, ticket: Any, ptr: int) -> Entry:
+        """A new entry written from its source's memory: the source is held until a poll sees
+        the write done."""
         e.out = Writing(st, ticket, ptr)
-        self.off.res.sources += nbytes
+        self.off.res.sources += e.nbytes
         self.writing.append(e)
         return e
 

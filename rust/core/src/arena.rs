@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 pub struct Arena {
     ptr: Option<NonNull<u8>>,
     len: usize,
-    born: u64,
+    born: crate::fork::Born,
 }
 
 // Safety: the region is plain memory owned by this struct; callers coordinate
@@ -20,7 +20,7 @@ impl Arena {
     /// Map `len` bytes (rounded up to the page size). Zero maps nothing.
     pub fn new(len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(Arena { ptr: None, len: 0, born: 0 });
+            return Ok(Arena { ptr: None, len: 0, born: crate::fork::Born::now() });
         }
         let page = 4096usize;
         let len = len.div_ceil(page) * page;
@@ -46,7 +46,7 @@ impl Arena {
         // pinned page at the fork, and the parent's writes would fault on shared ones after it.
         // Safety: advice on the mapping just made.
         unsafe { libc::madvise(p, len, libc::MADV_DONTFORK) };
-        Ok(Arena { ptr: NonNull::new(p as *mut u8), len, born: crate::fork::generation() })
+        Ok(Arena { ptr: NonNull::new(p as *mut u8), len, born: crate::fork::Born::now() })
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
@@ -64,7 +64,7 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        if crate::fork::since(self.born) {
+        if self.born.forked() {
             return; // not mapped in a fork child: the range may hold another mapping now
         }
         if let Some(p) = self.ptr {

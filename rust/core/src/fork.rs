@@ -11,19 +11,25 @@ extern "C" fn in_child() {
     FORKS.fetch_add(1, Ordering::Relaxed);
 }
 
-/// This process's fork generation; the first call installs the at-fork handler.
-pub fn generation() -> u64 {
-    static HOOK: Once = Once::new();
-    // Safety: the handler only bumps an atomic counter, which is safe in a fork child.
-    HOOK.call_once(|| unsafe {
-        libc::pthread_atfork(None, None, Some(in_child));
-    });
-    FORKS.load(Ordering::Relaxed)
-}
+/// The fork generation an object was made in.
+#[derive(Clone, Copy)]
+pub struct Born(u64);
 
-/// True in a child forked after `born` was taken (by [`generation`]).
-pub fn since(born: u64) -> bool {
-    FORKS.load(Ordering::Relaxed) != born
+impl Born {
+    /// Now; the first call installs the at-fork handler.
+    pub fn now() -> Self {
+        static HOOK: Once = Once::new();
+        // Safety: the handler only bumps an atomic counter, which is safe in a fork child.
+        HOOK.call_once(|| unsafe {
+            libc::pthread_atfork(None, None, Some(in_child));
+        });
+        Born(FORKS.load(Ordering::Relaxed))
+    }
+
+    /// True in a child forked since.
+    pub fn forked(self) -> bool {
+        FORKS.load(Ordering::Relaxed) != self.0
+    }
 }
 
 #[cfg(test)]
@@ -32,18 +38,18 @@ mod tests {
 
     #[test]
     fn a_forked_child_sees_a_new_generation() {
-        let born = generation();
-        assert!(!since(born));
+        let born = Born::now();
+        assert!(!born.forked());
         // Safety: the child only reads an atomic and exits without running destructors.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
-            unsafe { libc::_exit(if since(born) { 0 } else { 1 }) };
+            unsafe { libc::_exit(if born.forked() { 0 } else { 1 }) };
         }
         let mut status = 0;
         // Safety: waits for the child just made.
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
-        assert!(!since(born));
+        assert!(!born.forked());
     }
 }

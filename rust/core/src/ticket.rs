@@ -11,7 +11,7 @@ pub type Owner = Box<dyn Send + Sync>;
 pub struct Ticket {
     state: Mutex<State>,
     cv: Condvar,
-    born: u64,
+    born: crate::fork::Born,
 }
 
 struct State {
@@ -38,7 +38,7 @@ impl Ticket {
         Arc::new(Ticket {
             state: Mutex::new(State { pending, error: None, abandoned: false, created, finished, owner }),
             cv: Condvar::new(),
-            born: crate::fork::generation(),
+            born: crate::fork::Born::now(),
         })
     }
 
@@ -111,7 +111,7 @@ impl Ticket {
 
     /// True in a child forked after the ticket was made: its I/O threads are the parent's.
     pub fn forked(&self) -> bool {
-        crate::fork::since(self.born)
+        self.born.forked()
     }
 
     /// True when a chunk was abandoned: its memory may still be written by the kernel.

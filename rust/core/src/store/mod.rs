@@ -50,7 +50,7 @@ pub struct Store {
     backend_name: &'static str,
     notices: Mutex<Vec<String>>,
     /// The fork generation it was made in (`fork`): a fork child never uses it.
-    born: u64,
+    born: crate::fork::Born,
 }
 
 /// An entry's pieces handed out for a transfer outside the store, counted as the engine's are.
@@ -201,7 +201,7 @@ impl Store {
             cfg,
             backend_name,
             notices: Mutex::new(notices),
-            born: crate::fork::generation(),
+            born: crate::fork::Born::now(),
         })
     }
 
@@ -289,7 +289,7 @@ impl Store {
     /// True in a child forked after the store was made: its threads, rings and locks are the
     /// parent's, so every call that needs them fails with [`Error::Forked`].
     pub fn forked(&self) -> bool {
-        crate::fork::since(self.born)
+        self.born.forked()
     }
 
     fn lock_for(&self, need: Need) -> Result<MutexGuard<'_, Inner>> {
