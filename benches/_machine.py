@@ -2,7 +2,7 @@
 
 The scripts run as ``python benches/<script>.py``, so this directory is on
 ``sys.path`` and they import it as ``_machine``. Only the standard library is
-used here (no torch, no ssdtier), so importing it costs nothing.
+used at import (ssdtier only inside ``mount_of``), so importing it costs nothing.
 """
 
 from __future__ import annotations
@@ -26,38 +26,22 @@ __all__ = [
 ]
 
 
-def _unescape_mount(s: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as octal escapes.
-    for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        s = s.replace(esc, ch)
-    return s
-
-
 def mount_of(path: str | os.PathLike[str]) -> dict[str, str]:
-    """Device, mount point, file system type and options of the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best: dict[str, str] = {"device": "?", "mountpoint": "?", "fstype": "?", "options": ""}
-    best_len = -1
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 4:
-                    continue
-                mnt = _unescape_mount(parts[1])
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                # The last matching line of the longest mount point wins (over-mounts).
-                if inside and len(mnt) >= best_len:
-                    best_len = len(mnt)
-                    best = {
-                        "device": _unescape_mount(parts[0]),
-                        "mountpoint": mnt,
-                        "fstype": parts[2],
-                        "options": parts[3],
-                    }
-    except OSError:
-        pass
-    return best
+    """Device, mount point, file system type, options and medium (SSD, rotational, network)
+    of the mount holding ``path``."""
+    from ssdtier.mounts import where  # imported here: the package imports torch
+
+    w = where(path)
+    m = w.mount
+    if m is None:
+        return {"device": "?", "mountpoint": "?", "fstype": "?", "options": "", "medium": w.describe()}
+    return {
+        "device": m.source,
+        "mountpoint": m.mountpoint,
+        "fstype": m.fstype,
+        "options": m.options,
+        "medium": w.describe(),
+    }
 
 
 def cpu_model() -> str:

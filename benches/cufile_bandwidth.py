@@ -480,7 +480,8 @@ def render(results: dict[str, Any]) -> str:
     """Header lines (disk, sizes, GDS state), then the table, then the per-part facts."""
     m = results.get("mount", {})
     lines = [
-        f"cuFile vs ssdtier vs fio on {results['dir']} ({m.get('device', '?')}, {m.get('fstype', '?')})",
+        f"cuFile vs ssdtier vs fio on {results['dir']} "
+        f"({m.get('device', '?')}: {m.get('medium', m.get('fstype', '?'))})",
         f"{format_size(results['size'])} in {results['count']} blocks of {format_size(results['block'])}, "
         f"median of {results['repeats']} interleaved repeats, GB/s = 10^9 B/s",
         f"GDS probe: {results['gds']['state']} ({results['gds']['reason']})",

@@ -950,7 +950,7 @@ def header(results: dict[str, Any]) -> list[str]:
         f"{a['heads']} heads ({a.get('attention', 'plain')} attention), seq {a['seq']}, vocab {a['vocab']}, "
         f"dropout {a['dropout']}; {a['dtype']}"
         f"{' autocast' if a['dtype'] == 'bf16' else ''}, fused AdamW",
-        f"--dir {m['dir']} on {mt['device']} ({mt['fstype']}), {m['disk_free'] / GiB:.0f} GiB free",
+        f"--dir {m['dir']} on {mt['device']} ({mt.get('medium', mt['fstype'])}), {m['disk_free'] / GiB:.0f} GiB free",
     ]
     for mode, note in results.get("config_notes", {}).items():
         lines.append(f"{mode}: {note}")

@@ -720,7 +720,7 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, An
         + (f", CUDA {info['cuda']}" if info["cuda"] else ", no CUDA")
         + ("" if results["device"] == "cuda" else f"; allocator {args.malloc}")
     )
-    lines.append(f"--dir: {info['dir']} on {m['device']} ({m['fstype']}, {m['options']})")
+    lines.append(f"--dir: {info['dir']} on {m['device']} ({m.get('medium', m['fstype'])}; {m['options']})")
     st = runs["ssdtier"].get("store", {})
     lines.append(
         f"ssdtier: backend {st.get('backend')}, O_DIRECT {st.get('direct')}, "

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+from ssdtier.mounts import where
+
 from .conftest import REPO
 
 
@@ -53,6 +55,8 @@ def test_info_reports_the_backend(store_dir):
     assert r.returncode == 0, r.stderr
     assert "backend         io_uring" in r.stdout
     assert "O_DIRECT        yes" in r.stdout
+    assert f"file system     {where(store_dir).describe()}\n" in r.stdout
+    assert "\nfree            " in r.stdout
 
 
 def test_info_does_not_create_the_directory(store_dir):

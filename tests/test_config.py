@@ -28,6 +28,7 @@ from ssdtier.config import (
     resolve_config,
 )
 from ssdtier.errors import ConfigError
+from ssdtier.mounts import mount_of
 from ssdtier.paths import RAMFS_MAGIC, TMPFS_MAGIC, check_paths, default_nvme_dir, is_tmpfs
 from ssdtier.sizes import GiB, KiB, MiB, TiB, format_size, parse_size
 
@@ -908,23 +909,9 @@ def test_default_nvme_dir(monkeypatch):
 
 
 def _mount_fstype(path: str) -> str | None:
-    """File-system type of the mount holding ``path``, from /proc/mounts."""
-    try:
-        with open("/proc/mounts") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    target = os.path.realpath(path)
-    best, fstype = "", None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
-        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best):
-            best, fstype = mnt, parts[2]
-    return fstype
+    """File-system type of the mount holding ``path``, from mountinfo (not statfs's magic)."""
+    m = mount_of(path)
+    return m.fstype if m else None
 
 
 linux_only = pytest.mark.skipif(

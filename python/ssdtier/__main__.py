@@ -12,6 +12,7 @@ from . import __version__
 from ._cli import CLI, Help, positive
 from .config import Config
 from .errors import ConfigError, SsdtierError
+from .mounts import where
 from .paths import check_paths, default_nvme_dir, is_tmpfs
 from .sizes import format_size
 
@@ -53,6 +54,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         probe = os.path.dirname(probe)
     if probe != path:
         print(f"                does not exist: checked in {probe}, where it would be created")
+    w = where(probe)
+    print(f"file system     {w.describe()}")
+    if w.free is not None and w.total:
+        print(f"free            {format_size(w.free)} of {format_size(w.total)}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

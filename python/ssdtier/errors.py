@@ -9,6 +9,9 @@ from the operating system also derive from the matching builtin class, so
 from __future__ import annotations
 
 import errno as _errno
+import os
+import sys
+import warnings
 from typing import Any, NoReturn
 
 __all__ = [
@@ -56,6 +59,18 @@ class InvalidUseError(SsdtierError, ValueError):
 
 class SsdtierWarning(UserWarning):
     """A fallback was taken (no O_DIRECT, no O_TMPFILE, no io_uring...): it works, maybe slower."""
+
+
+def warn(msg: str) -> None:
+    """What the user must see, shown at the user's line that led to it (the first frame
+    outside ssdtier and torch); the rest is logged."""
+    internal = tuple(
+        os.path.dirname(m.__file__ or "") + os.sep for m in (sys.modules.get("ssdtier"), sys.modules.get("torch")) if m
+    )
+    level, f = 1, sys._getframe(0)
+    while f is not None and f.f_code.co_filename.startswith(internal):
+        level, f = level + 1, f.f_back
+    warnings.warn(f"ssdtier: {msg}", SsdtierWarning, stacklevel=level)
 
 
 class SsdtierOSError(SsdtierError, OSError):

@@ -8,7 +8,9 @@ import tempfile
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from .errors import ConfigError, warn
+from .mounts import Medium, local_ssds, where
+from .sizes import format_size
 
 if TYPE_CHECKING:
     from .config import Config
@@ -115,9 +117,9 @@ def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
         probe = path
         while not os.path.lexists(probe):
             probe = os.path.dirname(probe)
-        where = f"{config.source}: {key} = {path!r}"
+        label = f"{config.source}: {key} = {path!r}"
         if not os.path.isdir(probe):
-            raise ConfigError(f"{where}: {probe} is not a directory")
+            raise ConfigError(f"{label}: {probe} is not a directory")
         try:
             if probe == path:
                 tempfile.TemporaryFile(dir=path).close()
@@ -125,11 +127,29 @@ def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
                 os.rmdir(tempfile.mkdtemp(prefix=".ssdtier-probe-", dir=probe))
         except OSError as e:
             what = "cannot hold a file" if probe == path else f"cannot be created in {probe}"
-            raise ConfigError(f"{where}: the directory {what} ({e.strerror or e})") from None
+            raise ConfigError(f"{label}: the directory {what} ({e.strerror or e})") from None
         if config.io.direct and is_tmpfs(probe):
             raise ConfigError(
-                f"{where}: the directory is on tmpfs, which does not support O_DIRECT; "
+                f"{label}: the directory is on tmpfs, which does not support O_DIRECT; "
                 "use a directory on an SSD, or set io.direct = false"
             )
+        _warn_if_remote(label, probe)
         out.append(path)
     return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_if_remote(label: str, probe: str) -> None:
+    """Said once per directory: a network file system takes each step's activations across
+    the network, and the checks above pass on it."""
+    w = where(probe)
+    if w.medium is not Medium.NETWORK or w.path in _WARNED:
+        return
+    _WARNED.add(w.path)
+    ssds = ", ".join(f"{s.path} ({format_size(s.free or 0)} free)" for s in local_ssds())
+    warn(
+        f"{label} is on {w.describe()}: every step's activations would cross the network. "
+        f"Point it at a local SSD{': here ' + ssds if ssds else ''}"
+    )

@@ -6,7 +6,6 @@ import ctypes
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 
 from . import _native
 from .config import Config, resolve_config
-from .errors import SsdtierError, SsdtierWarning, StoreClosedError, UnknownKeyError
+from .errors import SsdtierError, StoreClosedError, UnknownKeyError, warn
 from .paths import check_paths
 from .sizes import GiB, format_size
 
@@ -120,7 +119,7 @@ class ByteStore:
         )
         for notice in self._native.take_notices():
             if any(m in notice for m in _WARN_MARKERS):
-                warnings.warn(f"ssdtier: {notice}", SsdtierWarning, stacklevel=2)
+                warn(notice)  # at the user's line that made the store
             else:
                 log.info("ssdtier: %s", notice)
         log.info(

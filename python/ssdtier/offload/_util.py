@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import os
-import sys
-import warnings
 
 import torch
 
-from ..errors import SsdtierWarning
+from ..errors import warn
 
 PAGE = 4096
 
@@ -22,17 +19,6 @@ def cuda_device(model: torch.nn.Module) -> torch.device | None:
 
 # Run as Python, never traced by torch.compile.
 eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
-
-_INTERNAL = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (sys.modules["ssdtier"], torch))
-
-
-def warn(msg: str) -> None:
-    """What the user must see (activations left in memory, hooks removed), shown at the user's
-    line that led to it (a forward, a backward); the rest is logged."""
-    level, f = 1, sys._getframe(0)
-    while f is not None and f.f_code.co_filename.startswith(_INTERNAL):
-        level, f = level + 1, f.f_back
-    warnings.warn(f"ssdtier: {msg}", SsdtierWarning, stacklevel=level)
 
 
 class Once:

@@ -4,6 +4,7 @@ hand its storage to a transport (cpu.py, cuda.py) and rebuild the view in backwa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -97,7 +98,8 @@ class Offloader:
             # A CPU model's activations go to NVMe from their own pages: the arena only takes
             # the rare storage that cannot (not 64-byte aligned). Registering it with io_uring
             # would pin all of it; unregistered, it costs memory only where it is used.
-            config = config.replace(io__fixed_buffers=False)
+            # Not config.replace: errors and warnings still name where the user's config came from.
+            config = dataclasses.replace(config, io=dataclasses.replace(config.io, fixed_buffers=False))
         self.config = config
         self.store = ByteStore(config)
         self._native = self.store.native
