@@ -130,3 +130,22 @@ def test_help_is_plain_text_and_documents_every_option():
             if m:  # its help is on this line, or on the next (indented) when the option is long
                 follows = lines[i + 1] if i + 1 < len(lines) else ""
                 assert m[2].strip() or re.match(r" {10,}\S", follows), (cmd, line)
+
+
+def test_check_says_a_network_directory_as_a_line_of_its_own(tmp_path, store_dir, monkeypatch, capsys):
+    from ssdtier import paths
+    from ssdtier.__main__ import main
+    from ssdtier.mounts import Medium, Mount, Where
+
+    net = Where(str(store_dir), Mount("/n", "nfs4", "fs1:/x", "rw", (0, 50)), Medium.NETWORK, None, None, None)
+    monkeypatch.setattr(paths, "_WARNED", set())
+    monkeypatch.setattr(paths, "where", lambda p: net)
+    monkeypatch.setattr(paths, "local_ssds", lambda: [])
+    f = tmp_path / "c.toml"
+    f.write_text(f'[[nvme]]\npath = "{store_dir}"\ncapacity = "1GiB"\n')
+    assert main(["check", str(f)]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        f"ssdtier: warning: {f}: nvme[0].path = '{store_dir}' is on nfs4 from fs1:/x, a network file system: "
+        "every step's activations would cross the network. Point it at a local SSD\n"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -11,7 +12,7 @@ import warnings
 from . import __version__
 from ._cli import CLI, Help, positive
 from .config import Config
-from .errors import ConfigError, SsdtierError
+from .errors import ConfigError, SsdtierError, SsdtierWarning
 from .mounts import where
 from .paths import check_paths, default_nvme_dir, is_tmpfs
 from .sizes import format_size
@@ -205,6 +206,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _show_warning(show, message, category, filename, lineno, file=None, line=None) -> None:
+    # ssdtier's own warnings as the command's lines, not Python's (they would name runpy).
+    if issubclass(category, SsdtierWarning):
+        text = str(message).removeprefix("ssdtier: ")
+        print(f"ssdtier: warning: {text}", file=file or sys.stderr)
+    else:
+        show(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     fmt = Help
     parser = argparse.ArgumentParser(prog="ssdtier", description=DESCRIPTION, formatter_class=fmt)
@@ -234,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     add_parser(sub)
     args = parser.parse_args(argv)
     try:
-        rc = args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = functools.partial(_show_warning, warnings.showwarning)
+            rc = args.func(args)
         sys.stdout.flush()  # a closed pipe (`| head`) shows here, not at exit
         return rc
     except BrokenPipeError:
