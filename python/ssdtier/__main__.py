@@ -15,6 +15,7 @@ from .config import Config
 from .errors import ConfigError, SsdtierError, SsdtierWarning
 from .mounts import where
 from .paths import check_paths, default_nvme_dir, is_tmpfs
+from .ram import available
 from .sizes import format_size
 
 DESCRIPTION = """\
@@ -77,6 +78,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     print(f"torch           {torch.__version__}")
     print(f"CUDA            {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no'}")
+    mem = available()
+    if mem is not None:
+        leave = "a pinned arena leaves a quarter of it, at least 2GiB"
+        print(f"memory left     {format_size(mem.bytes)} ({mem.bound}; {leave})")
     try:
         import cuda.bindings  # noqa: F401
 

@@ -20,11 +20,12 @@ from torch import nn
 from ..config import Config, resolve_config
 from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Plan
+from ..ram import available
 from ..store import ByteStore
 from ._util import Once, cuda_device, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
-from .cuda import CudaTransport
+from .cuda import CudaTransport, fit_arena
 from .cufile import open_cufile
 from .entry import Distributed, Entry, Kept, Reading, Restored, Same, Saved, Writing, check_version, version_of
 from .forward import (
@@ -100,6 +101,10 @@ class Offloader:
             # would pin all of it; unregistered, it costs memory only where it is used.
             # Not config.replace: errors and warnings still name where the user's config came from.
             config = dataclasses.replace(config, io=dataclasses.replace(config.io, fixed_buffers=False))
+        offloads = pol.mode != "none" or pol.device_budget is not None
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        if offloads and any(t.device.type in self._streamed for t in tensors):
+            config = fit_arena(config, available())  # the arena will be pinned
         self.config = config
         self.store = ByteStore(config)
         self._native = self.store.native
@@ -150,7 +155,6 @@ class Offloader:
         self.adaptive: Adaptive | None = None
         try:
             device = cuda_device(model)
-            offloads = pol.mode != "none" or pol.device_budget is not None
             if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
