@@ -162,7 +162,7 @@ def run_store_part(workdir: Path, size: int, block: int, ahead: int) -> dict[str
         if DEVICE == "cuda":
             from ssdtier.offload.cuda import Pinned
 
-            pinned = Pinned(store.arena)  # page-locked, as the offloader has it
+            pinned = Pinned(store.arena, torch.device(DEVICE))  # page-locked, as the offloader has it
         facts: dict[str, Any] = {
             "backend": store.backend,
             "direct": store.direct,

@@ -87,7 +87,6 @@ GOAL_ACT = 0.3  # the issue's goal: activation memory <= 0.3 of keep ...
 GOAL_TIME = 1.03  # ... at <= 1.03 of keep's step time
 HOST_FACTOR = 1.5  # ssdtier_host's arena: keep's activation bytes times this ...
 HOST_MAX_FRACTION = 0.6  # ... but at most this share of the machine's RAM (it is pinned)
-HOST_AVAILABLE_FRACTION = 0.8  # ... and of the RAM available when the mode starts
 GiB = 1 << 30
 DEVICE = "cuda"  # the CPU smoke test (tests/test_gpu_bench.py) sets "cpu"
 
@@ -231,11 +230,11 @@ def param_count(args: argparse.Namespace) -> int:
 
 
 def mem_available() -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return mem_total()
+    """MemAvailable, or the room under this process's cgroup limit where that is less."""
+    from ssdtier.ram import available
+
+    got = available()
+    return got.bytes if got is not None else mem_total()
 
 
 def check_dir(path: Path) -> dict[str, str]:
@@ -398,14 +397,15 @@ def host_capacity(
     args: argparse.Namespace, keep_act: int | None, ram: int, available: int | None = None
 ) -> tuple[int, str]:
     """ssdtier_host's (and ssdtier_adaptive's) arena in bytes, and how it was chosen: at most
-    HOST_MAX_FRACTION of the RAM and HOST_AVAILABLE_FRACTION of what is available (it is pinned)."""
+    HOST_MAX_FRACTION of the RAM and what ssdtier would pin of what is available."""
+    from ssdtier.ram import pinnable
     from ssdtier.sizes import parse_size
 
     if args.host_capacity != "auto":
         return parse_size(args.host_capacity, key="--host-capacity", source="command line"), "--host-capacity"
     cap, limit = int(HOST_MAX_FRACTION * ram), f"{HOST_MAX_FRACTION} of RAM"
-    if available is not None and HOST_AVAILABLE_FRACTION * available < cap:
-        cap, limit = int(HOST_AVAILABLE_FRACTION * available), f"{HOST_AVAILABLE_FRACTION} of the RAM available"
+    if available is not None and pinnable(available) < cap:
+        cap, limit = pinnable(available), "what ssdtier pins of the RAM available"
     if keep_act is None or args.fit:
         return cap >> 20 << 20, limit
     want = int(HOST_FACTOR * keep_act)

@@ -27,8 +27,10 @@ from .test_fork import _in_child
 
 
 class FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.done = False
+        # The host waits on events for copies: a blocking one sleeps, the default spins a core.
+        assert blocking or enable_timing, "an event the host may wait on, made non-blocking"
 
     def record(self, stream=None) -> None:
         (stream or FakeGPU.now.current).events.append(self)
@@ -64,6 +66,8 @@ class FakeGPU:
     def __init__(self) -> None:
         self.current = FakeStream()
         self.registered: dict[int, int] = {}
+        self.device: torch.device | None = None  # set by torch.cuda.device
+        self.pinned_on: list[tuple[str, torch.device | None]] = []  # (call, current device)
         self.recorded: list[tuple[int, FakeStream]] = []
         self.capturing = False  # a CUDA graph being captured: event queries are not allowed
         FakeGPU.now = self
@@ -99,20 +103,31 @@ def gpu(monkeypatch):
         finally:
             g.current = before
 
+    @contextlib.contextmanager
+    def on_device(device):
+        before, g.device = g.device, torch.device(device)
+        try:
+            yield
+        finally:
+            g.device = before
+
     class Cudart:
         def cudaHostRegister(self, ptr, n, flags):
+            g.pinned_on.append(("register", g.device))
             if ptr in g.registered:
                 return 712  # cudaErrorHostMemoryAlreadyRegistered
             g.registered[ptr] = n
             return 0
 
         def cudaHostUnregister(self, ptr):
+            g.pinned_on.append(("unregister", g.device))
             return 0 if g.registered.pop(ptr, None) is not None else 713
 
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
     monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "device", on_device)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: g.capturing)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: g.recorded.append((t.data_ptr(), s)))
@@ -259,7 +274,7 @@ def test_a_source_resized_while_copied_serves_its_unpack(transport, gpu, warned)
 def test_the_arena_is_unregistered_before_it_can_be_unmapped(store_dir, gpu):
     store = ByteStore(offload_config(store_dir, host="1MiB"))
     arena = store.arena
-    p = Pinned(arena)
+    p = Pinned(arena, torch.device("cpu"))
     assert gpu.registered == {arena.data_ptr(): arena.numel()}
     del store
     gc.collect()
@@ -270,13 +285,16 @@ def test_the_arena_is_unregistered_before_it_can_be_unmapped(store_dir, gpu):
 
 def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monkeypatch):
     # Not in the first forward: pinning faults in every page of the arena.
-    monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 1))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
     arena = off.store.arena
     assert off.cuda.registered and gpu.registered == {arena.data_ptr(): arena.numel()}
     off.detach()
     assert not gpu.registered
+    # With the model's device current, not device 0 (a context made there for nothing).
+    cuda1 = torch.device("cuda", 1)
+    assert gpu.pinned_on == [("register", cuda1), ("unregister", cuda1)]
     with ssdtier.attach(model, offload_config(store_dir, host="1MiB", mode="none")) as off:
         assert not gpu.registered  # keeps everything: the arena is not used
 

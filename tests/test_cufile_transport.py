@@ -23,6 +23,7 @@ from ssdtier.store import ByteStore
 
 from . import fake_cufile as fake
 from .test_attach import CONFIGS, assert_same, check_out_of_space, offload_config, train, wait_copies
+from .test_cuda_transport import FakeGPU, gpu  # noqa: F401 (gpu: a fixture)
 from .test_lifecycle import check_two_training_threads
 
 
@@ -413,3 +414,41 @@ def test_writes_the_backward_overtook_are_dropped(store_dir, gds):
 def test_two_training_threads_through_cufile(store_dir, gds):
     check_two_training_threads(gds_config(store_dir))
     assert any(c[0] == "read" for c in gds.state["calls"])
+
+
+class _SaveEmpty(torch.autograd.Function):
+    """Saves a tensor of no bytes for its backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.new_empty(0))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        assert ctx.saved_tensors[0].numel() == 0
+        return g * 2
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_storage_of_no_bytes_pins_no_arena_with_cufile(store_dir, gds, monkeypatch):
+    # It goes the arena transport's way (cuFile moves no empty buffer), which must not pin
+    # the arena that cuFile never uses: that would take seconds inside the forward.
+    from ssdtier.offload import offloader
+
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _SaveEmpty.apply(self.lin(x))
+
+    model = Model()
+    x = torch.randn(2, 4, requires_grad=True)
+    with ssdtier.attach(model, gds_config(store_dir, min_tensor_bytes=0)) as off:
+        assert off.uses_cufile
+        model(x).sum().backward()
+    assert off.stats().tensors_offloaded > 0 and not FakeGPU.now.pinned_on

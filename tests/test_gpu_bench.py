@@ -75,7 +75,7 @@ def test_host_capacity_follows_keep_within_ram(gs):
     assert got <= 0.6 * (128 << 30) and "capped" in why
     assert gs.host_capacity(gs.parse_args(["--host-capacity", "3GiB"]), 1, 1)[0] == 3 << 30
     got, why = gs.host_capacity(a, 100 << 30, 128 << 30, 40 << 30)  # a sandbox's RAM less its caches
-    assert got == 32 << 30 and why.endswith("capped at 0.8 of the RAM available")
+    assert got == 30 << 30 and why.endswith("capped at what ssdtier pins of the RAM available")
 
 
 def test_adaptive_gets_the_host_tier_and_the_disk(gs, monkeypatch, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Available", "available"]
+__all__ = ["Available", "available", "pinnable"]
 
 _V1_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2^63
 
@@ -15,6 +15,12 @@ _V1_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2^63
 class Available:
     bytes: int
     bound: str  # what sets it: "MemAvailable" or the cgroup file that does
+
+
+def pinnable(left: int) -> int:
+    """Bytes of pinned memory to take of ``left``: a quarter of it, and at least 2 GiB, stay
+    with the rest of the machine (pinned pages cannot be reclaimed); whole MiB."""
+    return max(min(left * 3 // 4, left - (2 << 30)), 0) >> 20 << 20
 
 
 def _read(path: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 
@@ -33,6 +34,11 @@ class Once:
         if name not in self.given:
             self.given.add(name)
             warn(msg)
+
+
+def host_event() -> Any:
+    """A CUDA event the host may wait on: a wait sleeps instead of spinning a core."""
+    return torch.cuda.Event(blocking=True)
 
 
 def aligned_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import SsdtierError
 from . import cufile
-from ._util import PAGE, aligned_storage
+from ._util import PAGE, aligned_storage, host_event
 from .entry import Entry, Held, Made, Reading, Writing
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class CpuTransport:
             if side is None:
                 side = self.side[e.device] = torch.cuda.Stream(e.device)
             buf = self.off.cuda._new_on(e, side)
-            event = torch.cuda.Event()
+            event = host_event()
             event.record(side)
             made = Made(event, side, [side])
         else:
@@ -153,6 +153,6 @@ def _ready(device: torch.device) -> Any:
     """An event after the work queued on the current stream, for a transfer outside stream order."""
     if device.type != "cuda":
         return None
-    ev = torch.cuda.Event()
+    ev = host_event()
     ev.record(torch.cuda.current_stream(device))
     return ev

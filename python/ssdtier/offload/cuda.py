@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..sizes import GiB, MiB, format_size
-from ._util import warn
+from ..ram import Available, pinnable
+from ..sizes import format_size
+from ._util import host_event, warn
 from .entry import Copying, Entry, Held, Made, Reading
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..ram import Available
     from .forward import Fwd
     from .offloader import Offloader
 
@@ -58,7 +58,7 @@ def fit_arena(config: Config, avail: Available | None) -> Config:
     cap = config.host.capacity
     if avail is None:
         return config
-    safe = max(min(avail.bytes * 3 // 4, avail.bytes - 2 * GiB), 0) // MiB * MiB
+    safe = pinnable(avail.bytes)
     if cap <= safe:
         return config
     instead = f"the arena takes {format_size(safe)}" if safe else "no host arena: activations go straight to NVMe"
@@ -70,15 +70,22 @@ def fit_arena(config: Config, avail: Available | None) -> Config:
     return dataclasses.replace(config, host=dataclasses.replace(config.host, capacity=safe))
 
 
+def _on(device: torch.device) -> Any:
+    """``device`` current for a CUDA runtime call made outside torch's own guards."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class Pinned:
     """The host arena registered with CUDA (page-locked) while this lives. It holds the arena
     tensor, which keeps the native store's mapping alive, so the memory is unregistered before
     it can be unmapped, also when an offloader is collected without ``detach()``."""
 
-    def __init__(self, arena: torch.Tensor) -> None:
+    def __init__(self, arena: torch.Tensor, device: torch.device) -> None:
         self.arena: torch.Tensor | None = None
+        self.device = device
         # Portable: pinned for every device's context, not only the current one's.
-        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), _REGISTER_PORTABLE)
+        with _on(device):  # else the current device's (0's) context, made if it was not
+            rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), _REGISTER_PORTABLE)
         if _cuda_ok(rc):
             self.arena = arena
         else:
@@ -88,7 +95,8 @@ class Pinned:
     def close(self) -> None:
         arena, self.arena = self.arena, None
         if arena is not None:
-            rc = torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+            with _on(self.device):
+                rc = torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
             if not _cuda_ok(rc):
                 _clear_cuda_error()
                 warn(f"cudaHostUnregister of the host arena failed ({rc})")
@@ -135,8 +143,8 @@ class CudaTransport:
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
         s = self.streams.get(device)
         if s is None:
-            if self.pinned is None and self.store.arena is not None:
-                self.pinned = Pinned(self.store.arena)
+            if self.pinned is None and self.store.arena is not None and not self.off.uses_cufile:
+                self.pinned = Pinned(self.store.arena, device)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
         return s
@@ -165,7 +173,7 @@ class CudaTransport:
             stream.wait_stream(torch.cuda.current_stream(whole.device))
             with torch.cuda.stream(stream):
                 slot.copy_(whole, non_blocking=True)
-                event = torch.cuda.Event()
+                event = host_event()
                 event.record(stream)
             # The allocator reuses the source's block only once the copy is done.
             whole.record_stream(stream)
@@ -312,7 +320,7 @@ class CudaTransport:
             out = self._new_on(e, stream)
             with torch.cuda.stream(stream):
                 out.copy_(self.store.slot(off, e.nbytes), non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = host_event()
                 ev.record(stream)
         except BaseException:
             self.native.release(e.key)
@@ -329,7 +337,7 @@ class CudaTransport:
         stream.wait_event(copy.event)
         with torch.cuda.stream(stream):
             out.copy_(self.store.slot(copy.slot, e.nbytes), non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = host_event()
             ev.record(stream)
         copy.event = ev
         return out, ev
@@ -352,7 +360,7 @@ class CudaTransport:
         st = out.untyped_storage()
         self.off._track(st, e.nbytes)
         if ev is None:
-            ev = torch.cuda.Event()
+            ev = host_event()
             ev.record(current)
         return st, Made(ev, current, [current])
 

@@ -128,14 +128,16 @@ class CuFile:
         transfer's error as the store's)."""
         why = None
         try:
-            if ready is not None:
-                ready.synchronize()  # cuFile works outside stream order
-            for dev, file_off, entry_off, length in extents:
-                # Both stop at the entry's end: past the source may be unmapped, and past a
-                # file's end (not preallocated) a read would come back short.
-                n = min(length, nbytes - entry_off)
-                if n > 0:
-                    self._move(fn, self.handles[dev], ptr + entry_off, n, file_off)
+            # The buffer's device current: a model may span GPUs, the workers start on its first.
+            with torch.cuda.device(ready.device) if ready is not None else contextlib.nullcontext():
+                if ready is not None:
+                    ready.synchronize()  # cuFile works outside stream order
+                for dev, file_off, entry_off, length in extents:
+                    # Both stop at the entry's end: past the source may be unmapped, and past a
+                    # file's end (not preallocated) a read would come back short.
+                    n = min(length, nbytes - entry_off)
+                    if n > 0:
+                        self._move(fn, self.handles[dev], ptr + entry_off, n, file_off)
         except BaseException as e:
             why = f"cuFile {fn.__name__}: {type(e).__name__}: {e}"
         self.native.end_external(key, why)
