@@ -612,3 +612,39 @@ def _cufile_reads_back(store_dir, wait_copies):
     assert st.bytes_read_nvme > 0 and st.failed_reads == 0
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4097, (1 << 20) + 3])
+def test_cufile_round_trip_of_unaligned_sizes_on_cuda(store_dir, nbytes, monkeypatch):
+    """GPU bytes through cuFile over two striped files and back, sizes not whole pages: the
+    last block ends mid-page on an O_DIRECT file."""
+    import importlib
+
+    from ssdtier.offload import cufile
+    from ssdtier.store import ByteStore
+
+    _gds_or_skip()
+    monkeypatch.setenv("CUFILE_LOGFILE_PATH", str(store_dir / "cufile.log"))  # if it opens here
+    store = ByteStore(
+        {
+            "host": {"capacity": "64KiB"},
+            "nvme": [{"path": str(store_dir / d), "capacity": "64MiB"} for d in ("a", "b")],
+            "io": {"block_size": "4KiB"},
+        }
+    )
+    dev = torch.device("cuda", torch.cuda.current_device())
+    io = cufile.CuFile(store.native, 2, dev, importlib.import_module(cufile.MODULE))
+    try:
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+        ready = torch.cuda.Event(blocking=True)
+        ready.record()
+        key = store.native.reserve_unslotted(nbytes)
+        io.write(key, src.data_ptr(), nbytes, ready).wait()
+        out = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize()
+        io.read(key, out.data_ptr(), nbytes, None).wait()
+        assert torch.equal(out, src)
+        store.discard(key)
+    finally:
+        io.close()
+        store.close()
