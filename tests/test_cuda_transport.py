@@ -509,3 +509,22 @@ def test_forwards_outstanding_are_exact_and_ranked_as_their_backwards_come(
     s, groups = got[2], got[3]
     assert groups == ([0] * 8 if summed else [0, 0, 0, 0, 5, 6, 7, 8])
     assert s.bytes_read_nvme > 0 and s.copied_ahead > 0, s
+
+
+def test_a_done_copy_unpins_its_slot_whatever_another_streams_copy_does():
+    from ssdtier.offload.cuda import Unpins
+
+    compute, prefetch = FakeStream(), FakeStream()
+    u = Unpins()
+    slow, fast, twice = FakeEvent(blocking=True), FakeEvent(blocking=True), FakeEvent(blocking=True)
+    u.add(compute, slow, 1)  # an unpack's copy, behind the compute stream's kernels
+    u.add(prefetch, fast, 2)
+    u.add(prefetch, twice, 1)  # slot 1 copied again, ahead
+    fast.done = twice.done = True
+    got = []
+    for key in u.done():
+        got.append((key, u.holds(key)))
+    assert got == [(2, False), (1, True)]  # slot 1 stays pinned: its first copy still runs
+    assert u and u.oldest() is slow and u.events() == [slow]
+    slow.done = True
+    assert list(u.done()) == [1] and not u

@@ -11,6 +11,7 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -106,6 +107,40 @@ class Pinned:
             self.close()
 
 
+class Unpins:
+    """Arena slots pinned until their copy to the GPU is done, one queue per stream: a stream's
+    events end in order, two streams' need not (an unpack's copy on the compute stream waits
+    behind its kernels; the prefetch stream's copies, done, should not wait for it)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[Any, deque[tuple[Any, int]]] = {}  # stream -> (event, key)
+
+    def __bool__(self) -> bool:
+        return bool(self.queues)
+
+    def add(self, stream: Any, event: Any, key: int) -> None:
+        self.queues.setdefault(stream, deque()).append((event, key))
+
+    def holds(self, key: int) -> bool:
+        return any(k == key for q in self.queues.values() for _, k in q)
+
+    def done(self) -> Iterator[int]:
+        """The keys whose copies are done, each taken off as it is yielded (a key copied twice
+        is still held by its other copy until that one is yielded)."""
+        for stream, q in list(self.queues.items()):
+            while q and q[0][0].query():
+                yield q.popleft()[1]
+            if not q:
+                del self.queues[stream]
+
+    def oldest(self) -> Any:
+        """The event of the first copy of some stream's queue."""
+        return next(iter(self.queues.values()))[0][0]
+
+    def events(self) -> list[Any]:
+        return [ev for q in self.queues.values() for ev, _ in q]
+
+
 class CudaTransport:
     def __init__(self, off: Offloader) -> None:
         self.off = off
@@ -119,7 +154,7 @@ class CudaTransport:
         # Back-pressure: at most half the arena in flight, so that reserving a slot finds room
         # (committed slots can be evicted, slots being filled cannot).
         self.bound = arena.numel() // 2 if arena is not None else 0
-        self.h2d: deque[tuple[Any, int]] = deque()  # (event, key): slots pinned until their copy to the GPU is done
+        self.h2d = Unpins()
         self.free_later: set[int] = set()  # keys of released entries freed once their h2d copies are done
         self.staging: list[Entry] = []  # read-aheads not copied to the GPU yet
         self.stage_off = False  # no copies ahead until the next forward (out of GPU memory)
@@ -205,7 +240,7 @@ class CudaTransport:
         if self.pending:
             self.pending[0].out.event.synchronize()
         elif self.h2d:
-            self.h2d[0][0].synchronize()
+            self.h2d.oldest().synchronize()
         self.poll()
 
     def poll(self) -> None:
@@ -214,10 +249,9 @@ class CudaTransport:
         off, native = self.off, self.native
         if (self.h2d or self.pending) and torch.cuda.is_current_stream_capturing():
             return  # querying an event is not allowed while a CUDA graph is captured
-        while self.h2d and self.h2d[0][0].query():
-            key = self.h2d.popleft()[1]
+        for key in self.h2d.done() if self.h2d else ():
             native.release(key)
-            if key in self.free_later and all(k != key for _, k in self.h2d):
+            if key in self.free_later and not self.h2d.holds(key):
                 self.free_later.discard(key)
                 off._free_key(key)
         while self.pending and self.pending[0].out.event.query():
@@ -325,7 +359,7 @@ class CudaTransport:
         except BaseException:
             self.native.release(e.key)
             raise
-        self.h2d.append((ev, e.key))
+        self.h2d.add(stream, ev, e.key)
         return out, ev
 
     def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
@@ -402,7 +436,7 @@ class CudaTransport:
         key = e.key
         if type(e.out) is Copying:
             pass  # poll frees it when its copy lands
-        elif key is not None and any(k == key for _, k in self.h2d):
+        elif key is not None and self.h2d.holds(key):
             self.free_later.add(key)  # the slot stays pinned until then (poll frees it)
         else:
             self.off._free_key(key)
@@ -417,11 +451,11 @@ class CudaTransport:
     def close(self) -> None:
         for e in self.pending:  # copies into the arena still running
             e.out.event.synchronize()
-        for ev, _ in self.h2d:  # copies out of the arena still running (their keys freed later)
+        for ev in self.h2d.events():  # copies out of the arena still running (their keys freed later)
             ev.synchronize()
         self.pending.clear()
         self.inflight = 0
-        self.h2d.clear()
+        self.h2d = Unpins()
         self.free_later.clear()
         if self.pinned is not None:
             self.pinned.close()
