@@ -9,7 +9,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-__all__ = ["Medium", "Mount", "Where", "local_ssds", "mount_of", "mounts", "where"]
+__all__ = ["Medium", "Mount", "Where", "local_ssds", "mount_of", "mounts", "read_kernel_file", "where"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 SYS = "/sys"
@@ -114,7 +114,8 @@ def _existing(path: str | os.PathLike[str]) -> str:
     return p
 
 
-def _read(path: str) -> str | None:
+def read_kernel_file(path: str) -> str | None:
+    """A small file of /proc or /sys, stripped; None if it cannot be read."""
     try:
         with open(path, encoding="ascii") as f:
             return f.read().strip()
@@ -127,7 +128,7 @@ def _disk(dev: tuple[int, int], sys_root: str) -> tuple[str, bool] | None:
     partition's answer is its disk's."""
     node = os.path.realpath(f"{sys_root}/dev/block/{dev[0]}:{dev[1]}")
     for d in (node, os.path.dirname(node)):
-        rot = _read(f"{d}/queue/rotational")
+        rot = read_kernel_file(f"{d}/queue/rotational")
         if rot in ("0", "1"):
             return os.path.basename(node), rot == "1"
     return None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .mounts import read_kernel_file
+
 __all__ = ["Available", "available", "pinnable"]
 
 _V1_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2^63
@@ -23,14 +25,6 @@ def pinnable(left: int) -> int:
     return max(min(left * 3 // 4, left - (2 << 30)), 0) >> 20 << 20
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 def _stat(text: str | None, key: str) -> int:
     for line in (text or "").splitlines():
         k, _, v = line.partition(" ")
@@ -40,7 +34,7 @@ def _stat(text: str | None, key: str) -> int:
 
 
 def _mem_available(proc: str) -> int | None:
-    for line in (_read(f"{proc}/meminfo") or "").splitlines():
+    for line in (read_kernel_file(f"{proc}/meminfo") or "").splitlines():
         if line.startswith("MemAvailable:"):
             parts = line.split()
             if len(parts) >= 2 and parts[1].isdigit():
@@ -56,11 +50,11 @@ def _room(d: str, v2: bool) -> int | None:
         if v2
         else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
     )
-    limit = (_read(os.path.join(d, limit_f)) or "").strip()
-    usage = (_read(os.path.join(d, usage_f)) or "").strip()
+    limit = read_kernel_file(os.path.join(d, limit_f)) or ""
+    usage = read_kernel_file(os.path.join(d, usage_f)) or ""
     if not limit.isdigit() or not usage.isdigit() or int(limit) >= _V1_UNLIMITED:
         return None  # "max", unreadable, or v1's no limit
-    used = int(usage) - _stat(_read(os.path.join(d, "memory.stat")), inactive)
+    used = int(usage) - _stat(read_kernel_file(os.path.join(d, "memory.stat")), inactive)
     return max(int(limit) - max(used, 0), 0)
 
 
@@ -68,7 +62,7 @@ def _cgroup_dirs(proc: str, root: str) -> list[tuple[str, bool]]:
     """This process's memory cgroup and its ancestors, as directories under ``root``: a limit
     may be set on any of them. A path not mounted here (a container's view) is the root."""
     out: list[tuple[str, bool]] = []
-    for line in (_read(f"{proc}/self/cgroup") or "").splitlines():
+    for line in (read_kernel_file(f"{proc}/self/cgroup") or "").splitlines():
         hid, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
         v2 = hid == "0" and ctrls == ""
         if not v2 and "memory" not in ctrls.split(","):

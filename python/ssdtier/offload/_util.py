@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -34,6 +35,12 @@ class Once:
         if name not in self.given:
             self.given.add(name)
             warn(msg)
+
+
+def on_device(device: torch.device | None) -> Any:
+    """``device`` current, for a CUDA call made outside torch's own device guards; a no-op
+    for None or a CPU device."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
 
 
 def host_event() -> Any:

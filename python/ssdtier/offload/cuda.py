@@ -18,7 +18,7 @@ import torch
 
 from ..ram import Available, pinnable
 from ..sizes import format_size
-from ._util import host_event, warn
+from ._util import host_event, on_device, warn
 from .entry import Copying, Entry, Held, Made, Reading
 
 if TYPE_CHECKING:
@@ -71,11 +71,6 @@ def fit_arena(config: Config, avail: Available | None) -> Config:
     return dataclasses.replace(config, host=dataclasses.replace(config.host, capacity=safe))
 
 
-def _on(device: torch.device) -> Any:
-    """``device`` current for a CUDA runtime call made outside torch's own guards."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 class Pinned:
     """The host arena registered with CUDA (page-locked) while this lives. It holds the arena
     tensor, which keeps the native store's mapping alive, so the memory is unregistered before
@@ -85,7 +80,7 @@ class Pinned:
         self.arena: torch.Tensor | None = None
         self.device = device
         # Portable: pinned for every device's context, not only the current one's.
-        with _on(device):  # else the current device's (0's) context, made if it was not
+        with on_device(device):  # else the current device's (0's) context, made if it was not
             rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), _REGISTER_PORTABLE)
         if _cuda_ok(rc):
             self.arena = arena
@@ -96,7 +91,7 @@ class Pinned:
     def close(self) -> None:
         arena, self.arena = self.arena, None
         if arena is not None:
-            with _on(self.device):
+            with on_device(self.device):
                 rc = torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
             if not _cuda_ok(rc):
                 _clear_cuda_error()

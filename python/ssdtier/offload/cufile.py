@@ -22,7 +22,7 @@ import torch
 
 from ..errors import SsdtierError
 from ..gds import Gds, GdsState, probe
-from ._util import warn
+from ._util import on_device, warn
 
 log = logging.getLogger("ssdtier")
 
@@ -129,7 +129,7 @@ class CuFile:
         why = None
         try:
             # The buffer's device current: a model may span GPUs, the workers start on its first.
-            with torch.cuda.device(ready.device) if ready is not None else contextlib.nullcontext():
+            with on_device(ready.device if ready is not None else None):
                 if ready is not None:
                     ready.synchronize()  # cuFile works outside stream order
                 for dev, file_off, entry_off, length in extents:
