@@ -197,8 +197,13 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
             batch_loss(model, make_batch(CONFIGS["gpt"], 2, gen)).backward()
             off.store.flush()
             off.cpu.poll()
-            assert off._live == 0 and not off._by_layer and not off.cpu.writing and not off._dedup
-            assert off.res.restored == 0 and not off._tracked
+            assert (
+                off.entries.live == 0
+                and not off.entries.by_layer
+                and not off.cpu.writing
+                and not off.entries.by_storage
+            )
+            assert off.res.restored == 0 and not off.res.tracked
             assert off.store.stats().entries == 0
         assert off.stats().peak_resident_bytes > 0
 
@@ -280,8 +285,8 @@ def test_several_forwards_before_one_backward(store_dir):
             # The three forwards' entries are all held at once, each in its own layer groups,
             # and (every write done) the backward reads them back from NVMe.
             wait_copies(off)
-            assert {f for f, _ in off._by_layer} == {1, 2, 3}
-            assert {layer for _, layer in off._by_layer} >= {1, 2, 3}
+            assert {f for f, _ in off.entries.by_layer} == {1, 2, 3}
+            assert {layer for _, layer in off.entries.by_layer} >= {1, 2, 3}
         sum(losses).backward()
         if off:
             stats = off.stats()
@@ -1089,7 +1094,7 @@ class _Probe(torch.autograd.Function):
             return g, None
 
         def reading():
-            return {e.layer for group in off._by_layer.values() for e in group if type(e.back) is Reading}
+            return {e.layer for group in off.entries.by_layer.values() for e in group if type(e.back) is Reading}
 
         before = reading()
         ctx.saved_tensors  # noqa: B018 (the unpack)

@@ -160,3 +160,26 @@ def test_fork_cost_starts_workers_with_and_without_ssdtier(store_dir):
     rows = [line.split() for line in p.stdout.splitlines() if line.startswith(("plain ", "ssdtier "))]
     assert [r[0] for r in rows] == ["plain", "ssdtier"] and all(len(r) == 5 for r in rows), p.stdout
     assert float(rows[0][2]) == 1.0 and float(rows[1][3]) > 0, p.stdout
+
+
+def test_soak_samples_every_book_of_the_offloader(store_dir):
+    p = run("soak.py", *TINY, "--steps", "12", "--every", "4", "--warmup", "4", "--dir", str(store_dir))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("books: after warm-up") == 2, p.stdout
+
+
+def test_soak_books_name_what_an_adaptive_offloader_has(store_dir, monkeypatch):
+    # A book renamed in the offloader must fail here, not count as an empty one.
+    import torch
+
+    import ssdtier
+    from ssdtier.models import GPTConfig, build_model
+
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import soak
+
+    model = build_model(GPTConfig(n_layers=2, vocab_size=64, seq_len=16, d_model=32, n_heads=2))
+    with ssdtier.attach(model, {"nvme": [{"path": str(store_dir)}], "policy": {"mode": "adaptive"}}) as off:
+        assert off.adaptive is not None
+        model(torch.zeros(2, 16, dtype=torch.long))
+        assert all(soak.book_size(off, name) >= 0 for name in soak.BOOKS)

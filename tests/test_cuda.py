@@ -103,7 +103,7 @@ def run_with_copies_pending(store_dir, block, evict):
                 if m is model:
                     off.cuda.poll()  # commits the copies to the arena, all done now
                     if evict:
-                        for group in off._by_layer.values():
+                        for group in off.entries.by_layer.values():
                             for e in group:
                                 off.store._native.evict(e.key)
                 torch.cuda._sleep(50_000_000)

@@ -242,7 +242,7 @@ def test_a_failed_cufile_read_stops_the_backward_with_its_error(store_dir, gds):
         del loss, failed  # the traceback holds the graph
         io = off._gds
     gc.collect()
-    assert off._live == 0 and not io.handles  # the graph gone, this offloader's cuFile let go
+    assert off.entries.live == 0 and not io.handles  # the graph gone, this offloader's cuFile let go
 
 
 def test_out_of_space_keeps_activations_in_memory(store_dir, gds, warned):

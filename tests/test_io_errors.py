@@ -109,7 +109,7 @@ def test_a_failed_read_stops_the_backward_clearly_and_leaks_nothing(
         gc.collect()
         # The graph is gone: every entry with it, read ahead or not, and none raised on the way.
         assert off.store.stats().entries == 0
-        assert off._live == 0
+        assert off.entries.live == 0
         assert unraisable == []
         # The next step writes the file again from its start, and is exact.
         got = step(model, batch)

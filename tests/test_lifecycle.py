@@ -190,7 +190,7 @@ def test_an_eval_thread_beside_the_training_thread(store_dir):
             stop.set()
             t.join()
         assert not errors, errors
-        assert not off._by_layer or all(e.layer > 0 for g in off._by_layer.values() for e in g)
+        assert not off.entries.by_layer or all(e.layer > 0 for g in off.entries.by_layer.values() for e in g)
 
 
 def test_two_training_threads(store_dir):
@@ -231,7 +231,7 @@ def check_two_training_threads(cfg):
             t.join()
         assert not errors, errors
         assert off.stats().tensors_offloaded == (1 + 2 * 10) * per_step
-        assert off._live == 0
+        assert off.entries.live == 0
     assert _no_hooks_left()
 
 
@@ -258,7 +258,7 @@ def test_buffers_swapped_by_to_are_still_recognised(store_dir):
         model(torch.randn(128, 64, dtype=torch.float64)).backward()
         assert off.stats().tensors_offloaded == 2 * first  # the same tensors, the buffer not among them
         scale = model.scale
-        assert all(e.nbytes != scale.untyped_storage().nbytes() for g in off._by_layer.values() for e in g)
+        assert all(e.nbytes != scale.untyped_storage().nbytes() for g in off.entries.by_layer.values() for e in g)
 
 
 def test_a_failed_attach_leaves_nothing_behind(store_dir):

@@ -118,7 +118,7 @@ class CpuTransport:
             self._read_gds(e)
             return
         st, pad = aligned_storage(e.lead + e.nbytes)
-        self.off._track(st, e.nbytes)
+        self.off.res.track(st, e.nbytes)
         ticket = self.native.read_into(e.key, st.data_ptr() + pad, st.nbytes() - pad, st)
         e.back = Reading(st, pad + e.lead, ticket, ticket is None)  # None: copied from the arena
 
@@ -139,7 +139,7 @@ class CpuTransport:
         else:
             buf = torch.empty(e.nbytes, dtype=torch.uint8)
         st = buf.untyped_storage()
-        self.off._track(st, e.nbytes)
+        self.off.res.track(st, e.nbytes)
         # After ``event``: with deterministic algorithms torch.empty queues a fill of the memory.
         e.back = Reading(st, 0, self.gds.read(e.key, st.data_ptr(), e.nbytes, event), False, made)
 

@@ -113,6 +113,9 @@ class Unpins:
     def __bool__(self) -> bool:
         return bool(self.queues)
 
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
     def add(self, stream: Any, event: Any, key: int) -> None:
         self.queues.setdefault(stream, deque()).append((event, key))
 
@@ -331,7 +334,7 @@ class CudaTransport:
             self.stage_off = True
             return
         r.staged = (out, ev, prefetch)
-        self.off._track(out.untyped_storage(), e.nbytes)
+        self.off.res.track(out.untyped_storage(), e.nbytes)
         self.off.c["copied_ahead"] += 1
 
     @staticmethod
@@ -387,7 +390,7 @@ class CudaTransport:
         else:
             out, ev = self._copy_now(e)
         st = out.untyped_storage()
-        self.off._track(st, e.nbytes)
+        self.off.res.track(st, e.nbytes)
         if ev is None:
             ev = host_event()
             ev.record(current)

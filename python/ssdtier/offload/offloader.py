@@ -45,6 +45,7 @@ from .forward import (
 )
 from .layers import excluded_modules, find_stacks
 from .readahead import Backward, ReadAhead
+from .registry import Entries, Params, StorageKey
 from .stats import COUNTS, FirstForward, OffloadStats, Resident
 
 log = logging.getLogger("ssdtier")
@@ -131,16 +132,10 @@ class Offloader:
         # Backwards seen to come earliest forward first while later ones wait (pipeline 1F1B):
         # then each forward is a group of the store's, the later ones evicted first.
         self._fifo = False
-        self._param_ptrs: set[tuple[torch.device, int]] = set()
-        # The parameter and buffer dicts of the model's modules (`.to()` swaps the tensors in them).
-        self._param_dicts: list[dict[str, Any]] = []
+        self._params = Params()
         # Kept tensors' storages: (device, pointer) -> one item per kept handle holding it
-        self._kept_st: dict[tuple[torch.device, int], list[None]] = {}
-        self._dedup: dict[tuple[torch.device, int], tuple[weakref.ref, int, Entry]] = {}
-        # Entries by (forward, layer), in pack order (dicts used as ordered sets).
-        self._by_layer: dict[tuple[int, int], dict[Entry, None]] = {}
-        self._live = 0
-        self._tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(ref) -> (ref, bytes), see _track
+        self._kept_st: dict[StorageKey, list[None]] = {}
+        self.entries = Entries()
         self._closed = False
         self.c = dict.fromkeys(COUNTS, 0)
         self.res = Resident()
@@ -229,32 +224,13 @@ class Offloader:
             self.cuda.stage_off = False
         self._native.set_group(f.forward if self._fifo else 0)
         f.backward = Backward()
-        if f.forward % 64 == 1:
-            # Walking the module tree costs about 1 ms per 20 modules: the list of modules'
-            # parameter and buffer dicts is refreshed every 64 forwards (new submodules), the
-            # tensors in them looked up every forward (`.to()`, `load_state_dict` and the
-            # like may have swapped them).
-            self._param_dicts = [d for m in module.modules() for d in (m._parameters, m._buffers) if d]
-        self._param_ptrs = self._storages_of([t for d in self._param_dicts for t in d.values() if t is not None])
+        self._params.refresh(module, f.forward)
         f.tag = f.excluded = 0
         f.autocast = autocasting(self.cuda_ok)
         self._hooks.__enter__()
         f.pushed[-1] = True
         pushed().append(f)
         self._last_fwd = f
-
-    @staticmethod
-    def _storages_of(tensors: list[torch.Tensor]) -> set[tuple[torch.device, int]]:
-        ptrs = set()
-        for p in tensors:
-            try:
-                ptrs.add((p.device, p.untyped_storage().data_ptr()))
-            except (RuntimeError, NotImplementedError):
-                # No storage of its own (a sharded DTensor between FSDP's gathers, a meta
-                # tensor): what such a parameter becomes in the forward is a Parameter, and
-                # is recognised as one in _pack.
-                pass
-        return ptrs
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         f = self._tls.fwd
@@ -264,7 +240,8 @@ class Offloader:
             self._hooks.__exit__(None, None, None)
             unpush(f)
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
-                if self.ahead.auto and f.backward.seq and not (self._fifo and self._waiting(f.forward, older=True)):
+                earlier = self._fifo and self.entries.waiting(f.forward, older=True)
+                if self.ahead.auto and f.backward.seq and not earlier:
                     # The backward comes next: its first entries are wanted now (a source whose
                     # write is still in flight stays and serves it; the others are read back).
                     self.ahead.advance(f.backward, -1)
@@ -328,7 +305,7 @@ class Offloader:
             return Same(t)
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if (dev, ptr) in self._param_ptrs or getattr(t, "_is_param", False):
+        if (dev, ptr) in self._params.ptrs or getattr(t, "_is_param", False):
             # A parameter: by its storage as it was when the forward began, or by what it is (a
             # parameter whose storage is made inside the forward, as sharded data parallelism
             # does when it gathers one, has a new pointer).
@@ -362,10 +339,10 @@ class Offloader:
         with self._lock:
             if self._closed:
                 return Same(t)  # detach() on another thread since the check above
-            hit = self._dedup.get((dev, ptr))
-            if hit is not None and hit[0]() is st and hit[1] == t._version and hit[2].refs > 0:
+            hit = self.entries.same_storage((dev, ptr), st, t._version)
+            if hit is not None:
                 c["dedup_hits"] += 1
-                return Saved(self, hit[2], t, hit[2].first)
+                return Saved(self, hit, t, hit.first)
             try:
                 if dev.type in self._streamed and (self._gds is None or not nbytes):
                     whole = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
@@ -386,16 +363,13 @@ class Offloader:
             c["bytes_offloaded"] += nbytes
             saved = Saved(self, entry, t)
             if self._dedup_on:
-                entry.dkey = (dev, ptr)
                 entry.first = (weakref.ref(t), saved.probe, saved.size, saved.stride, saved.offset)
-                self._dedup[entry.dkey] = (weakref.ref(st), saved.version, entry)
-            self._by_layer.setdefault((entry.forward, entry.layer), {})[entry] = None
+            self.entries.add(entry, (dev, ptr) if self._dedup_on else None, st, saved.version)
             if self.ahead.auto:
                 b = entry.backward
                 entry.pos = len(b.seq)
                 b.seq.append(entry)
                 b.cum += nbytes
-            self._live += 1
         self.res.note(self._native.host_used)
         return saved
 
@@ -488,15 +462,10 @@ class Offloader:
             e.view = out  # held like e.hold, until the entry's last handle is unpacked
         return out
 
-    def _waiting(self, forward: int, older: bool) -> bool:
-        """Whether a forward older (or newer) than ``forward`` holds entries: its backward is
-        still to come."""
-        return any(f < forward if older else f > forward for f, _ in self._by_layer)
-
     def _backward_begins(self, forward: int) -> None:
         """The first unpack of ``forward``'s backward: the forwards still waiting tell the
         schedule. Only newer ones: earliest first (1F1B); only older: latest first."""
-        older, newer = self._waiting(forward, True), self._waiting(forward, False)
+        older, newer = self.entries.waiting(forward, True), self.entries.waiting(forward, False)
         if older != newer and self._fifo != newer:
             self._fifo = newer
             log.info("ssdtier: backwards come %s forward first", "earliest" if newer else "latest")
@@ -573,17 +542,6 @@ class Offloader:
         e.back = Restored(weakref.ref(st), back.pad, made)
         return st, back.pad
 
-    def _track(self, st: torch.UntypedStorage, nbytes: int) -> None:
-        """Count restored or read-ahead bytes as resident until their storage is freed."""
-        self.res.restored += nbytes
-        # A weak reference with a callback (much cheaper than weakref.finalize); the
-        # callback only runs while the reference lives, so it is held here until then.
-        ref = weakref.ref(st, self._forget_restored)
-        self._tracked[id(ref)] = (ref, nbytes)
-
-    def _forget_restored(self, ref: weakref.ref) -> None:
-        self.res.restored -= self._tracked.pop(id(ref))[1]
-
     def _start_read(self, e: Entry) -> None:
         """Begin bringing an entry back."""
         if e.cuda:
@@ -607,16 +565,7 @@ class Offloader:
                 # nobody will unpack this entry (raising would skip freeing it, from __del__).
                 with contextlib.suppress(SsdtierError):
                     back.ticket.wait()
-            if e.dkey is not None:
-                hit = self._dedup.get(e.dkey)
-                if hit is not None and hit[2] is e:
-                    del self._dedup[e.dkey]
-            group = self._by_layer.get((e.forward, e.layer))
-            if group is not None:
-                group.pop(e, None)
-                if not group:
-                    del self._by_layer[(e.forward, e.layer)]
-            self._live -= 1
+            self.entries.remove(e)
             if type(e.out) is Writing:
                 # The store lets the key go when the write ends, and the source is dropped
                 # when a poll sees it done.
@@ -628,7 +577,7 @@ class Offloader:
                     self.cuda.free_key(e)
                 else:
                     self._free_key(e.key)
-            if self._closed and self._live == 0:
+            if self._closed and self.entries.live == 0:
                 self._close_store()
 
     def drop_source(self, e: Entry) -> None:
@@ -705,7 +654,7 @@ class Offloader:
             drop_interrupted(self._tls.fwd, "was not finished at detach()")
         self._closed = True
         with self._lock:
-            if self._live == 0:
+            if self.entries.live == 0:
                 self._close_store()
 
     def _in_fork_child(self) -> None:

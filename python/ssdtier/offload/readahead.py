@@ -132,9 +132,7 @@ class ReadAhead:
         the offloader's lock held."""
         off = self.off
         for d in range(1, self.depth + 1):
-            group = off._by_layer.get((forward, layer - d))
-            # A copy: the allocations below may run a collection that releases entries of it.
-            for entry in list(group or ()):
+            for entry in off.entries.of_layer(forward, layer - d):
                 self._want(entry)
         off.cuda.stage_ready()
 

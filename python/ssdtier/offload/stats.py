@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import PolicyConfig
@@ -100,7 +102,7 @@ class OffloadStats:
 class Resident:
     """Bytes of saved activations the offloader holds in memory, by where, and the peak."""
 
-    __slots__ = ("kept", "peak", "restored", "sources", "stall", "stall_ahead")
+    __slots__ = ("kept", "peak", "restored", "sources", "stall", "stall_ahead", "tracked")
 
     def __init__(self) -> None:
         self.kept = 0  # kept tensors, each storage once
@@ -109,6 +111,18 @@ class Resident:
         self.peak = 0
         self.stall = 0.0  # seconds the backward waited for reads
         self.stall_ahead = 0.0  # the part of it spent on reads the read-ahead had started
+        self.tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(ref) -> (ref, bytes), see track
+
+    def track(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """Count restored or read-ahead bytes as resident until their storage is freed."""
+        self.restored += nbytes
+        # A weak reference with a callback (much cheaper than weakref.finalize); the
+        # callback runs only while the reference lives, so it is held here until then.
+        ref = weakref.ref(st, self._forget)
+        self.tracked[id(ref)] = (ref, nbytes)
+
+    def _forget(self, ref: weakref.ref) -> None:
+        self.restored -= self.tracked.pop(id(ref))[1]
 
     def note(self, host_used: int) -> None:
         now = self.kept + self.sources + self.restored + host_used
