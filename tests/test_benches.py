@@ -183,3 +183,15 @@ def test_soak_books_name_what_an_adaptive_offloader_has(store_dir, monkeypatch):
         assert off.adaptive is not None
         model(torch.zeros(2, 16, dtype=torch.long))
         assert all(soak.book_size(off, name) >= 0 for name in soak.BOOKS)
+
+
+def test_spill_reads_prints_a_row_per_cell(store_dir):
+    p = run(
+        "spill_reads.py",
+        *("--entries", "16", "--arena", "4", "--windows", "1", "--repeat", "1", "--forwards", "1,2"),
+        *("--dir", str(store_dir)),
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [r for r in p.stdout.splitlines() if r.startswith("| 1 ") or r.startswith("| 2 ")]
+    # Two disk rates each: lifetime and lru for one forward (one group either way), all three for two.
+    assert len(rows) == 2 * (2 + 3), p.stdout
