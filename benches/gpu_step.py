@@ -27,7 +27,7 @@ A step is forward + backward + fused AdamW under bf16 autocast (``--dtype``). Af
 peak GPU memory = ``max_memory_allocated`` over the measured steps, activation memory = that
 peak minus ``memory_allocated`` at the reset. Step time = median of the measured steps,
 each between ``torch.cuda.synchronize`` calls. For the ssdtier modes, ``off.stats()`` before
-and after gives NVMe bytes and stall per step; the NVMe bandwidth reached (bytes per step /
+and after gives NVMe bytes and the waits of forward and backward per step; the NVMe bandwidth reached (bytes per step /
 step time) is set beside fio's on the same directory (same block size and queue depth).
 A row at another batch than keep's has its activations and time compared per sample. Each
 mode gets its share of the time left (``--budget-s``): a slow one is cut to fewer steps.
@@ -612,6 +612,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
                 "nvme_read": d["bytes_read_nvme"] / n,
                 "offloaded": d["bytes_offloaded"] / n,
                 "stall_s": d["stall_seconds"] / n,
+                "forward_wait_s": d["forward_wait_seconds"] / n,
                 "failed_writes": d["failed_writes"] / n,
             }
             r["nvme_write_bps"] = d["bytes_written_nvme"] / n / med
@@ -970,7 +971,7 @@ def render_steps(results: dict[str, Any]) -> str:
     lines.append("")
     hdr = ["mode", "batch", "peak GiB", "x keep", "activations GiB", "x keep", "step s", "x keep", "tokens/s"]
     n = results.get("losses_compared", a["compare_losses"])
-    hdr += [f"losses = keep ({n})", "NVMe GB/step w+r", "NVMe GB/s w / r", "stall s/step"]
+    hdr += [f"losses = keep ({n})", "NVMe GB/step w+r", "NVMe GB/s w / r", "wait s/step fwd / bwd"]
     rows = []
     for mode, r in runs.items():
         if r.get("status") != "ok":
@@ -992,7 +993,7 @@ def render_steps(results: dict[str, Any]) -> str:
                 "-" if eq is None else ("yes" if eq else "NO"),
                 f"{ps['nvme_written'] / 1e9:.1f} + {ps['nvme_read'] / 1e9:.1f}" if ps else "-",
                 f"{r['nvme_write_bps'] / 1e9:.2f} / {r['nvme_read_bps'] / 1e9:.2f}" if ps else "-",
-                f"{ps['stall_s']:.3f}" if ps else "-",
+                f"{ps.get('forward_wait_s', 0.0):.3f} / {ps['stall_s']:.3f}" if ps else "-",
             ]
         )
     lines += md_table(hdr, rows)

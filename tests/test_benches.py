@@ -179,7 +179,8 @@ def test_soak_books_name_what_an_adaptive_offloader_has(store_dir, monkeypatch):
     import soak
 
     model = build_model(GPTConfig(n_layers=2, vocab_size=64, seq_len=16, d_model=32, n_heads=2))
-    with ssdtier.attach(model, {"nvme": [{"path": str(store_dir)}], "policy": {"mode": "adaptive"}}) as off:
+    cfg = {"nvme": [{"path": str(store_dir)}], "policy": {"mode": "adaptive", "min_tensor_bytes": 0}}
+    with ssdtier.attach(model, cfg) as off:
         assert off.adaptive is not None
         model(torch.zeros(2, 16, dtype=torch.long))
         assert all(soak.book_size(off, name) >= 0 for name in soak.BOOKS)

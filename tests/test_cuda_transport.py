@@ -184,12 +184,21 @@ def test_a_source_is_dropped_at_once_and_committed_when_its_copy_lands(transport
     transport.native.release(e.key)
 
 
-def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu):
+def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu, monkeypatch):
+    sync = FakeEvent.synchronize
+
+    def slow(ev):
+        time.sleep(0.01)
+        sync(ev)
+
+    monkeypatch.setattr(FakeEvent, "synchronize", slow)
     es = [offload(transport, source(192 << 10, i)) for i in range(4)]
     # 3 x 192 KiB would pass 512 KiB: the host waited for the oldest copies first.
     assert transport.inflight <= 512 << 10
     assert es[0].out is None and type(es[-1].out) is Copying
     assert transport.store.arena is not None
+    res = transport.off.res
+    assert res.held_back >= 0.01 and res.forward_wait == res.held_back  # counted as the forward's wait
 
 
 def test_no_event_is_queried_while_a_cuda_graph_is_captured(transport, gpu):

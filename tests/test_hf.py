@@ -152,6 +152,7 @@ def test_trainer_with_the_callback_is_exact(store_dir, tmp_path):
     assert ssdtier.offload.attached(trainer.model) is None
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert logged[-1]["ssdtier/offloaded_GiB"] > 0 and "ssdtier/stall_s" in logged[-1]
+    assert "ssdtier/forward_wait_s" in logged[-1]
 
 
 def test_the_callback_checks_its_config_at_once():

@@ -39,4 +39,5 @@ def summary(stats: Any) -> dict[str, float]:
         "ssdtier/offloaded_GiB": round(stats.bytes_offloaded / 2**30, 4),
         "ssdtier/peak_resident_GiB": round(stats.peak_resident_bytes / 2**30, 4),
         "ssdtier/stall_s": round(stats.stall_seconds, 4),
+        "ssdtier/forward_wait_s": round(stats.forward_wait_seconds, 4),
     }

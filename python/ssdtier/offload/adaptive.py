@@ -39,7 +39,6 @@ class Adaptive:
         self.device = cuda_device(off.model)  # None: on the CPU
         self.ev0: dict[int, torch.cuda.Event] = {}  # layer tag -> event at its start
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (tag, start, end)
-        self.stall0 = 0.0
         self.wait0 = 0.0
         self.bw = self.calibrate()
         self.host = self.host_tier()
@@ -134,7 +133,7 @@ class Adaptive:
             return
         off = self.off
         n = off.n_layers
-        stall = off.res.stall - self.stall0 + (off.store_wait() - self.wait0)
+        stall = off.io_wait() - self.wait0
         if self.plan is not None:
             if stall > 0.05 * 3 * sum(self.fwd.values()):
                 # Backward (about 2x forward) or forward waited on I/O: keep one more layer.
@@ -153,8 +152,7 @@ class Adaptive:
         off.keep_last(plan.keep_last)
         self.fwd.clear()
         self.bytes.clear()
-        self.stall0 = off.res.stall
-        self.wait0 = off.store_wait()
+        self.wait0 = off.io_wait()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:

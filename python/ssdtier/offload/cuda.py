@@ -235,10 +235,14 @@ class CudaTransport:
 
     def _wait_oldest(self) -> None:
         """Back-pressure: the host waits for the oldest copy into or out of the arena."""
+        t0 = time.perf_counter()
         if self.pending:
             self.pending[0].out.event.synchronize()
         elif self.h2d:
             self.h2d.oldest().synchronize()
+        waited = time.perf_counter() - t0
+        self.off.res.held_back += waited
+        self.off.res.forward_wait += waited
         self.poll()
 
     def poll(self) -> None:

@@ -100,7 +100,7 @@ class Fwd:
     A plain object: autograd's engine threads get a copy of the hooks (not of this state)
     and pack with the state of the last forward that pushed them."""
 
-    __slots__ = ("autocast", "backward", "excluded", "forward", "off", "pushed", "scopes", "tag")
+    __slots__ = ("autocast", "backward", "excluded", "forward", "off", "pushed", "scopes", "tag", "wait0")
 
     def __init__(self, off: Offloader) -> None:
         self.off = off
@@ -111,6 +111,7 @@ class Fwd:
         self.excluded = 0  # calls of policy.exclude's modules that forward is in
         self.scopes = 0  # Offloader.scope() blocks under way (each counts as a call of the model)
         self.autocast = False  # autocast, with its cache, was on when the forward or its block began
+        self.wait0 = 0.0  # the store's wait seconds when that forward began
 
 
 class PerThread(threading.local):

@@ -46,7 +46,7 @@ from .forward import (
 from .layers import excluded_modules, find_stacks
 from .readahead import Backward, ReadAhead
 from .registry import Entries, Params, StorageKey
-from .stats import COUNTS, FirstForward, OffloadStats, Resident
+from .stats import COUNTS, FirstForward, OffloadStats, Resident, WaitShare
 
 log = logging.getLogger("ssdtier")
 
@@ -146,6 +146,8 @@ class Offloader:
         self.ahead = ReadAhead(self, pol.prefetch_layers)
         # What the first forward held in memory, to say why if it offloaded nothing.
         self._first: FirstForward | None = None if pol.mode == "none" else FirstForward()
+        # Adaptive mode keeps what the I/O cannot hide by itself; with "all" a user is told.
+        self._pace: WaitShare | None = WaitShare() if pol.mode == "all" else None
         self._handles: list[Any] = []
         self.adaptive: Adaptive | None = None
         try:
@@ -200,6 +202,24 @@ class Offloader:
         """Seconds the store has waited on transfers so far."""
         return self._native.wait_seconds
 
+    def io_wait(self) -> float:
+        """Seconds training threads waited for ssdtier's I/O so far, forward and backward."""
+        return self.res.stall + self.res.held_back + self._native.wait_seconds
+
+    def _check_pace(self, forward: int) -> None:
+        got = self._pace.check(forward, time.perf_counter(), self.io_wait(), self.res.forward_wait)
+        if got is None:
+            return
+        self._pace = None  # said once
+        share, fwd, bwd = got
+        room = "copies to the host arena, or " if self.cuda.streams else ""
+        warn(
+            f"the training loop spent {share:.0%} of its time over the last {WaitShare.EVERY} forwards waiting "
+            f"for activations to move (per forward: {fwd:.3f} s in the forward, for {room}the store to make "
+            f'room; {bwd:.3f} s in the backward, for reads). policy.mode = "adaptive" offloads only what the '
+            "I/O can hide; a larger host.capacity or a faster [[nvme]] path helps too"
+        )
+
     # ---------------------------------------------------------------- hooks on modules
 
     def _enter(self, module: nn.Module, args: Any) -> None:
@@ -222,6 +242,9 @@ class Offloader:
             self._forward += 1
             f.forward = self._forward
             self.cuda.stage_off = False
+        if self._pace is not None:
+            self._check_pace(f.forward)
+        f.wait0 = self._native.wait_seconds
         self._native.set_group(f.forward if self._fifo else 0)
         f.backward = Backward()
         self._params.refresh(module, f.forward)
@@ -239,6 +262,7 @@ class Offloader:
         if f.pushed.pop():
             self._hooks.__exit__(None, None, None)
             unpush(f)
+            self.res.forward_wait += self._native.wait_seconds - f.wait0
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 earlier = self._fifo and self.entries.waiting(f.forward, older=True)
                 if self.ahead.auto and f.backward.seq and not earlier:
@@ -612,6 +636,7 @@ class Offloader:
             bytes_read_nvme=st.nvme_bytes_read,
             peak_resident_bytes=self.res.peak,
             stall_seconds=self.res.stall,
+            forward_wait_seconds=self.res.forward_wait,
             layers_offloaded=self.n_layers - self.layers_kept,
             layers_kept=self.layers_kept,
             prefetch_layers=self.ahead.depth,

@@ -49,7 +49,9 @@ class OffloadStats:
     error, or a storage freed while it was copied out), which stayed in memory;
     ``failed_reads`` the reads that failed in backward (each raised).
     ``writes_skipped`` counts the cuFile writes dropped before they started because the
-    backward wanted their entry first (its source served it).
+    backward wanted their entry first (its source served it). ``stall_seconds`` is the time
+    the backward waited for reads; ``forward_wait_seconds`` the time forwards waited for room:
+    for copies in flight to the host arena (CUDA), or for the store to write some of it out.
     """
 
     tensors_offloaded: int
@@ -64,6 +66,7 @@ class OffloadStats:
     writes_skipped: int
     peak_resident_bytes: int
     stall_seconds: float
+    forward_wait_seconds: float
     layers_offloaded: int
     layers_kept: int
     prefetch_layers: int
@@ -86,7 +89,8 @@ class OffloadStats:
             f"{self.tensors_kept} tensors",
             f"NVMe: wrote {format_size(self.bytes_written_nvme)}, read {format_size(self.bytes_read_nvme)}; "
             f"{self.forwarded} of {self.unpacks} unpacks served from memory",
-            f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s; "
+            f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s, "
+            f"forward waited {self.forward_wait_seconds:.3f} s; "
             f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, read ahead: "
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
@@ -102,7 +106,7 @@ class OffloadStats:
 class Resident:
     """Bytes of saved activations the offloader holds in memory, by where, and the peak."""
 
-    __slots__ = ("kept", "peak", "restored", "sources", "stall", "stall_ahead", "tracked")
+    __slots__ = ("forward_wait", "held_back", "kept", "peak", "restored", "sources", "stall", "stall_ahead", "tracked")
 
     def __init__(self) -> None:
         self.kept = 0  # kept tensors, each storage once
@@ -111,6 +115,8 @@ class Resident:
         self.peak = 0
         self.stall = 0.0  # seconds the backward waited for reads
         self.stall_ahead = 0.0  # the part of it spent on reads the read-ahead had started
+        self.held_back = 0.0  # seconds the forward waited for copies in flight (CUDA back-pressure)
+        self.forward_wait = 0.0  # seconds forwards waited: held back, or for the store (a full arena)
         self.tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(ref) -> (ref, bytes), see track
 
     def track(self, st: torch.UntypedStorage, nbytes: int) -> None:
@@ -159,3 +165,35 @@ class FirstForward:
             parts.append(f"{self.excluded} were in excluded modules (policy.exclude or no_offload())")
         why = " and ".join(parts) or "it saved none but parameters, buffers and tensors ssdtier leaves alone"
         return f"the first forward of {type(model).__name__} offloaded nothing: of its saved activations, {why}"
+
+
+class WaitShare:
+    """The share of the training loop's time spent waiting for ssdtier's I/O, over windows of
+    ``EVERY`` forwards (from the second on: the first one pins and allocates)."""
+
+    EVERY = 16
+    SHARE = 0.25  # past this share, a user is told once ...
+    LEAST = 0.01  # ... if forwards waited this many seconds each (a tiny model's 1 ms is no news)
+
+    __slots__ = ("forward0", "t0", "total0")
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.forward0 = self.total0 = 0.0
+
+    def check(self, forward: int, now: float, waited: float, fwd_waited: float) -> tuple[float, float, float] | None:
+        """At forward number ``forward``'s start, with the waits so far (all, and the
+        forwards'): (share, forward seconds, backward seconds) per forward of the window just
+        ended, once its share passes SHARE; else None."""
+        if forward < 2 or (forward - 2) % self.EVERY:
+            return None
+        t0, total0, forward0 = self.t0, self.total0, self.forward0
+        self.t0, self.total0, self.forward0 = now, waited, fwd_waited
+        if forward == 2:
+            return None
+        share = min((waited - total0) / max(now - t0, 1e-9), 1.0)
+        each = (waited - total0) / self.EVERY
+        if share < self.SHARE or each < self.LEAST:
+            return None
+        fwd = (fwd_waited - forward0) / self.EVERY
+        return share, fwd, max(each - fwd, 0.0)

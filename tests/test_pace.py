@@ -1,0 +1,70 @@
+"""Time spent waiting for the I/O: counted per forward and backward, and said once when it is
+a large share of the training loop's time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssdtier
+from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.offload.stats import WaitShare
+
+from .conftest import store_config
+
+CFG = GPTConfig(n_layers=3, vocab_size=64, seq_len=64, d_model=64, n_heads=2)
+SLOW = "the I/O can hide"
+
+
+@pytest.fixture(autouse=True)
+def short_windows(monkeypatch):
+    monkeypatch.setattr(WaitShare, "EVERY", 3)
+
+
+def steps(ssd, n=6):
+    torch.manual_seed(0)
+    model = build_model(CFG)
+    gen = torch.Generator().manual_seed(2)
+    with ssdtier.attach(model, ssd) as off:
+        for _ in range(n):
+            batch_loss(model, make_batch(CFG, 4, gen)).backward()
+        return off.stats()
+
+
+def config(path, mode="all", throttle=None, host="256KiB"):
+    # zero_copy off: CPU tensors go through the arena, whose room the store makes by writing out.
+    io = {"throttle": throttle} if throttle else {}
+    cfg = store_config(path, host=host, zero_copy=False, **io)
+    cfg["policy"] = {"min_tensor_bytes": 0, "keep_last_layers": 0, "mode": mode}
+    return cfg
+
+
+def test_a_slow_disk_is_said_once_with_what_would_help(store_dir, warned):
+    s = steps(config(store_dir, throttle="20MB"))
+    assert s.forward_wait_seconds > 0 and s.stall_seconds >= 0
+    said = warned(SLOW)
+    assert len(said) == 1, said
+    assert 'policy.mode = "adaptive"' in said[0] and "host.capacity" in said[0]
+    assert "of its time over the last 3 forwards" in said[0]
+
+
+def test_a_disk_that_keeps_up_is_not_said(store_dir, warned):
+    s = steps(config(store_dir, host="64MiB"))
+    assert s.bytes_offloaded > 0 and s.bytes_written_nvme == 0
+    assert not warned(SLOW)
+
+
+def test_adaptive_mode_is_not_told_what_it_does_itself(store_dir, warned):
+    steps(config(store_dir, mode="adaptive", throttle="20MB"))
+    assert not warned(SLOW)
+
+
+def test_windows_start_at_the_second_forward_and_report_per_forward():
+    w = WaitShare()
+    assert w.check(1, 0.0, 0.0, 0.0) is None  # the first forward pins and allocates
+    assert w.check(2, 10.0, 1.0, 0.5) is None  # opens the first window
+    assert w.check(3, 11.0, 5.0, 0.5) is None  # inside it
+    share, fwd, bwd = w.check(5, 13.0, 2.5, 1.1)  # 1.5 s of 3 s waited: 0.6 s forward, 0.9 s backward
+    assert share == pytest.approx(0.5) and fwd == pytest.approx(0.2) and bwd == pytest.approx(0.3)
+    assert w.check(8, 16.0, 2.6, 1.1) is None  # 0.1 s of 3 s
+    assert w.check(11, 16.04, 2.62, 1.1) is None  # half of the time, but less than 10 ms a forward
