@@ -68,3 +68,32 @@ def test_windows_start_at_the_second_forward_and_report_per_forward():
     assert share == pytest.approx(0.5) and fwd == pytest.approx(0.2) and bwd == pytest.approx(0.3)
     assert w.check(8, 16.0, 2.6, 1.1) is None  # 0.1 s of 3 s
     assert w.check(11, 16.04, 2.62, 1.1) is None  # half of the time, but less than 10 ms a forward
+
+
+def train_and_evaluate(ssd, keep_graphs: bool, steps=80):
+    """Training steps, and every 10th an evaluation forward run with gradients, its loss kept
+    (``keep_graphs``, a common slip) or detached."""
+    torch.manual_seed(0)
+    model = build_model(CFG)
+    gen = torch.Generator().manual_seed(2)
+    kept = []
+    with ssdtier.attach(model, ssd) as off:
+        for i in range(steps):
+            batch_loss(model, make_batch(CFG, 2, gen)).backward()
+            if i % 10 == 0:
+                loss = batch_loss(model, make_batch(CFG, 2, gen))
+                kept.append(loss if keep_graphs else loss.detach())
+        return off.stats()
+
+
+def test_graphs_kept_without_a_backward_are_said_once(store_dir, warned):
+    s = train_and_evaluate(config(store_dir, host="64MiB"), keep_graphs=True)
+    assert s.tensors_offloaded > 0
+    said = warned("had no backward")
+    assert len(said) == 1, said
+    assert "torch.no_grad()" in said[0] and ".detach()" in said[0]
+
+
+def test_evaluation_losses_kept_detached_are_not_said(store_dir, warned):
+    train_and_evaluate(config(store_dir, host="64MiB"), keep_graphs=False)
+    assert not warned("had no backward")

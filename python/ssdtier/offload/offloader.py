@@ -21,6 +21,7 @@ from ..config import Config, resolve_config
 from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Plan
 from ..ram import available
+from ..sizes import format_size
 from ..store import ByteStore
 from ._util import Once, cuda_device, warn
 from .adaptive import Adaptive
@@ -51,6 +52,7 @@ from .stats import COUNTS, FirstForward, OffloadStats, Resident, WaitShare
 log = logging.getLogger("ssdtier")
 
 _STRIDED = torch.strided
+GRAPHS_AFTER = 64  # backwards of later forwards, past any pipeline schedule's depth
 
 
 def type_dtensor() -> type:
@@ -132,6 +134,7 @@ class Offloader:
         # Backwards seen to come earliest forward first while later ones wait (pipeline 1F1B):
         # then each forward is a group of the store's, the later ones evicted first.
         self._fifo = False
+        self._begun = 0  # backwards begun, of any forward
         self._params = Params()
         # Kept tensors' storages: (device, pointer) -> one item per kept handle holding it
         self._kept_st: dict[StorageKey, list[None]] = {}
@@ -220,6 +223,20 @@ class Offloader:
             "I/O can hide; a larger host.capacity or a faster [[nvme]] path helps too"
         )
 
+    def _check_graphs(self) -> None:
+        """Graphs kept without a backward (a loss kept from an evaluation run with gradients)
+        hold their activations on disk, where nothing else would show them growing."""
+        with self._lock:
+            forwards, nbytes = self.entries.abandoned(self._begun, GRAPHS_AFTER)
+        if forwards:
+            self.once.warn(
+                "graphs",
+                f"forwards whose graph had no backward while {GRAPHS_AFTER} or more backwards ran since: "
+                f"{forwards}, holding {format_size(nbytes)} of activations in the store until their graphs go. "
+                "Something keeps a tensor of theirs: a loss or output of a forward run with gradients (an "
+                "evaluation without torch.no_grad()?) kept without .detach() or .item()",
+            )
+
     # ---------------------------------------------------------------- hooks on modules
 
     def _enter(self, module: nn.Module, args: Any) -> None:
@@ -246,7 +263,9 @@ class Offloader:
             self._check_pace(f.forward)
         f.wait0 = self._native.wait_seconds
         self._native.set_group(f.forward if self._fifo else 0)
-        f.backward = Backward()
+        f.backward = Backward(self._begun)
+        if f.forward % 16 == 0 and "graphs" not in self.once.given:
+            self._check_graphs()
         self._params.refresh(module, f.forward)
         f.tag = f.excluded = 0
         f.autocast = autocasting(self.cuda_ok)
@@ -489,6 +508,7 @@ class Offloader:
     def _backward_begins(self, forward: int) -> None:
         """The first unpack of ``forward``'s backward: the forwards still waiting tell the
         schedule. Only newer ones: earliest first (1F1B); only older: latest first."""
+        self._begun += 1
         older, newer = self.entries.waiting(forward, True), self.entries.waiting(forward, False)
         if older != newer and self._fifo != newer:
             self._fifo = newer

@@ -32,9 +32,10 @@ class Backward:
     With a byte window (``prefetch_layers = "auto"``) it also holds the forward's entries in
     pack order (``seq``, ``Entry.pos``) and the sweep of the backward under way."""
 
-    __slots__ = ("cum", "done", "last", "low", "round", "seq", "sweep")
+    __slots__ = ("begun", "cum", "done", "last", "low", "round", "seq", "sweep")
 
-    def __init__(self) -> None:
+    def __init__(self, begun: int = 0) -> None:
+        self.begun = begun  # backwards of any forward begun before this forward
         self.round = 0
         self.low: int | None = None
         # The layer of the last call of due(): called again with it, due() is False and

@@ -57,6 +57,17 @@ class Entries:
         """A copy: reading them may run a collection that releases some."""
         return list(self.by_layer.get((forward, layer), ()))
 
+    def abandoned(self, begun: int, after: int) -> tuple[int, int]:
+        """Forwards whose backward never began while ``after`` or more backwards of other
+        forwards did (of ``begun`` so far): how many, and the bytes of their entries."""
+        forwards, nbytes = set(), 0
+        for (f, _), group in self.by_layer.items():
+            b = next(iter(group)).backward
+            if not b.done and begun - b.begun >= after:
+                forwards.add(f)
+                nbytes += sum(e.nbytes for e in group)
+        return len(forwards), nbytes
+
     def waiting(self, forward: int, older: bool) -> bool:
         """Whether a forward older (or newer) than ``forward`` holds entries: its backward is
         still to come."""
