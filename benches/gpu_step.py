@@ -596,7 +596,8 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
             peak_bytes=peak,
             baseline_bytes=base,
             act_bytes=peak - base,
-            reserved_bytes=torch.cuda.max_memory_reserved(),
+            reserved_bytes=probe.reserved,
+            reserved_act_bytes=probe.reserved - base,
             step_seconds=times,
             warmup_seconds=warm,
             median_step_s=med,
@@ -879,11 +880,15 @@ def compare(args: argparse.Namespace, results: dict[str, Any]) -> None:
         scale = r["batch"] / keep["batch"]  # another batch than keep's: activations and time per sample
         r["peak_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
         r["act_vs_keep"] = r["act_bytes"] / max(keep["act_bytes"] * scale, 1)
+        if "reserved_act_bytes" in r and "reserved_act_bytes" in keep:
+            r["reserved_act_vs_keep"] = r["reserved_act_bytes"] / max(keep["reserved_act_bytes"] * scale, 1)
         r["time_vs_keep"] = r["median_step_s"] / (keep["median_step_s"] * scale)
         r["losses_equal_keep"] = len(r["losses"]) >= n and r["losses"][:n] == keep["losses"][:n]
         if mode != "keep":
-            met = r["act_vs_keep"] <= GOAL_ACT and r["time_vs_keep"] <= GOAL_TIME
-            goal[mode] = {"met": met, "act_vs_keep": r["act_vs_keep"], "time_vs_keep": r["time_vs_keep"]}
+            # Reserved too: a source whose copy out is still queued is no longer "allocated".
+            act = max(r["act_vs_keep"], r.get("reserved_act_vs_keep", 0.0))
+            met = act <= GOAL_ACT and r["time_vs_keep"] <= GOAL_TIME
+            goal[mode] = {"met": met, "act_vs_keep": act, "time_vs_keep": r["time_vs_keep"]}
     results["goal"] = goal
 
 
@@ -966,10 +971,13 @@ def render_steps(results: dict[str, Any]) -> str:
     lines.append(
         f"micro-batch {results.get('batch')}{auto}; {a['warmup']} warmup + {a['steps']} measured steps per mode; "
         "peak = max_memory_allocated over the measured steps; activations = peak - memory_allocated at their "
-        "start (weights, gradients, optimizer state already there); step = median, between synchronizes"
+        "start (weights, gradients, optimizer state already there); reserved = max_memory_reserved less the "
+        "same (the cache emptied first): it also counts blocks whose copy out is still queued; step = median, "
+        "between synchronizes"
     )
     lines.append("")
-    hdr = ["mode", "batch", "peak GiB", "x keep", "activations GiB", "x keep", "step s", "x keep", "tokens/s"]
+    hdr = ["mode", "batch", "peak GiB", "x keep", "activations GiB", "x keep", "reserved GiB", "x keep"]
+    hdr += ["step s", "x keep", "tokens/s"]
     n = results.get("losses_compared", a["compare_losses"])
     hdr += [f"losses = keep ({n})", "NVMe GB/step w+r", "NVMe GB/s w / r", "wait s/step fwd / bwd"]
     rows = []
@@ -987,6 +995,8 @@ def render_steps(results: dict[str, Any]) -> str:
                 _x(r, "peak_vs_keep"),
                 _gib(r["act_bytes"]),
                 _x(r, "act_vs_keep"),
+                _gib(r["reserved_act_bytes"]) if "reserved_act_bytes" in r else "-",
+                _x(r, "reserved_act_vs_keep"),
                 f"{r['median_step_s']:.3f}",
                 _x(r, "time_vs_keep"),
                 f"{r['tokens_per_s']:,.0f}",
@@ -1049,7 +1059,7 @@ def render_steps(results: dict[str, Any]) -> str:
         lines.append("")
         lines.append(
             f"goal: activations <= {GOAL_ACT} of keep at step time <= {GOAL_TIME} of keep "
-            f"(activations, time): {'; '.join(parts)}"
+            f"(activations, allocated or reserved whichever is more, time): {'; '.join(parts)}"
         )
     return "\n".join(lines)
 

@@ -71,3 +71,20 @@ def test_bench_train_hf_model(store_dir):
     assert all(x["losses_equal_keep"] for x in results)
     r = ssdtier("bench", "train", "--hf", "no-such-model", *TINY, *FAST)
     assert r.returncode == 1 and "--hf 'no-such-model'" in r.stderr
+
+
+def test_bench_train_on_cuda_shows_reserved_memory_too():
+    # On a GPU a freed source whose copy out is still queued is reserved, not allocated.
+    from ssdtier.bench.train import Workload, ratios, render
+
+    def result(setting, peak, reserved):
+        return {"setting": setting, "mode": setting, "peak_bytes": peak << 20, "reserved_bytes": reserved << 20,
+                "median_step_s": 1.0, "tokens_per_s": 100.0, "losses": ["0x1p+0"], "memory_method": "m"}  # fmt: skip
+
+    results = [result("keep", 400, 420), result("ssdtier", 100, 300)]
+    ratios(results)
+    assert results[1]["reserved_vs_keep"] == pytest.approx(300 / 420)
+    w = Workload(None, 2, 32, 2, 16, 2, 64, 1, 1, "cuda", None, "64MiB", "1MiB", None)
+    text = render(results, w)
+    row = next(line.split() for line in text.splitlines() if line.startswith("ssdtier "))
+    assert "reserved MiB" in text and row[:5] == ["ssdtier", "100.0", "0.25", "300.0", "0.71"]

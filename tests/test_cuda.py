@@ -297,8 +297,9 @@ def _busy_forward(cfg, n=8, batch=4096, sleep_cycles=200_000_000, keep_graph=Tru
 
 def test_sources_leave_gpu_memory_while_their_copies_are_queued(store_dir):
     """The forward's peak allocation is keep's minus the offloaded bytes whose storage only
-    autograd held, although no copy to the arena has run when the forward ends: a source is
-    not held until its copy is seen done."""
+    autograd held, although no copy to the arena has run when the forward ends: ssdtier does
+    not hold a source until its copy is seen done (the allocator alone keeps the block, as
+    reserved, until the copy has run)."""
     block = 4096 * 1024 * 4
     keep_peak, _, ref, _ = _busy_forward(None)
     cfg = offload_config(store_dir, host="512MiB", keep_last_layers=1)

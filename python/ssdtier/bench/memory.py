@@ -90,18 +90,23 @@ class CpuPeak:
 
 
 class CudaPeak:
-    """Peak of ``torch.cuda.max_memory_allocated`` over a region, and the allocation at its start."""
+    """Peak of ``torch.cuda.max_memory_allocated`` over a region, and the allocation at its start.
+    After ``stop()``, ``reserved`` is the peak the allocator held from the device (cached blocks
+    let go at the start): unlike ``allocated`` it counts a freed block that still waits for
+    another stream's work on it (``record_stream``), such as a copy to host memory."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
         self.method = "torch.cuda.max_memory_allocated delta"
         self.baseline = 0
+        self.reserved = 0
 
     def start(self) -> None:
         import torch
 
         gc.collect()
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.baseline = torch.cuda.memory_allocated(self.device)
 
@@ -109,4 +114,5 @@ class CudaPeak:
         import torch
 
         torch.cuda.synchronize(self.device)
+        self.reserved = torch.cuda.max_memory_reserved(self.device)
         return torch.cuda.max_memory_allocated(self.device), self.baseline

@@ -5,7 +5,8 @@ On the CPU each setting runs in a fresh process (``python -m ssdtier.bench.train
 glibc's ``MALLOC_MMAP_THRESHOLD_`` at 64 KiB, so that freed activations leave the RSS: the
 peak is the RSS high-water mark of the measured steps above the RSS at their start (plus
 the host arena's pages resident then). On CUDA they run in this process and the peak is
-``torch.cuda.max_memory_allocated`` above the allocation at the start.
+``torch.cuda.max_memory_allocated`` above the allocation at the start; ``reserved`` is
+``max_memory_reserved`` above it, which also counts blocks still being copied out.
 """
 
 from __future__ import annotations
@@ -204,6 +205,8 @@ def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, A
         "tokens_per_s": w.batch * w.seq / median,
         "losses": [x.hex() for x in losses],
     }
+    if cuda:
+        result["reserved_bytes"] = probe.reserved - baseline
     if off is not None:
         stats = off.stats()
         off.detach()
@@ -272,17 +275,21 @@ def ratios(results: list[dict[str, Any]]) -> None:
     keep = next(r for r in results if r["mode"] == Mode.KEEP.value)
     for r in results:
         r["memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
+        if "reserved_bytes" in r:
+            r["reserved_vs_keep"] = r["reserved_bytes"] / max(keep["reserved_bytes"], 1)
         r["time_vs_keep"] = r["median_step_s"] / keep["median_step_s"]
         r["losses_equal_keep"] = r["losses"] == keep["losses"]
 
 
 def render(results: list[dict[str, Any]], w: Workload) -> str:
     model = f"{w.hf} (random weights)" if w.hf else "GPT (ssdtier.models)"
+    reserved = all("reserved_bytes" in r for r in results)
     rows = [
         [
             r["setting"],
             f"{r['peak_bytes'] / 2**20:.1f}",
             f"{r['memory_vs_keep']:.2f}",
+            *([f"{r['reserved_bytes'] / 2**20:.1f}", f"{r['reserved_vs_keep']:.2f}"] if reserved else []),
             f"{r['median_step_s']:.3f}",
             f"{r['time_vs_keep']:.2f}",
             f"{r['tokens_per_s']:.0f}",
@@ -290,7 +297,8 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
         ]
         for r in results
     ]
-    head = ["setting", "peak MiB", "x keep", "step s", "x keep", "tokens/s", "losses = keep"]
+    head = ["setting", "peak MiB", "x keep", *(["reserved MiB", "x keep"] if reserved else [])]
+    head += ["step s", "x keep", "tokens/s", "losses = keep"]
     return "\n".join(
         [
             f"{model}: {w.layers} layers, width {w.d_model}, seq {w.seq}, batch {w.batch}, on {w.device}; "
