@@ -164,8 +164,10 @@ def test_fork_cost_starts_workers_with_and_without_ssdtier(store_dir):
 
 def test_soak_samples_every_book_of_the_offloader(store_dir):
     p = run("soak.py", *TINY, "--steps", "12", "--every", "4", "--warmup", "4", "--dir", str(store_dir))
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.count("books: after warm-up") == 2, p.stdout
+    # Exit 1 is a verdict (the kernel may start an io_uring worker thread at any step); not a crash.
+    assert p.returncode in (0, 1) and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.stdout.count("verdict (io.zero_copy") == 2, p.stdout
+    assert p.stdout.count("books: after warm-up 0, last half [0]: flat") == 2, p.stdout
 
 
 def test_soak_books_name_what_an_adaptive_offloader_has(store_dir, monkeypatch):
