@@ -15,7 +15,7 @@ from .config import Config
 from .errors import ConfigError, SsdtierError, SsdtierWarning
 from .mounts import where
 from .paths import check_paths, default_nvme_dir, is_tmpfs
-from .ram import available
+from .ram import available, pinnable
 from .sizes import format_size
 
 DESCRIPTION = """\
@@ -80,8 +80,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"CUDA            {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no'}")
     mem = available()
     if mem is not None:
-        leave = "a pinned arena leaves a quarter of it, at least 2GiB"
-        print(f"memory left     {format_size(mem.bytes)} ({mem.bound}; {leave})")
+        most = format_size(pinnable(mem.bytes))
+        print(f"memory left     {format_size(mem.bytes)} ({mem.bound}); a GPU's host arena can take {most} of it")
     try:
         import cuda.bindings  # noqa: F401
 
