@@ -52,7 +52,7 @@ from .stats import COUNTS, FirstForward, OffloadStats, Resident, WaitShare
 log = logging.getLogger("ssdtier")
 
 _STRIDED = torch.strided
-GRAPHS_AFTER = 64  # backwards of later forwards, past any pipeline schedule's depth
+GRAPHS_AFTER = 64  # backwards begun since a forward: past any pipeline schedule's depth
 
 
 def type_dtensor() -> type:
@@ -283,8 +283,11 @@ class Offloader:
             unpush(f)
             self.res.forward_wait += self._native.wait_seconds - f.wait0
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
-                earlier = self._fifo and self.entries.waiting(f.forward, older=True)
-                if self.ahead.auto and f.backward.seq and not earlier:
+                if (
+                    self.ahead.auto
+                    and f.backward.seq
+                    and not (self._fifo and self.entries.waiting(f.forward, older=True))
+                ):
                     # The backward comes next: its first entries are wanted now (a source whose
                     # write is still in flight stays and serves it; the others are read back).
                     self.ahead.advance(f.backward, -1)
