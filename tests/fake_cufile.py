@@ -7,6 +7,7 @@ per call), FAKE_CUFILE_HANG and FAKE_CUFILE_CORRUPT drive it."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import threading
@@ -84,6 +85,8 @@ def driver_close() -> None:
 def handle_register(ptr: int) -> int:
     d = Descr._all.pop(ptr)
     assert d.type == FileHandleType.OPAQUE_FD and d.fs_ops == 0, "descriptor not filled in"
+    if fcntl.fcntl(d.handle.fd, fcntl.F_GETFL) & os.O_TMPFILE:  # as libcufile 1.15 on a real GPU
+        raise RuntimeError("INVALID_FILE_OPEN_FLAG (5019): unsupported file open flags")
     with lock:
         h = _next[0]
         _next[0] += 1

@@ -219,3 +219,33 @@ def test_transport_part_is_skipped_where_cufile_is_unavailable(cb, fake_cufile, 
     assert cb.main([*argv, "--json", str(out)]) == 0
     part = json.loads(out.read_text())["parts"]["transport"]
     assert part["status"] == "skipped" and "unavailable (no cufile)" in part["note"]
+
+
+def test_the_probe_against_the_stand_in(tmp_path, monkeypatch):
+    """benches/cufile_probe.py: each kind of file in a process of its own; the stand-in refuses
+    the O_TMPFILE flags as libcufile does, and takes the same file reopened through /proc."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "probe.json"
+    d = TESTS.parent / "target" / "probe-test"  # O_DIRECT needs a real file system, not tmpfs
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHES / "cufile_probe.py"),
+            str(d),
+            "--json",
+            str(out),
+            "--device",
+            "cpu",
+            "--module",
+            "fake_cufile",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {(x["env"], x["kind"]): x for x in json.loads(out.read_text())}
+    assert len(rows) == 6
+    for env in ("defaults", "force_compat"):
+        assert not rows[env, "tmpfile"]["ok"] and "INVALID_FILE_OPEN_FLAG" in rows[env, "tmpfile"]["error"]
+        assert rows[env, "reopened"]["ok"] and rows[env, "named"]["ok"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import functools
 import importlib
 import logging
@@ -83,14 +84,17 @@ class CuFile:
                 _open_driver(module)
             _driver_users += 1
         self.handles: list[int] = []
+        self.fds: list[int] = []
         try:
             for fd in fds:
+                self.fds.append(_plain_fd(fd))
                 descr = module.Descr()
                 descr.type = module.FileHandleType.OPAQUE_FD
-                descr.handle.fd = fd
+                descr.handle.fd = self.fds[-1]
                 descr.fs_ops = 0
                 self.handles.append(module.handle_register(descr.ptr))
         except BaseException:
+            self._close_handles()
             self._close_driver()
             raise
         index = device.index if device is not None and device.type == "cuda" else None
@@ -160,11 +164,18 @@ class CuFile:
         """Wait for the transfers queued, then let cuFile go."""
         self.writers.shutdown(wait=True)
         self.readers.shutdown(wait=True)
+        self._close_handles()
+        self._close_driver()
+
+    def _close_handles(self) -> None:
         for h in self.handles:
             with contextlib.suppress(Exception):
                 self.mod.handle_deregister(h)
         self.handles.clear()
-        self._close_driver()
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
 
     def _close_driver(self) -> None:
         global _driver_users
@@ -173,6 +184,13 @@ class CuFile:
             if _driver_users == 0:
                 with contextlib.suppress(Exception):
                     self.mod.driver_close()
+
+
+def _plain_fd(fd: int) -> int:
+    """A second descriptor of the store's file, opened through /proc: cuFile refuses the
+    O_TMPFILE flags (O_DIRECTORY among them) that the store's own descriptor reports."""
+    direct = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | direct)
 
 
 def _open_driver(module: Any) -> None:
@@ -233,7 +251,10 @@ def open_cufile(model: torch.nn.Module, config: Any, native: Any) -> CuFile | No
         module = importlib.import_module(MODULE)
         return CuFile(native, config.io.threads, device, module)
     except Exception as e:
-        msg = f"cuFile could not be set up ({type(e).__name__}: {e}); activations go through the host arena"
+        msg = (
+            f"cuFile could not be set up ({type(e).__name__}: {e}; its log: {os.environ['CUFILE_LOGFILE_PATH']}); "
+            "activations go through the host arena"
+        )
         if backend == "auto":
             log.info("ssdtier: %s", msg)
         else:
