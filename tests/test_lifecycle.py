@@ -441,3 +441,18 @@ def test_scope_offloads_a_step_that_does_not_call_the_model(store_dir, warned):
             _same((want.detach(), _grads(ref)), (loss.detach(), _grads(model)))
             assert off.stats().tensors_offloaded > before
     assert not warned("did not finish")
+
+
+@pytest.mark.parametrize("keep_last_layers", [0, 1])
+def test_a_graph_dropped_without_backward_frees_what_it_saved(store_dir, keep_last_layers):
+    """An evaluation loss computed with gradients on and dropped: its graph goes at once, as
+    without ssdtier. A handle holding an op's own output (tanh's) with its grad_fn would be a
+    cycle through autograd's graph that gc cannot free."""
+    model = _Net(4)
+    cfg = offload_config(store_dir, host="1MiB", keep_last_layers=keep_last_layers)
+    with ssdtier.attach(model, cfg) as off:
+        loss = model(torch.randn(256, 64))
+        assert off.entries.live > 0 and (off.res.kept > 0) == (keep_last_layers > 0)
+        del loss
+        assert off.entries.live == 0 and off.res.kept == 0
+        assert off.store.stats().entries == 0

@@ -56,14 +56,23 @@ def version_of(t: torch.Tensor) -> int | None:
         return None
 
 
+def without_history(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached if it has a grad_fn. A handle holding an op's own output (a ReLU's, an
+    attention's) with its grad_fn is a cycle through autograd's graph that Python's gc cannot
+    see: a graph dropped without a backward would never be freed. Autograd gives the unpacked
+    tensor its grad_fn back."""
+    return t if t.grad_fn is None else t.detach()
+
+
 class Same:
     """A saved tensor handed back to autograd as it is (a parameter, a subclass): only its
     version at save time is added, to check it at the unpack."""
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, version_of(tensor)
+    def __init__(self, tensor: torch.Tensor, cut: bool = True) -> None:
+        # ``cut=False``: a view of a parameter, which is never the output of the op saving it.
+        self.tensor, self.version = without_history(tensor) if cut else tensor, version_of(tensor)
 
 
 class Kept:
@@ -83,7 +92,7 @@ class Kept:
     )
 
     def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: Fwd, key: tuple) -> None:
-        self.off, self.tensor, self.nbytes = off, tensor, nbytes
+        self.off, self.tensor, self.nbytes = off, without_history(tensor), nbytes
         self.version = tensor._version
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
         # the kept last layers come first in backward, and the first offloaded ones must be on the way.

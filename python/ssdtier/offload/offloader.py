@@ -335,7 +335,7 @@ class Offloader:
             return Same(t)  # hooks an interrupted forward left on another thread, after detach()
         base = t._base
         if base is not None and isinstance(base, nn.Parameter):
-            return Same(t)  # a view of a parameter (weight.t()): the commonest case first
+            return Same(t, False)  # a view of a parameter (weight.t()): the commonest case first
         if (
             t.layout is not _STRIDED
             or t.is_nested
