@@ -42,12 +42,14 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None):
         torch.manual_seed(1)
         losses = []
         for b in batches:
+            if wrap is not None:  # CUDA graphs (reduce-overhead): the last step's outputs are done with
+                torch.compiler.cudagraph_mark_step_begin()
             loss = batch_loss(runner, b)
             if sleep_cycles:
                 # Keep the compute stream busy so offload copies are still in flight at backward.
                 torch.cuda._sleep(sleep_cycles)
             loss.backward()
-            losses.append(loss.detach())
+            losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
         torch.cuda.synchronize()
         grads = {n: _local(p.grad) for n, p in model.named_parameters()}
         stats = off.stats() if off else None
@@ -218,11 +220,23 @@ def test_store_round_trip_of_cuda_tensors(store_dir):
         assert out.device == x.device and torch.equal(out, x.t())
 
 
-def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_dir, warned):
+def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_dir, warned, monkeypatch):
     """The arena registered by someone else first: ssdtier's cudaHostRegister fails. That
     failure is left in the CUDA runtime for the thread's next error check, which torch makes
     after its next kernel: it is cleared, so training goes on (copies are synchronous)."""
+    from ssdtier.offload import cuda
+
     ref = train_cuda(CFG)
+    cudart = torch.cuda.cudart()
+    taken = []
+    real = cuda.Pinned.__init__
+
+    def registered_first(self, arena, device):
+        assert int(cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)) == 0
+        taken.append(arena)
+        real(self, arena, device)
+
+    monkeypatch.setattr(cuda.Pinned, "__init__", registered_first)
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
@@ -230,9 +244,7 @@ def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_d
         gen = torch.Generator().manual_seed(2)
         batches = [make_batch(CFG, 2, gen, device="cuda") for _ in range(3)]
         off = ssdtier.attach(model, offload_config(store_dir))
-        arena = off.store.arena
-        cudart = torch.cuda.cudart()
-        assert int(cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)) == 0
+        assert taken and not off.cuda.registered
         try:
             torch.manual_seed(1)
             losses = []
@@ -242,7 +254,7 @@ def test_a_failed_arena_registration_is_a_warning_not_a_later_cuda_error(store_d
                 losses.append(loss.detach())
             torch.cuda.synchronize()
         finally:
-            assert int(cudart.cudaHostUnregister(arena.data_ptr())) == 0
+            assert int(cudart.cudaHostUnregister(taken[0].data_ptr())) == 0
         grads = {n: p.grad for n, p in model.named_parameters()}
         stats = off.stats()
         off.detach()
@@ -272,6 +284,8 @@ def _busy_forward(cfg, n=8, batch=4096, sleep_cycles=200_000_000, keep_graph=Tru
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Wide() for _ in range(n)]).cuda()
     x = torch.randn(batch, 1024, device="cuda")
+    with torch.no_grad():
+        model(x)  # loads the kernels first (lazily loaded, they take the host past the sleep)
     off = ssdtier.attach(model, cfg) if cfg is not None else None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -557,12 +571,33 @@ def test_the_arena_is_unregistered_when_an_offloader_is_collected_undetached(sto
     assert int(cudart.cudaHostUnregister(arena.data_ptr())) == 0
 
 
-def _gds_or_skip():
-    from ssdtier.offload.cufile import probe_once
+def _gds_or_skip(where):
+    """cuFile's state, or a skip where it is unavailable or refuses any file in ``where``
+    (a disk with no udev data, as in some VMs: then not the store's fault)."""
+    import importlib
+    import os
+
+    from ssdtier.offload.cufile import MODULE, probe_once
 
     gds = probe_once()
     if gds.state.name == "UNAVAILABLE":
         pytest.skip(f"cuFile is {gds}")
+    mod = importlib.import_module(MODULE)
+    where.mkdir(parents=True, exist_ok=True)
+    fd = os.open(where / "plain", os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+    mod.driver_open()
+    try:
+        descr = mod.Descr()
+        descr.type = mod.FileHandleType.OPAQUE_FD
+        descr.handle.fd = fd
+        descr.fs_ops = 0
+        mod.handle_deregister(mod.handle_register(descr.ptr))
+    except Exception as e:
+        pytest.skip(f"cuFile refuses a plain O_DIRECT file in {where} here: {e}")
+    finally:
+        os.close(fd)
+        os.unlink(where / "plain")
+        mod.driver_close()
     return gds
 
 
@@ -570,7 +605,7 @@ def _gds_or_skip():
 def test_exact_gradients_through_cufile_on_cuda(store_dir, host):
     """GPU memory to NVMe and back with cuFile (GDS or its compatibility mode), the arena
     unused; with the writes drained before backward, every entry is read back by cuFile."""
-    _gds_or_skip()
+    _gds_or_skip(store_dir)
     ref = train_cuda(CFG)
     cfg = offload_config(store_dir, host=host)
     cfg["io"]["backend"] = "cufile"
@@ -584,7 +619,7 @@ def test_exact_gradients_through_cufile_on_cuda(store_dir, host):
 def test_cufile_reads_back_what_the_backward_needs_on_cuda(store_dir):
     from .test_attach import wait_copies
 
-    _gds_or_skip()
+    _gds_or_skip(store_dir)
     torch.use_deterministic_algorithms(True)  # as train_cuda: embedding's backward is not, else
     try:
         _cufile_reads_back(store_dir, wait_copies)
@@ -624,7 +659,7 @@ def test_cufile_round_trip_of_unaligned_sizes_on_cuda(store_dir, nbytes, monkeyp
     from ssdtier.offload import cufile
     from ssdtier.store import ByteStore
 
-    _gds_or_skip()
+    _gds_or_skip(store_dir)
     monkeypatch.setenv("CUFILE_LOGFILE_PATH", str(store_dir / "cufile.log"))  # if it opens here
     store = ByteStore(
         {
