@@ -614,6 +614,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
                 "offloaded": d["bytes_offloaded"] / n,
                 "stall_s": d["stall_seconds"] / n,
                 "forward_wait_s": d["forward_wait_seconds"] / n,
+                "gpu_wait_s": d.get("gpu_wait_seconds", 0.0) / n,
                 "failed_writes": d["failed_writes"] / n,
             }
             r["nvme_write_bps"] = d["bytes_written_nvme"] / n / med
@@ -979,7 +980,7 @@ def render_steps(results: dict[str, Any]) -> str:
     hdr = ["mode", "batch", "peak GiB", "x keep", "activations GiB", "x keep", "reserved GiB", "x keep"]
     hdr += ["step s", "x keep", "tokens/s"]
     n = results.get("losses_compared", a["compare_losses"])
-    hdr += [f"losses = keep ({n})", "NVMe GB/step w+r", "NVMe GB/s w / r", "wait s/step fwd / bwd"]
+    hdr += [f"losses = keep ({n})", "NVMe GB/step w+r", "NVMe GB/s w / r", "wait s/step fwd / bwd / GPU"]
     rows = []
     for mode, r in runs.items():
         if r.get("status") != "ok":
@@ -1003,7 +1004,9 @@ def render_steps(results: dict[str, Any]) -> str:
                 "-" if eq is None else ("yes" if eq else "NO"),
                 f"{ps['nvme_written'] / 1e9:.1f} + {ps['nvme_read'] / 1e9:.1f}" if ps else "-",
                 f"{r['nvme_write_bps'] / 1e9:.2f} / {r['nvme_read_bps'] / 1e9:.2f}" if ps else "-",
-                f"{ps.get('forward_wait_s', 0.0):.3f} / {ps['stall_s']:.3f}" if ps else "-",
+                f"{ps.get('forward_wait_s', 0.0):.3f} / {ps['stall_s']:.3f} / {ps.get('gpu_wait_s', 0.0):.3f}"
+                if ps
+                else "-",
             ]
         )
     lines += md_table(hdr, rows)

@@ -29,8 +29,13 @@ from .test_fork import _in_child
 class FakeEvent:
     def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.done = False
+        self.timing, self.at = enable_timing, None  # when the fake GPU ran it
         # The host waits on events for copies: a blocking one sleeps, the default spins a core.
         assert blocking or enable_timing, "an event the host may wait on, made non-blocking"
+
+    def elapsed_time(self, end) -> float:
+        assert self.timing and end.timing and self.done and end.done, "elapsed_time of an event not done or untimed"
+        return (end.at - self.at) * 1e3
 
     def record(self, stream=None) -> None:
         (stream or FakeGPU.now.current).events.append(self)
@@ -75,7 +80,8 @@ class FakeGPU:
     def run(self, until: FakeEvent | None = None) -> None:
         for s in self.streams():
             for ev in s.events:
-                ev.done = True
+                if not ev.done:
+                    ev.done, ev.at = True, time.perf_counter()
                 if ev is until:
                     return
 
@@ -236,6 +242,28 @@ def test_an_unpack_before_landing_copies_from_the_slot_after_the_copy(transport,
     gpu.run()
     transport.poll()
     assert e.out is None and transport.native.location(e.key)[0]
+
+
+def test_the_gpus_waits_for_copies_back_are_timed(transport, gpu):
+    # The host runs ahead: the compute stream's waits for copies back are seen only on the GPU,
+    # between events recorded around each wait.
+    e = offload(transport, source(64 << 10, 4))
+    transport.restore(e, None)  # before landing: the compute stream waits for the copy in
+    before, after = gpu.current.events[-2], gpu.current.events[-1]
+    gpu.run(until=before)
+    time.sleep(0.02)  # the copy the stream waits for takes 20 ms
+    assert transport.off.stats().gpu_wait_seconds == 0  # not done yet: not counted
+    gpu.run()
+    assert after.done and transport.off.gpu_wait() >= 0.02
+    assert transport.off.stats().gpu_wait_seconds == transport.off.gpu_wait()
+    assert transport.off.io_wait() >= transport.off.gpu_wait()
+    e2 = offload(transport, source(64 << 10, 5))
+    n = len(gpu.current.events)
+    gpu.capturing = True  # no timing events in a capture, and none queried
+    transport.restore(e2, None)
+    transport.off.gpu_wait()
+    gpu.capturing = False
+    assert not transport.waits.pairs and not any(ev.timing for ev in gpu.current.events[n:])
 
 
 def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(transport, gpu):

@@ -40,4 +40,5 @@ def summary(stats: Any) -> dict[str, float]:
         "ssdtier/peak_resident_GiB": round(stats.peak_resident_bytes / 2**30, 4),
         "ssdtier/stall_s": round(stats.stall_seconds, 4),
         "ssdtier/forward_wait_s": round(stats.forward_wait_seconds, 4),
+        "ssdtier/gpu_wait_s": round(stats.gpu_wait_seconds, 4),
     }

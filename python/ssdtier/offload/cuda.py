@@ -139,6 +139,38 @@ class Unpins:
         return [ev for q in self.queues.values() for ev, _ in q]
 
 
+class GpuWaits:
+    """How long the compute stream waits for copies back (or makes them itself), timed by
+    CUDA events around each wait: the host, running ahead, does not see these stalls."""
+
+    __slots__ = ("pairs", "seconds")
+
+    def __init__(self) -> None:
+        self.pairs: deque[tuple[Any, Any]] = deque()  # (before, after) on the compute stream, in order
+        self.seconds = 0.0
+
+    def begin(self, stream: Any) -> Any:
+        """An event before the wait, or None while a CUDA graph is captured (not timed)."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def end(self, stream: Any, before: Any) -> None:
+        if before is not None:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self.pairs.append((before, after))
+
+    def collect(self) -> None:
+        """Add the waits the GPU is done with (call only outside a capture)."""
+        pairs = self.pairs
+        while pairs and pairs[0][1].query():
+            before, after = pairs.popleft()
+            self.seconds += before.elapsed_time(after) / 1e3
+
+
 class CudaTransport:
     def __init__(self, off: Offloader) -> None:
         self.off = off
@@ -156,6 +188,7 @@ class CudaTransport:
         self.free_later: set[int] = set()  # keys of released entries freed once their h2d copies are done
         self.staging: list[Entry] = []  # read-aheads not copied to the GPU yet
         self.stage_off = False  # no copies ahead until the next forward (out of GPU memory)
+        self.waits = GpuWaits()
 
     @property
     def registered(self) -> bool:
@@ -249,7 +282,7 @@ class CudaTransport:
         """Commit the arena slots whose device-to-host copy has landed, and unpin the slots
         whose host-to-device copy is done."""
         off, native = self.off, self.native
-        if (self.h2d or self.pending) and torch.cuda.is_current_stream_capturing():
+        if (self.h2d or self.pending or self.waits.pairs) and torch.cuda.is_current_stream_capturing():
             return  # querying an event is not allowed while a CUDA graph is captured
         for key in self.h2d.done() if self.h2d else ():
             native.release(key)
@@ -258,6 +291,8 @@ class CudaTransport:
                 off._free_key(key)
         while self.pending and self.pending[0].out.event.query():
             self._landed(self.pending.popleft())
+        if self.waits.pairs:
+            self.waits.collect()
 
     def _landed(self, e: Entry) -> None:
         off = self.off
@@ -389,10 +424,12 @@ class CudaTransport:
             return st, made
         self.poll()
         current = torch.cuda.current_stream(e.device)
+        before = self.waits.begin(current)
         if type(e.out) is Copying:
             out, ev = self._copy_landing(e, current)
         else:
             out, ev = self._copy_now(e)
+        self.waits.end(current, before)
         st = out.untyped_storage()
         self.off.res.track(st, e.nbytes)
         if ev is None:
@@ -418,15 +455,16 @@ class CudaTransport:
             res.stall += time.perf_counter() - t0
         return self._copy_from_slot(e, off, torch.cuda.current_stream(e.device))
 
-    @staticmethod
-    def use_on_current_stream(device: torch.device, made: Made, st: torch.UntypedStorage) -> None:
+    def use_on_current_stream(self, device: torch.device, made: Made, st: torch.UntypedStorage) -> None:
         """Before the current stream uses a restored storage, it waits for the copy that made
         it, and a block allocated for another stream is recorded as used here too, so the
         allocator does not reuse it before this stream is done with it."""
         current = torch.cuda.current_stream(device)
         if current in made.waited:
             return
+        before = self.waits.begin(current)
         current.wait_event(made.event)
+        self.waits.end(current, before)
         made.waited.append(current)
         if current != made.allocated:
             torch.empty(0, dtype=torch.uint8, device=device).set_(st).record_stream(current)

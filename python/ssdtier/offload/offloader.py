@@ -206,8 +206,16 @@ class Offloader:
         return self._native.wait_seconds
 
     def io_wait(self) -> float:
-        """Seconds training threads waited for ssdtier's I/O so far, forward and backward."""
-        return self.res.stall + self.res.held_back + self._native.wait_seconds
+        """Seconds training waited for ssdtier's I/O so far, forward and backward: its
+        threads, and the GPU for copies back."""
+        return self.res.stall + self.res.held_back + self._native.wait_seconds + self.gpu_wait()
+
+    def gpu_wait(self) -> float:
+        """Seconds the GPU's compute stream waited for copies back (those it is done with)."""
+        waits = self.cuda.waits
+        if waits.pairs and not torch.cuda.is_current_stream_capturing():
+            waits.collect()
+        return waits.seconds
 
     def _check_pace(self, forward: int) -> None:
         got = self._pace.check(forward, time.perf_counter(), self.io_wait(), self.res.forward_wait)
@@ -215,12 +223,14 @@ class Offloader:
             return
         self._pace = None  # said once
         share, fwd, bwd = got
-        room = "copies to the host arena, or " if self.cuda.streams else ""
+        gpu = bool(self.cuda.streams)
+        room = "copies to the host arena, or " if gpu else ""
+        back = " and copies back to the GPU" if gpu else ""
         warn(
             f"the training loop spent {share:.0%} of its time over the last {WaitShare.EVERY} forwards waiting "
             f"for activations to move (per forward: {fwd:.3f} s in the forward, for {room}the store to make "
-            f'room; {bwd:.3f} s in the backward, for reads). policy.mode = "adaptive" offloads only what the '
-            "I/O can hide; a larger host.capacity or a faster [[nvme]] path helps too"
+            f'room; {bwd:.3f} s in the backward, for reads{back}). policy.mode = "adaptive" offloads only what '
+            "the I/O can hide; a larger host.capacity or a faster [[nvme]] path helps too"
         )
 
     def _check_graphs(self) -> None:
@@ -660,6 +670,7 @@ class Offloader:
             peak_resident_bytes=self.res.peak,
             stall_seconds=self.res.stall,
             forward_wait_seconds=self.res.forward_wait,
+            gpu_wait_seconds=self.gpu_wait(),
             layers_offloaded=self.n_layers - self.layers_kept,
             layers_kept=self.layers_kept,
             prefetch_layers=self.ahead.depth,

@@ -52,6 +52,8 @@ class OffloadStats:
     backward wanted their entry first (its source served it). ``stall_seconds`` is the time
     the backward waited for reads; ``forward_wait_seconds`` the time forwards waited for room:
     for copies in flight to the host arena (CUDA), or for the store to write some of it out.
+    ``gpu_wait_seconds`` (CUDA) is the time the GPU's compute stream waited for copies back to
+    it, or made them itself, timed by CUDA events: the host, running ahead, does not wait then.
     """
 
     tensors_offloaded: int
@@ -67,6 +69,7 @@ class OffloadStats:
     peak_resident_bytes: int
     stall_seconds: float
     forward_wait_seconds: float
+    gpu_wait_seconds: float
     layers_offloaded: int
     layers_kept: int
     prefetch_layers: int
@@ -91,7 +94,8 @@ class OffloadStats:
             f"{self.forwarded} of {self.unpacks} unpacks served from memory",
             f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s, "
             f"forward waited {self.forward_wait_seconds:.3f} s; "
-            f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, read ahead: "
+            + (f"the GPU waited {self.gpu_wait_seconds:.3f} s for copies back; " if self.gpu_wait_seconds else "")
+            + f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, read ahead: "
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
         if self.writes_skipped:
