@@ -187,6 +187,8 @@ def test_info_reports_gds(store_dir):
         assert "CUDA activations go through the host arena" in r.stdout.splitlines()
     else:
         assert lines[0].split(": ", 1)[1].startswith(tuple(s.value for s in GdsState)), lines
+        link = [line for line in r.stdout.splitlines() if line.startswith("GPU link ")]
+        assert len(link) == 1 and " GB/s to and from pinned host memory" in link[0], r.stdout
 
 
 def test_info_runs_no_child_without_cuda(store_dir):

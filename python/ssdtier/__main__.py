@@ -78,6 +78,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     print(f"torch           {torch.__version__}")
     print(f"CUDA            {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no'}")
+    if cuda:
+        from .offload.adaptive import copy_bandwidth
+
+        try:
+            rate = f"{copy_bandwidth(torch.device('cuda', 0)) / 1e9:.1f} GB/s"
+        except Exception as e:  # report, don't crash
+            rate = f"not measured ({type(e).__name__}: {e})"
+        # Activations made faster than this cannot all leave the GPU without it waiting.
+        print(f"GPU link        {rate} to and from pinned host memory (the slower way)")
     mem = available()
     if mem is not None:
         most = format_size(pinnable(mem.bytes))
