@@ -22,11 +22,12 @@
 # tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
 # torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
-# largest micro-batch of each mode); on request only: train_step_cuda, train_step_cuda_big.
+# largest micro-batch of each mode); on request only: train_step_cuda, train_step_cuda_big,
+# cufile_probe (which files cuFile takes on this disk, and with which settings).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big "
+KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big cufile_probe "
 parts=()
 for a in "$@"; do
     case "$a" in
@@ -127,17 +128,22 @@ for p in "${parts[@]}"; do
     pytest_all)
         par=()
         "$PY" -c "import xdist" 2>/dev/null && par=(-n 8) # pytest-xdist is there: 8 workers
-        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider -x ${par[@]+"${par[@]}"} ${ran_cuda[@]+"${ran_cuda[@]}"}
+        part pytest_all "$(limit 300)" "$PY" -m pytest -q -p no:cacheprovider --maxfail 5 -rfE --tb=short \
+            ${per_test[@]+"${per_test[@]}"} ${par[@]+"${par[@]}"} ${ran_cuda[@]+"${ran_cuda[@]}"}
         ;;
     cufile)
         part cufile "$(limit 75)" "$PY" benches/cufile_bandwidth.py --size 1GiB --repeats 2 --timeout-s 30 \
             --json "$LOGS/cufile_bandwidth.json"
         ;;
+    cufile_probe)
+        part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
+            --json "$LOGS/cufile_probe.json"
+        ;;
     bench_quick | bench_1b | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
-        bench_1b) secs=$(limit 560) args=(--steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
+        bench_1b) secs=$(limit 560) args=(--batch 8 --steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
         fit) secs=$(limit 560) args=(--fit) margin=80 ;;
         esac
         part "$p" "$secs" "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
