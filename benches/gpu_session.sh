@@ -8,7 +8,7 @@
 #          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
 #          bash benches/static_fio.sh                       (fio for the benches: none is there)
 # There (device tool: carry [".wheels"], timeout_s 330), back to back:
-#   bash benches/gpu_session.sh call1   # install import info test_cuda bench_quick cufile
+#   bash benches/gpu_session.sh call1   # install import info udev_shim test_cuda bench_quick cufile cufile_probe
 #   bash benches/gpu_session.sh call2   # install bench_1b (the 1B GPT, every mode side by side)
 #   bash benches/gpu_session.sh call3   # install test_compile pytest_all fit, if time is left
 # If call1 fails on something fixable, fix it and run call1 again before call2.
@@ -23,15 +23,16 @@
 # torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
 # largest micro-batch of each mode); on request only: train_step_cuda, train_step_cuda_big,
-# cufile_probe (which files cuFile takes on this disk, and with which settings).
+# cufile_probe (which files cuFile takes on this disk, and with which settings), udev_shim
+# (benches/cufile_udev_shim.sh: the udev entry cuFile needs, on a VM without udevd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big cufile_probe "
+KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
-    call1) parts+=(install import info test_cuda bench_quick cufile) ;;
+    call1) parts+=(install import info udev_shim test_cuda bench_quick cufile cufile_probe) ;;
     call2) parts+=(install bench_1b) ;;
     call3) parts+=(install test_compile pytest_all fit) ;;
     *) parts+=("$a") ;;
@@ -134,6 +135,9 @@ for p in "${parts[@]}"; do
     cufile)
         part cufile "$(limit 75)" "$PY" benches/cufile_bandwidth.py --size 1GiB --repeats 2 --timeout-s 30 \
             --json "$LOGS/cufile_bandwidth.json"
+        ;;
+    udev_shim)
+        part udev_shim "$(limit 20)" bash benches/cufile_udev_shim.sh benches/out
         ;;
     cufile_probe)
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \

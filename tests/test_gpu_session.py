@@ -43,3 +43,25 @@ def test_parts_past_the_session_time_are_skipped_not_started(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert summary.count("skipped: ") == 2 and "SESSION_S=15" in summary
     assert not (tmp_path / "logs" / "import.log").exists()
+
+
+def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):
+    shim = SCRIPT.parent / "cufile_udev_shim.sh"
+    where = SCRIPT.parents[1] / "target" / "udev-shim-test"  # on the disk, not a tmpfs
+    env = {**os.environ, "UDEV_DATA": str(tmp_path / "data")}
+
+    def run() -> str:
+        r = subprocess.run(["bash", str(shim), str(where)], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = run()
+    if "not a block device" in out:  # an overlay or tmpfs here: nothing to write
+        assert not (tmp_path / "data").exists()
+        return
+    (db,) = (tmp_path / "data").iterdir()
+    assert db.name.startswith("b") and "wrote" in out
+    lines = db.read_text().splitlines()
+    assert "E:ID_FS_USAGE=filesystem" in lines and any(x.startswith("E:ID_FS_TYPE=") for x in lines)
+    db.write_text("E:ID_FS_USAGE=filesystem\n")  # udevd's own entry: left as it is
+    assert "left as it is" in run() and db.read_text() == "E:ID_FS_USAGE=filesystem\n"
