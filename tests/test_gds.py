@@ -150,6 +150,26 @@ def test_the_childs_answer_is_parsed(cuda_up, out, state, words):
         assert str(g) == f"usable ({g.reason})"
 
 
+def test_a_directory_whose_files_cufile_refuses_is_unavailable_with_its_log(cuda_up, tmp_path):
+    # As on a VM whose disk udev has no data for: cuFile works, but refuses the file.
+    code = (
+        "import json, os\n"
+        "with open(os.environ['CUFILE_LOGFILE_PATH'], 'w') as f:\n"
+        "    f.write(' 26-11-2026 [pid=1] NOTICE cufio-drv: running in compatible mode\\n')\n"
+        "    f.write(' 26-11-2026 [pid=1] ERROR  cufio-udev:67 udev property not found: ID_FS_USAGE vda\\n')\n"
+        "assert os.environ['SSDTIER_GDS_DIR'] == " + repr(str(tmp_path)) + "\n"
+        "print(json.dumps({'nvfs': [0, 0], 'version': 1150, 'file_error': 'cuFileError: HANDLE_NOT_REGISTERED'}))\n"
+    )
+    g = probe(timeout=30, where=str(tmp_path), _code=code)
+    assert g.state is GdsState.UNAVAILABLE and g.cufile_version == "1.15", g
+    assert g.reason == (
+        f"cuFile refuses a file in {tmp_path}: cuFileError: HANDLE_NOT_REGISTERED; "
+        "its log: cufio-udev:67 udev property not found: ID_FS_USAGE vda"
+    )
+    ok = probe(timeout=30, where=str(tmp_path), _code=child_printing(json.dumps({"nvfs": [0, 0]})))
+    assert ok.state is GdsState.COMPAT and ok.file_error is None
+
+
 @pytest.mark.parametrize(
     ("code", "words"),
     [

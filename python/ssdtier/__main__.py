@@ -100,7 +100,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .gds import GdsState
     from .gds import probe as probe_gds
 
-    gds = probe_gds()  # without CUDA: at once, no child process
+    gds = probe_gds(where=probe)  # without CUDA: at once, no child process
     print(f"GPUDirect Storage: {gds}")
     path_of = {
         GdsState.USABLE: 'through cuFile (io.backend "auto" or "cufile")',

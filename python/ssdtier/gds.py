@@ -28,6 +28,7 @@ class Gds:
     reason: str
     cufile_version: str | None = None  # "1.17"
     nvfs_version: str | None = None  # the nvidia-fs kernel driver's, when loaded
+    file_error: str | None = None  # cuFile's refusal of a file in the directory probed
 
     def __str__(self) -> str:
         return f"{self.state.value} ({self.reason})"
@@ -36,7 +37,7 @@ class Gds:
 # Run in a child: cuFile can hang in driver_open (seen without libcuda.so.1) and keeps
 # process-wide state. Prints one JSON line of facts; the parent decides the state.
 _CHILD = r"""
-import ctypes, json, struct
+import ctypes, json, os, struct
 try:
     from cuda.bindings import cufile
 except ImportError as e:
@@ -58,6 +59,25 @@ try:
             out["force_compat"] = bool(cufile.get_parameter_bool(cufile.BoolConfigParameter.FORCE_COMPAT_MODE))
         except Exception:
             pass
+        where = os.environ.get("SSDTIER_GDS_DIR")
+        if where:  # a file there, as the store's: cuFile refuses some disks (no udev data)
+            name = os.path.join(where, f".ssdtier-gds-{os.getpid()}")
+            try:
+                fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_DIRECT, 0o600)
+            except OSError as e:
+                out["file_error"] = f"cannot open an O_DIRECT file there: {e}"
+            else:
+                os.unlink(name)
+                try:
+                    descr = cufile.Descr()
+                    descr.type = cufile.FileHandleType.OPAQUE_FD
+                    descr.handle.fd = fd
+                    descr.fs_ops = 0
+                    cufile.handle_deregister(cufile.handle_register(descr.ptr))
+                except Exception as e:
+                    out["file_error"] = f"{type(e).__name__}: {e}"
+                finally:
+                    os.close(fd)
     finally:
         cufile.driver_close()
 except Exception as e:
@@ -66,16 +86,20 @@ print(json.dumps(out))
 """
 
 
-def probe(timeout: float = 20.0, *, _code: str = _CHILD) -> Gds:
+def probe(timeout: float = 20.0, *, where: str | None = None, _code: str = _CHILD) -> Gds:
     """Whether GPUDirect Storage is usable, asked of cuFile in a child process that gets
-    ``timeout`` seconds. Without a CUDA device, cuFile is not touched at all."""
+    ``timeout`` seconds; with ``where`` (an existing directory), for a file there too.
+    Without a CUDA device, cuFile is not touched at all."""
     import torch
 
     if not torch.cuda.is_available():
         return Gds(GdsState.UNAVAILABLE, "no CUDA device")
     # cuFile writes cufile.log into the working directory unless told otherwise.
     with tempfile.TemporaryDirectory(prefix="ssdtier-gds-", ignore_cleanup_errors=True) as tmp:
-        env = {**os.environ, "CUFILE_LOGFILE_PATH": os.path.join(tmp, "cufile.log")}
+        log = os.path.join(tmp, "cufile.log")
+        env = {**os.environ, "CUFILE_LOGFILE_PATH": log}
+        if where is not None:
+            env["SSDTIER_GDS_DIR"] = where
         try:
             r = subprocess.run(
                 [sys.executable, "-c", _code],
@@ -92,7 +116,28 @@ def probe(timeout: float = 20.0, *, _code: str = _CHILD) -> Gds:
             return Gds(GdsState.UNAVAILABLE, f"cuFile did not answer in {timeout:g} s")
         except OSError as e:
             return Gds(GdsState.UNAVAILABLE, f"cannot start the cuFile probe: {e}")
-    return _parse(r.returncode, r.stdout, r.stderr)
+        g = _parse(r.returncode, r.stdout, r.stderr)
+        if g.state is not GdsState.UNAVAILABLE and g.file_error is not None:
+            why = _first_error(log)
+            return Gds(
+                GdsState.UNAVAILABLE,
+                f"cuFile refuses a file in {where}: {g.file_error}" + (f"; its log: {why}" if why else ""),
+                g.cufile_version,
+                g.nvfs_version,
+            )
+        return g
+
+
+def _first_error(log: str) -> str | None:
+    """The first ERROR line of cuFile's log, from its message on ("udev property not found...")."""
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                if " ERROR " in line:
+                    return line.split(" ERROR ", 1)[1].strip()[:200]
+    except OSError:
+        pass
+    return None
 
 
 def _parse(rc: int, stdout: str, stderr: str) -> Gds:
@@ -122,9 +167,12 @@ def _parse(rc: int, stdout: str, stderr: str) -> Gds:
         return Gds(GdsState.UNAVAILABLE, f"cuFile probe gave no nvidia-fs version: {lines[-1][:200]!r}", cufile)
     on = f", cuFile {cufile}" if cufile else ""
     # As kvikio's is_gds_available: nvidia-fs version 0.0 means the driver is not loaded.
+    refused = facts.get("file_error")
+    refused = str(refused) if refused is not None else None
     if nvfs == [0, 0]:
-        return Gds(GdsState.COMPAT, f"nvidia-fs driver not loaded: I/O goes through host memory{on}", cufile)
+        why = f"nvidia-fs driver not loaded: I/O goes through host memory{on}"
+        return Gds(GdsState.COMPAT, why, cufile, None, refused)
     loaded = f"{nvfs[0]}.{nvfs[1]}"
     if facts.get("force_compat") is True:
-        return Gds(GdsState.COMPAT, f"cuFile force_compat_mode is set; nvidia-fs {loaded}{on}", cufile, loaded)
-    return Gds(GdsState.USABLE, f"nvidia-fs {loaded}{on}", cufile, loaded)
+        return Gds(GdsState.COMPAT, f"cuFile force_compat_mode is set; nvidia-fs {loaded}{on}", cufile, loaded, refused)
+    return Gds(GdsState.USABLE, f"nvidia-fs {loaded}{on}", cufile, loaded, refused)
