@@ -10,7 +10,7 @@
 # There (device tool: carry [".wheels"], timeout_s 330), back to back:
 #   bash benches/gpu_session.sh call1   # install import info udev_shim test_cuda bench_quick cufile cufile_probe
 #   bash benches/gpu_session.sh call2   # install bench_1b (the 1B GPT, every mode side by side)
-#   bash benches/gpu_session.sh call3   # install test_compile pytest_all fit, if time is left
+#   bash benches/gpu_session.sh call3   # install test_compile fit, if time is left
 # If call1 fails on something fixable, fix it and run call1 again before call2.
 #
 # Out: $OUT/summary.txt and $OUT/gpu_session.tgz (every log, JSON and Markdown), rewritten after
@@ -34,7 +34,7 @@ for a in "$@"; do
     case "$a" in
     call1) parts+=(install import info udev_shim test_cuda bench_quick cufile cufile_probe) ;;
     call2) parts+=(install bench_1b) ;;
-    call3) parts+=(install test_compile pytest_all fit) ;;
+    call3) parts+=(install test_compile fit) ;;
     *) parts+=("$a") ;;
     esac
 done
