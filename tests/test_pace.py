@@ -48,6 +48,17 @@ def test_a_slow_disk_is_said_once_with_what_would_help(store_dir, warned):
     assert "of its time over the last 3 forwards" in said[0]
 
 
+def test_a_gpu_waiting_on_its_link_is_told_the_disk_is_not_it(store_dir, warned, monkeypatch):
+    # As on an H200 with everything offloaded: the host never waits, the GPU does.
+    from ssdtier.offload.offloader import Offloader
+
+    waited = iter(range(10_000))
+    monkeypatch.setattr(Offloader, "gpu_wait", lambda self: 0.05 * next(waited))
+    steps(config(store_dir, host="64MiB"))
+    (said,) = warned("waiting for activations to move")
+    assert "the link to host memory is the limit" in said and "a faster disk would not help" in said
+
+
 def test_a_disk_that_keeps_up_is_not_said(store_dir, warned):
     s = steps(config(store_dir, host="64MiB"))
     assert s.bytes_offloaded > 0 and s.bytes_written_nvme == 0
@@ -64,8 +75,9 @@ def test_windows_start_at_the_second_forward_and_report_per_forward():
     assert w.check(1, 0.0, 0.0, 0.0) is None  # the first forward pins and allocates
     assert w.check(2, 10.0, 1.0, 0.5) is None  # opens the first window
     assert w.check(3, 11.0, 5.0, 0.5) is None  # inside it
-    share, fwd, bwd = w.check(5, 13.0, 2.5, 1.1)  # 1.5 s of 3 s waited: 0.6 s forward, 0.9 s backward
+    share, fwd, bwd, gpu = w.check(5, 13.0, 2.5, 1.1, 0.3)  # 1.5 s of 3 s waited: 0.6 s forward, 0.9 s backward
     assert share == pytest.approx(0.5) and fwd == pytest.approx(0.2) and bwd == pytest.approx(0.3)
+    assert gpu == pytest.approx(0.1)
     assert w.check(8, 16.0, 2.6, 1.1) is None  # 0.1 s of 3 s
     assert w.check(11, 16.04, 2.62, 1.1) is None  # half of the time, but less than 10 ms a forward
 

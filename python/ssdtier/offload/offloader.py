@@ -218,19 +218,29 @@ class Offloader:
         return waits.seconds
 
     def _check_pace(self, forward: int) -> None:
-        got = self._pace.check(forward, time.perf_counter(), self.io_wait(), self.res.forward_wait)
+        got = self._pace.check(forward, time.perf_counter(), self.io_wait(), self.res.forward_wait, self.gpu_wait())
         if got is None:
             return
         self._pace = None  # said once
-        share, fwd, bwd = got
-        gpu = bool(self.cuda.streams)
-        room = "copies to the host arena, or " if gpu else ""
-        back = " and copies back to the GPU" if gpu else ""
+        share, fwd, bwd, gpu = got
+        cuda = bool(self.cuda.streams)
+        room = "copies to the host arena, or " if cuda else ""
+        back = f" and copies back to the GPU ({gpu:.3f} s of it the GPU's wait)" if cuda else ""
+        if gpu >= 0.5 * (fwd + bwd):
+            # Mostly the GPU waiting on its link to host memory: the disk and the arena are not it.
+            helps = (
+                'the link to host memory is the limit: policy.mode = "adaptive" offloads only what it can '
+                "move in time, a larger policy.keep_last_layers keeps more; a faster disk would not help"
+            )
+        else:
+            helps = (
+                'policy.mode = "adaptive" offloads only what the I/O can hide; a larger host.capacity or a '
+                "faster [[nvme]] path helps too"
+            )
         warn(
             f"the training loop spent {share:.0%} of its time over the last {WaitShare.EVERY} forwards waiting "
             f"for activations to move (per forward: {fwd:.3f} s in the forward, for {room}the store to make "
-            f'room; {bwd:.3f} s in the backward, for reads{back}). policy.mode = "adaptive" offloads only what '
-            "the I/O can hide; a larger host.capacity or a faster [[nvme]] path helps too"
+            f"room; {bwd:.3f} s in the backward, for reads{back}). {helps}"
         )
 
     def _check_graphs(self) -> None:

@@ -179,20 +179,22 @@ class WaitShare:
     SHARE = 0.25  # past this share, a user is told once ...
     LEAST = 0.01  # ... if forwards waited this many seconds each (a tiny model's 1 ms is no news)
 
-    __slots__ = ("forward0", "t0", "total0")
+    __slots__ = ("forward0", "gpu0", "t0", "total0")
 
     def __init__(self) -> None:
         self.t0 = 0.0
-        self.forward0 = self.total0 = 0.0
+        self.forward0 = self.total0 = self.gpu0 = 0.0
 
-    def check(self, forward: int, now: float, waited: float, fwd_waited: float) -> tuple[float, float, float] | None:
-        """At forward number ``forward``'s start, with the waits so far (all, and the
-        forwards'): (share, forward seconds, backward seconds) per forward of the window just
-        ended, once its share passes SHARE; else None."""
+    def check(
+        self, forward: int, now: float, waited: float, fwd_waited: float, gpu_waited: float = 0.0
+    ) -> tuple[float, float, float, float] | None:
+        """At forward number ``forward``'s start, with the waits so far (all, the forwards',
+        the GPU's for copies back): (share, forward seconds, backward seconds, of them the
+        GPU's) per forward of the window just ended, once its share passes SHARE; else None."""
         if forward < 2 or (forward - 2) % self.EVERY:
             return None
-        t0, total0, forward0 = self.t0, self.total0, self.forward0
-        self.t0, self.total0, self.forward0 = now, waited, fwd_waited
+        t0, total0, forward0, gpu0 = self.t0, self.total0, self.forward0, self.gpu0
+        self.t0, self.total0, self.forward0, self.gpu0 = now, waited, fwd_waited, gpu_waited
         if forward == 2:
             return None
         share = min((waited - total0) / max(now - t0, 1e-9), 1.0)
@@ -200,4 +202,4 @@ class WaitShare:
         if share < self.SHARE or each < self.LEAST:
             return None
         fwd = (fwd_waited - forward0) / self.EVERY
-        return share, fwd, max(each - fwd, 0.0)
+        return share, fwd, max(each - fwd, 0.0), (gpu_waited - gpu0) / self.EVERY
