@@ -266,6 +266,19 @@ def test_the_gpus_waits_for_copies_back_are_timed(transport, gpu):
     assert not transport.waits.pairs and not any(ev.timing for ev in gpu.current.events[n:])
 
 
+def test_a_copy_ahead_already_done_is_waited_for_untimed(transport, gpu):
+    e = offload(transport, source(64 << 10, 6))
+    transport.start_read(e, False)
+    transport.stage_later(e)
+    transport.stage_ready()
+    ev = e.back.staged[1]
+    gpu.run()  # the copy ahead is done before its unpack: no timing events for it
+    n = len(gpu.current.events)
+    transport.restore(e, e.back.staged)
+    assert ev in gpu.current.waits and not any(x.timing for x in gpu.current.events[n:])
+    assert not transport.waits.pairs
+
+
 def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(transport, gpu):
     src = source(64 << 10, 3)
     e = offload(transport, src)

@@ -149,9 +149,10 @@ class GpuWaits:
         self.pairs: deque[tuple[Any, Any]] = deque()  # (before, after) on the compute stream, in order
         self.seconds = 0.0
 
-    def begin(self, stream: Any) -> Any:
-        """An event before the wait, or None while a CUDA graph is captured (not timed)."""
-        if torch.cuda.is_current_stream_capturing():
+    def begin(self, stream: Any, awaited: Any = None) -> Any:
+        """An event before the wait, or None: in a CUDA graph capture, or when the copy
+        ``awaited`` is done already (nothing to wait for, and two event records saved)."""
+        if torch.cuda.is_current_stream_capturing() or (awaited is not None and awaited.query()):
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
@@ -462,7 +463,7 @@ class CudaTransport:
         current = torch.cuda.current_stream(device)
         if current in made.waited:
             return
-        before = self.waits.begin(current)
+        before = self.waits.begin(current, made.event)
         current.wait_event(made.event)
         self.waits.end(current, before)
         made.waited.append(current)
