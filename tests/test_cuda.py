@@ -572,32 +572,14 @@ def test_the_arena_is_unregistered_when_an_offloader_is_collected_undetached(sto
 
 
 def _gds_or_skip(where):
-    """cuFile's state, or a skip where it is unavailable or refuses any file in ``where``
-    (a disk with no udev data, as in some VMs: then not the store's fault)."""
-    import importlib
-    import os
+    """cuFile's state for a file in ``where``, or a skip where it is unavailable or refuses
+    one (a disk with no udev data, as in some VMs: then not the store's fault)."""
+    from ssdtier.gds import probe
 
-    from ssdtier.offload.cufile import MODULE, probe_once
-
-    gds = probe_once()
+    where.mkdir(parents=True, exist_ok=True)
+    gds = probe(where=str(where))
     if gds.state.name == "UNAVAILABLE":
         pytest.skip(f"cuFile is {gds}")
-    mod = importlib.import_module(MODULE)
-    where.mkdir(parents=True, exist_ok=True)
-    fd = os.open(where / "plain", os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
-    mod.driver_open()
-    try:
-        descr = mod.Descr()
-        descr.type = mod.FileHandleType.OPAQUE_FD
-        descr.handle.fd = fd
-        descr.fs_ops = 0
-        mod.handle_deregister(mod.handle_register(descr.ptr))
-    except Exception as e:
-        pytest.skip(f"cuFile refuses a plain O_DIRECT file in {where} here: {e}")
-    finally:
-        os.close(fd)
-        os.unlink(where / "plain")
-        mod.driver_close()
     return gds
 
 
