@@ -109,3 +109,26 @@ def test_graphs_kept_without_a_backward_are_said_once(store_dir, warned):
 def test_evaluation_losses_kept_detached_are_not_said(store_dir, warned):
     train_and_evaluate(config(store_dir, host="64MiB"), keep_graphs=False)
     assert not warned("had no backward")
+
+
+def test_adaptive_mode_keeps_more_blocks_when_the_gpu_waits(store_dir, monkeypatch):
+    # The GPU's waits for copies back count as stalls: each iteration that had them keeps one
+    # more block (as on an H200, where the host never waited).
+    from ssdtier.offload.offloader import Offloader
+
+    def plans(gpu_waits):
+        calls = iter(range(100_000))
+        monkeypatch.setattr(Offloader, "gpu_wait", lambda self: (1.0 * next(calls)) if gpu_waits else 0.0)
+        torch.manual_seed(0)
+        model = build_model(GPTConfig(n_layers=4, vocab_size=64, seq_len=64, d_model=64, n_heads=2))
+        gen = torch.Generator().manual_seed(2)
+        kept = []
+        with ssdtier.attach(model, config(store_dir, mode="adaptive", host="64MiB")) as off:
+            for _ in range(5):
+                batch_loss(model, make_batch(CFG, 4, gen)).backward()
+                kept.append(off.plan().keep_last if off.plan() is not None else None)
+        return kept
+
+    quiet, waited = plans(False), plans(True)
+    assert quiet[-1] == 0, quiet  # the host tier keeps up: everything offloaded
+    assert waited[-1] >= 2 and waited[-1] > quiet[-1], (quiet, waited)
