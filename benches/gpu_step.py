@@ -598,6 +598,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
             act_bytes=peak - base,
             reserved_bytes=probe.reserved,
             reserved_act_bytes=probe.reserved - base,
+            alloc_retries_per_step=probe.retries / len(times),
             step_seconds=times,
             warmup_seconds=warm,
             median_step_s=med,
@@ -1018,6 +1019,11 @@ def render_steps(results: dict[str, Any]) -> str:
         )
     if any(r.get("batch") not in (None, results.get("batch")) for r in runs.values()):
         lines.append("(a row at another batch than keep's: its activations and step time x keep are per sample)")
+    retried = [f"{m} {r['alloc_retries_per_step']:.1f}" for m, r in runs.items() if r.get("alloc_retries_per_step")]
+    if retried:
+        lines.append(
+            "allocations retried per step after emptying the cache (each waits for the GPU): " + ", ".join(retried)
+        )
     for mode, r in runs.items():
         if r.get("status") != "ok":
             lines.append(f"{mode}: {r.get('status')}: {r.get('error', '')}")

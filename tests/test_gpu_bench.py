@@ -194,6 +194,27 @@ def test_the_goal_counts_blocks_still_being_copied_out(gs):
     assert "ssdtier_nvme NOT MET (0.585, 1.000)" in gs.render_steps(res)
 
 
+def test_allocations_retried_under_memory_pressure_are_said(gs, monkeypatch):
+    from ssdtier.bench.memory import CudaPeak
+
+    retries = iter([5, 11])  # at start(), at stop()
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: {"num_alloc_retries": next(retries)})
+    probe = CudaPeak("cuda")
+    probe.start()
+    probe.stop()
+    assert probe.retries == 6
+    res = fake_results(gs)
+    res["modes"]["ssdtier_nvme"]["alloc_retries_per_step"] = probe.retries / 3
+    gs.compare(SimpleNamespace(compare_losses=2, deterministic=False, attention="plain"), res)
+    text = gs.render_steps(res)
+    assert "allocations retried per step after emptying the cache (each waits for the GPU): ssdtier_nvme 2.0" in text
+    assert "keep 0" not in text  # modes without retries are not listed
+
+
 def test_fio_falls_back_to_psync_where_io_uring_is_refused(gs, monkeypatch, tmp_path):
     from ssdtier.bench import disk
     from ssdtier.errors import SsdtierError

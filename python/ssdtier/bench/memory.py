@@ -93,13 +93,16 @@ class CudaPeak:
     """Peak of ``torch.cuda.max_memory_allocated`` over a region, and the allocation at its start.
     After ``stop()``, ``reserved`` is the peak the allocator held from the device (cached blocks
     let go at the start): unlike ``allocated`` it counts a freed block that still waits for
-    another stream's work on it (``record_stream``), such as a copy to host memory."""
+    another stream's work on it (``record_stream``), such as a copy to host memory, and
+    ``retries`` how often an allocation failed and was retried after the cache was emptied
+    (each a synchronization: memory pressure the peaks do not show)."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
         self.method = "torch.cuda.max_memory_allocated delta"
         self.baseline = 0
         self.reserved = 0
+        self.retries = 0
 
     def start(self) -> None:
         import torch
@@ -109,10 +112,12 @@ class CudaPeak:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.baseline = torch.cuda.memory_allocated(self.device)
+        self.retries = -torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
 
     def stop(self) -> tuple[int, int]:
         import torch
 
         torch.cuda.synchronize(self.device)
         self.reserved = torch.cuda.max_memory_reserved(self.device)
+        self.retries += torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         return torch.cuda.max_memory_allocated(self.device), self.baseline
