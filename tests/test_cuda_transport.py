@@ -17,7 +17,7 @@ import ssdtier
 from ssdtier.errors import SsdtierError
 from ssdtier.models import batch_loss, build_model, make_batch
 from ssdtier.offload import offloader
-from ssdtier.offload.cuda import Pinned
+from ssdtier.offload.cuda import GpuWaits, Pinned
 from ssdtier.offload.entry import Copying, Held
 from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
@@ -264,6 +264,31 @@ def test_the_gpus_waits_for_copies_back_are_timed(transport, gpu):
     transport.off.gpu_wait()
     gpu.capturing = False
     assert not transport.waits.pairs and not any(ev.timing for ev in gpu.current.events[n:])
+
+
+def test_an_unpack_that_reads_from_nvme_times_only_the_gpus_copy(transport, gpu, monkeypatch):
+    # The read is the host's stall (stall_seconds); the GPU's wait is timed after it, so the
+    # same time is not counted twice.
+    e = offload(transport, source(64 << 10, 8))
+    gpu.run()
+    transport.poll()
+    transport.native.evict(e.key)  # on NVMe only: the unpack reads it now
+    order = []
+
+    class Native:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def acquire(self, key):
+            order.append("read")
+            return native.acquire(key)
+
+    native = transport.native
+    monkeypatch.setattr(transport, "native", Native())
+    real_begin = GpuWaits.begin
+    monkeypatch.setattr(GpuWaits, "begin", lambda *a: order.append("timed") or real_begin(*a))
+    transport.restore(e, None)
+    assert order == ["read", "timed"] and len(transport.waits.pairs) == 1
 
 
 def test_a_copy_ahead_already_done_is_waited_for_untimed(transport, gpu):

@@ -425,12 +425,12 @@ class CudaTransport:
             return st, made
         self.poll()
         current = torch.cuda.current_stream(e.device)
-        before = self.waits.begin(current)
         if type(e.out) is Copying:
+            before = self.waits.begin(current)
             out, ev = self._copy_landing(e, current)
+            self.waits.end(current, before)
         else:
             out, ev = self._copy_now(e)
-        self.waits.end(current, before)
         st = out.untyped_storage()
         self.off.res.track(st, e.nbytes)
         if ev is None:
@@ -447,14 +447,22 @@ class CudaTransport:
         resident = native.location(e.key)[0]
         t0 = time.perf_counter()
         off = native.acquire(e.key)
+        current = torch.cuda.current_stream(e.device)
+        # The GPU's part is timed from here on: the read above is the host's stall, not twice.
         if off is None:
             host = torch.empty(e.nbytes, dtype=torch.uint8)
             native.read_staged(e.key, host.data_ptr(), e.nbytes, host)
             res.stall += time.perf_counter() - t0
-            return host.to(e.device), None
+            before = self.waits.begin(current)
+            out = host.to(e.device)
+            self.waits.end(current, before)
+            return out, None
         if not resident:
             res.stall += time.perf_counter() - t0
-        return self._copy_from_slot(e, off, torch.cuda.current_stream(e.device))
+        before = self.waits.begin(current)
+        copied = self._copy_from_slot(e, off, current)
+        self.waits.end(current, before)
+        return copied
 
     def use_on_current_stream(self, device: torch.device, made: Made, st: torch.UntypedStorage) -> None:
         """Before the current stream uses a restored storage, it waits for the copy that made
