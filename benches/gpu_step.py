@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
@@ -452,6 +453,95 @@ def release(setup: Setup | None, r: dict[str, Any]) -> None:
         traceback.print_exc()
 
 
+class Phases:
+    """Where the measured steps go: each step's forward, backward and optimizer step, in GPU
+    seconds (CUDA events; host clocks on the CPU), the peak allocated and reserved memory in
+    each (the peak counters reset between them), and what is allocated at the forward's end."""
+
+    NAMES = ("forward", "backward", "optimizer")
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, list[float]]] = []
+        self.marks: list[Any] = []
+        self.peaks: list[tuple[int, int]] = []
+        self.held = 0
+
+    @staticmethod
+    def _mark() -> Any:
+        import torch
+
+        if DEVICE != "cuda":
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    @staticmethod
+    def _memory() -> tuple[int, int, int]:
+        """Allocated now, its peak and reserved's peak: one call to the allocator's counters."""
+        import torch
+
+        if DEVICE != "cuda":
+            return 0, 0, 0
+        st = torch.cuda.memory_stats_as_nested_dict()
+        return (
+            st["allocated_bytes"]["all"]["current"],
+            st["allocated_bytes"]["all"]["peak"],
+            st["reserved_bytes"]["all"]["peak"],
+        )
+
+    def begin(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        self.marks, self.peaks = [self._mark()], []
+
+    def lap(self) -> None:
+        """A phase ends."""
+        import torch
+
+        self.marks.append(self._mark())
+        now, peak, reserved = self._memory()
+        if len(self.marks) == 2:
+            self.held = now
+        self.peaks.append((peak, reserved))
+        torch.cuda.reset_peak_memory_stats()
+
+    def end(self) -> None:
+        """After the step's synchronize."""
+        m = self.marks
+        if DEVICE == "cuda":
+            secs = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(m)]
+        else:
+            secs = [b - a for a, b in itertools.pairwise(m)]
+        self.steps.append(
+            {
+                "seconds": secs,
+                "allocated": [float(p[0]) for p in self.peaks],
+                "reserved": [float(p[1]) for p in self.peaks],
+                "held": [float(self.held)],
+            }
+        )
+
+    @property
+    def peak(self) -> tuple[int, int]:
+        """The peak allocated and reserved over every step measured (the counters were reset)."""
+        return (
+            int(max((max(s["allocated"]) for s in self.steps), default=0)),
+            int(max((max(s["reserved"]) for s in self.steps), default=0)),
+        )
+
+    def summary(self, base: int) -> dict[str, Any]:
+        """Median seconds and peak bytes above ``base`` per phase, over the steps measured."""
+        out: dict[str, Any] = {}
+        for i, name in enumerate(self.NAMES):
+            out[f"{name}_s"] = statistics.median(s["seconds"][i] for s in self.steps)
+            out[f"{name}_peak_bytes"] = max(s["allocated"][i] for s in self.steps) - base
+            out[f"{name}_reserved_bytes"] = max(s["reserved"][i] for s in self.steps) - base
+        out["held_at_forward_end_bytes"] = max(s["held"][0] for s in self.steps) - base
+        return out
+
+
 class Setup:
     """One mode's model (built on the GPU from ``--seed``), fused AdamW and saved-tensor handling."""
 
@@ -468,6 +558,7 @@ class Setup:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)  # fused: no big temporaries
         self.off: Any = None
         self.ctx: Callable[[], Any] = contextlib.nullcontext
+        self.phases: Phases | None = None  # set while the steps are measured
         if ssd is not None:
             import ssdtier
 
@@ -497,15 +588,27 @@ class Setup:
 
         from ssdtier.models import batch_loss
 
+        ph = self.phases
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if ph is not None:
+            ph.begin()
         self.opt.zero_grad(set_to_none=False)  # gradients stay allocated: in the baseline
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=self.args.dtype == "bf16"), self.ctx():
             loss = batch_loss(self.model, batch)
+        if ph is not None:
+            ph.lap()
         loss.backward()
+        if ph is not None:
+            ph.lap()
         self.opt.step()
+        if ph is not None:
+            ph.lap()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, float(loss.detach())
+        t = time.perf_counter() - t0
+        if ph is not None:
+            ph.end()
+        return t, float(loss.detach())
 
     def stats(self) -> dict[str, Any] | None:
         return self.off.stats().as_dict() if self.off is not None else None
@@ -574,6 +677,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
             log(f"[{mode}] warmup {i + 1}/{args.warmup}: {t:.3f} s, loss {loss:.5f}")
         probe = CudaPeak(torch.device(DEVICE))
         probe.start()
+        phases = setup.phases = Phases()
         before = setup.stats()
         times: list[float] = []
         for i in range(args.steps):
@@ -587,6 +691,10 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
             losses.append(loss)
             log(f"[{mode}] step {i + 1}/{args.steps}: {t:.3f} s, loss {loss:.5f}")
         peak, base = probe.stop()
+        setup.phases = None
+        # The phases reset the peak counters: the peaks are theirs.
+        peak, reserved = max(peak, phases.peak[0]), max(probe.reserved, phases.peak[1])
+        r["phases"] = phases.summary(base)
         after = setup.stats()
         plan = setup.off.plan() if setup.off is not None else None
         if plan is not None:
@@ -596,8 +704,8 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
             peak_bytes=peak,
             baseline_bytes=base,
             act_bytes=peak - base,
-            reserved_bytes=probe.reserved,
-            reserved_act_bytes=probe.reserved - base,
+            reserved_bytes=reserved,
+            reserved_act_bytes=reserved - base,
             alloc_retries_per_step=probe.retries / len(times),
             step_seconds=times,
             warmup_seconds=warm,
@@ -1012,6 +1120,7 @@ def render_steps(results: dict[str, Any]) -> str:
         )
     lines += md_table(hdr, rows)
     lines.append("")
+    lines += render_phases(runs)
     if n < a["compare_losses"]:
         lines.append(
             f"(losses: only the first {n} compared: fused attention's backward is not bitwise reproducible; "
@@ -1071,6 +1180,34 @@ def render_steps(results: dict[str, Any]) -> str:
             f"(activations, allocated or reserved whichever is more, time): {'; '.join(parts)}"
         )
     return "\n".join(lines)
+
+
+def render_phases(runs: dict[str, Any]) -> list[str]:
+    """Where each mode's step goes: the time and the peak memory of its phases."""
+    hdr = ["mode", "forward s", "backward s", "optimizer s", "held at forward end GiB"]
+    hdr += ["peak GiB fwd / bwd / opt", "reserved GiB fwd / bwd / opt"]
+    rows = []
+    for mode, r in runs.items():
+        ph = r.get("phases")
+        if r.get("status") != "ok" or not ph:
+            continue
+        names = Phases.NAMES
+        rows.append(
+            [
+                mode,
+                *(f"{ph[f'{x}_s']:.3f}" for x in names),
+                _gib(ph["held_at_forward_end_bytes"]),
+                " / ".join(_gib(ph[f"{x}_peak_bytes"]) for x in names),
+                " / ".join(_gib(ph[f"{x}_reserved_bytes"]) for x in names),
+            ]
+        )
+    if not rows:
+        return []
+    what = (
+        "Where a step goes (medians; GPU time between CUDA events; memory above the start's allocation, "
+        "the peak counters reset between phases):"
+    )
+    return [what, "", *md_table(hdr, rows), ""]
 
 
 def copy_ceiling(results: dict[str, Any]) -> list[str]:

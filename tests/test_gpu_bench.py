@@ -194,6 +194,28 @@ def test_the_goal_counts_blocks_still_being_copied_out(gs):
     assert "ssdtier_nvme NOT MET (0.585, 1.000)" in gs.render_steps(res)
 
 
+def test_each_phase_has_its_own_peak_and_the_step_the_largest(gs, monkeypatch):
+    # The allocator's counters as a script: (allocated now, its peak, reserved's peak) per lap.
+    laps = iter([(30, 50, 60), (25, 45, 70), (20, 30, 70), (32, 52, 61), (26, 40, 72), (20, 31, 72)])
+    monkeypatch.setattr(gs, "DEVICE", "cpu")
+    monkeypatch.setattr(gs.Phases, "_memory", staticmethod(lambda: next(laps)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    ph = gs.Phases()
+    for _ in range(2):
+        ph.begin()
+        for _ in gs.Phases.NAMES:
+            ph.lap()
+        ph.end()
+    assert ph.peak == (52, 72)
+    got = ph.summary(base=10)
+    assert (got["forward_peak_bytes"], got["backward_peak_bytes"], got["optimizer_peak_bytes"]) == (42, 35, 21)
+    assert (got["forward_reserved_bytes"], got["backward_reserved_bytes"]) == (51, 62)
+    assert got["held_at_forward_end_bytes"] == 22 and got["forward_s"] >= 0
+    res = {"keep": {"status": "ok", "phases": got}, "save_on_cpu": {"status": "OOM"}}
+    text = "\n".join(gs.render_phases(res))
+    assert "Where a step goes" in text and "save_on_cpu" not in text
+
+
 def test_allocations_retried_under_memory_pressure_are_said(gs, monkeypatch):
     from ssdtier.bench.memory import CudaPeak
 
@@ -291,6 +313,8 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
     assert "keep the last" in res["modes"]["ssdtier_adaptive"]["plan"]
     assert res["args"]["attention"] == "sdpa"  # flash attention, as LLM training uses
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
+    phases = res["modes"]["ssdtier_host"]["phases"]
+    assert phases["forward_s"] > 0 and phases["backward_s"] > 0 and phases["optimizer_s"] > 0
 
 
 def test_a_slow_mode_gets_its_share_of_the_time_not_all(on_cpu, store_dir, monkeypatch):
