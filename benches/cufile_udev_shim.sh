@@ -22,5 +22,9 @@ if [ -e "$db" ]; then
     exit 0
 fi
 mkdir -p "$data"
-printf 'I:1\nE:DEVNAME=%s\nE:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$src" "$fstype" >"$db"
+uuid=$(findmnt -no UUID -T "$dir" 2>/dev/null || true)
+{
+    printf 'I:1\nE:DEVNAME=%s\nE:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$src" "$fstype"
+    if [ -n "$uuid" ]; then printf 'E:ID_FS_UUID=%s\nE:ID_FS_UUID_ENC=%s\n' "$uuid" "$uuid"; fi
+} >"$db"
 echo "cufile_udev_shim: wrote $db for $src ($fstype)"

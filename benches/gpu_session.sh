@@ -7,10 +7,12 @@
 #          (optional, for the torchtune mode; its offloading module is loaded alone):
 #          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
 #          bash benches/static_fio.sh                       (fio for the benches: none is there)
-# There (device tool: carry [".wheels"], timeout_s 330), back to back:
-#   bash benches/gpu_session.sh call1   # install import info udev_shim test_cuda bench_quick cufile cufile_probe
-#   bash benches/gpu_session.sh call2   # install bench_1b (the 1B GPT, every mode side by side)
-#   bash benches/gpu_session.sh call3   # install test_compile fit, if time is left
+# There (device tool: carry [".wheels"]), back to back, within one session's 15 minutes:
+#   bash benches/gpu_session.sh call1                 # timeout_s 330: install import info udev_shim
+#                                                     #   test_cuda cufile (cufile_probe if cuFile failed)
+#   SESSION_S=480 bash benches/gpu_session.sh call2   # timeout_s 500: install bench_1b (every mode)
+# and in a later session:
+#   SESSION_S=560 bash benches/gpu_session.sh call3   # timeout_s 580: install test_compile bench_quick fit
 # If call1 fails on something fixable, fix it and run call1 again before call2.
 #
 # Out: $OUT/summary.txt and $OUT/gpu_session.tgz (every log, JSON and Markdown), rewritten after
@@ -23,8 +25,9 @@
 # torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
 # largest micro-batch of each mode); on request only: train_step_cuda, train_step_cuda_big,
-# cufile_probe (which files cuFile takes on this disk, and with which settings), udev_shim
-# (benches/cufile_udev_shim.sh: the udev entry cuFile needs, on a VM without udevd).
+# cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
+# cufile part in which cuFile worked), udev_shim (benches/cufile_udev_shim.sh: the udev entry
+# cuFile needs, on a VM without udevd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
@@ -32,9 +35,9 @@ KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
-    call1) parts+=(install import info udev_shim test_cuda bench_quick cufile cufile_probe) ;;
+    call1) parts+=(install import info udev_shim test_cuda cufile cufile_probe) ;;
     call2) parts+=(install bench_1b) ;;
-    call3) parts+=(install test_compile fit) ;;
+    call3) parts+=(install test_compile bench_quick fit) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -140,6 +143,13 @@ for p in "${parts[@]}"; do
         part udev_shim "$(limit 20)" bash benches/cufile_udev_shim.sh benches/out
         ;;
     cufile_probe)
+        if [ -s "$LOGS/cufile_bandwidth.json" ] && "$PY" -c 'import json, sys
+parts = json.load(open(sys.argv[1])).get("parts", {})
+sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/cufile_bandwidth.json"; then
+            summary+=("$(printf '%-22s skipped: cuFile worked in the cufile part' cufile_probe)")
+            pack
+            continue
+        fi
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
             --json "$LOGS/cufile_probe.json"
         ;;

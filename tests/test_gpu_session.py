@@ -65,3 +65,16 @@ def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):
     assert "E:ID_FS_USAGE=filesystem" in lines and any(x.startswith("E:ID_FS_TYPE=") for x in lines)
     db.write_text("E:ID_FS_USAGE=filesystem\n")  # udevd's own entry: left as it is
     assert "left as it is" in run() and db.read_text() == "E:ID_FS_USAGE=filesystem\n"
+
+
+def test_the_cufile_probe_runs_only_where_cufile_failed(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "cufile_bandwidth.json").write_text('{"parts": {"cufile": {"status": "ok"}}}')
+    r = session(tmp_path, "cufile_probe")
+    assert r.returncode == 0, r.stderr
+    assert "skipped: cuFile worked" in (tmp_path / "out" / "summary.txt").read_text()
+    assert not (logs / "cufile_probe.log").exists()
+    (logs / "cufile_bandwidth.json").write_text('{"parts": {"cufile": {"status": "failed"}}}')
+    session(tmp_path, "cufile_probe", CUDA_VISIBLE_DEVICES="")
+    assert (logs / "cufile_probe.log").exists()

@@ -256,6 +256,17 @@ def test_fixed_buffers_off_and_on_agree(store_dir):
             assert torch.equal(store.get(k), t)
 
 
+def test_a_large_arena_is_said_before_it_is_registered_and_timed(store_dir, monkeypatch, caplog):
+    import ssdtier.store as st
+
+    monkeypatch.setattr(st, "_SLOW_ARENA", 1 << 20)  # "large": registering takes seconds from 8 GiB on
+    with caplog.at_level("INFO", logger="ssdtier"):
+        TieredStore(store_config(store_dir, host="2MiB")).close()
+    text = caplog.text
+    assert "mapping and registering a 2MiB host arena" in text and "; ready in " in text
+    assert text.index("mapping and registering") < text.index("ready in")
+
+
 def test_stats_count_traffic(store_dir):
     t = torch.zeros(1 << 20, dtype=torch.uint8)
     with TieredStore(store_config(store_dir)) as store:

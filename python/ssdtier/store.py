@@ -6,6 +6,7 @@ import ctypes
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -75,6 +76,7 @@ class StoreStats:
 
 # A step at least a device's capacity allocates all of it at once.
 _PREALLOC_ALL = 1 << 62
+_SLOW_ARENA = 8 * GiB  # arenas this large take seconds to register: said before
 
 
 def _devices(cfg: Config) -> list[tuple[str, int]]:
@@ -104,6 +106,10 @@ class ByteStore:
         self.config = resolve_config(config, **overrides)
         cfg = self.config
         self._devices = _devices(cfg)
+        if cfg.io.fixed_buffers and cfg.host.capacity >= _SLOW_ARENA:
+            # Registering it with io_uring faults in every page: about 0.3 s per GiB, on one thread.
+            log.info("ssdtier: mapping and registering a %s host arena...", format_size(cfg.host.capacity))
+        t0 = time.perf_counter()
         self._native = _native.Store(
             self._devices,
             cfg.host.capacity,
@@ -123,10 +129,11 @@ class ByteStore:
             else:
                 log.info("ssdtier: %s", notice)
         log.info(
-            "ssdtier: %s backend, host arena %s, NVMe %s",
+            "ssdtier: %s backend, host arena %s, NVMe %s; ready in %.1f s",
             self._native.backend,
             format_size(cfg.host.capacity),
             ", ".join(f"{p} ({format_size(c)})" for p, c in self._devices),
+            time.perf_counter() - t0,
         )
         n = self._native.arena_nbytes
         self._arena: torch.Tensor | None = None
