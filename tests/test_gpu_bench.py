@@ -353,12 +353,16 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     monkeypatch.setattr(gs, "mem_available", lambda: 6 << 30)  # save_on_cpu: at most 0.7 x 6 GiB / 1 GiB
     out = store_dir / "fit.json"
     argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "8", "--dtype", "fp32"]
-    argv += ["--modes", "save_on_cpu,ssdtier_nvme", "--nvme-arena", "1MiB"]
+    argv += ["--modes", "save_on_cpu,ssdtier_nvme,ssdtier_adaptive", "--nvme-arena", "1MiB"]
     assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out)]) == 0
-    fit = json.loads(out.read_text())["fit"]
+    res = json.loads(out.read_text())
+    fit = res["fit"]
     got = [(fit[m]["largest"], fit[m]["failed"]) for m in ("keep", "save_on_cpu", "ssdtier_nvme")]
     assert got == [(3, 4), (4, None), (4, 5)]
     assert fit["save_on_cpu"]["max_batch"] == 4 and fit["keep"]["rok_batch"] == 3
+    # Adaptive keeps at most 0.8 of what keep fits: 3 samples of 1 GiB.
+    assert fit["ssdtier_adaptive"]["store"]["policy"]["device_budget"] == "2457MiB"
+    assert "policy.device_budget 2.4 GiB" in res["config_notes"]["ssdtier_adaptive"]
 
 
 def test_without_cuda_it_says_so(gs, monkeypatch, capsys):
