@@ -14,9 +14,10 @@ seeds (so their losses can be compared bitwise with keep's):
 ``ssdtier_nvme``  ``ssdtier.attach`` with a small arena (``--nvme-arena``), the rest on ``--dir``;
                   at keep's batch unless its activations would not fit there or, at fio's
                   rates, take over ``--disk-step-s`` to move (``--nvme-batch``).
-``ssdtier_adaptive`` ``ssdtier_host``'s arena, ``--dir`` beyond it, ``policy.mode = "adaptive"``:
-                  the last layers whose activations the copies and the disk could not move in
-                  time stay on the GPU (a user's setup: host RAM first, NVMe for the rest).
+``ssdtier_adaptive`` ``ssdtier_host``'s arena, ``--dir`` beyond it, ``policy.mode = "adaptive"``
+                  and ``policy.device_budget = "auto"``: the last layers whose activations the
+                  copies and the disk could not move in time stay on the GPU while it has room
+                  (a user's setup: host RAM first, NVMe for the rest).
 ``ssdtier_cufile`` as ``ssdtier_nvme`` with ``io.backend = "cufile"``: GPU memory to the disk
                   and back through cuFile (GDS, or its compatibility mode), the arena unused.
 
@@ -33,9 +34,7 @@ A row at another batch than keep's has its activations and time compared per sam
 mode gets its share of the time left (``--budget-s``): a slow one is cut to fewer steps.
 
 ``--fit``: per mode, micro-batches 1, 2, 4... until one runs out of memory, then bisection;
-each probe is ``--fit-steps`` steps, timed by its last. ``ssdtier_adaptive`` gets a
-``policy.device_budget`` of 0.8 x the activations keep fits: without one it keeps what the
-I/O cannot hide, which at a batch past keep's does not fit. Keep's time per sample at its
+each probe is ``--fit-steps`` steps, timed by its last. Keep's time per sample at its
 largest batch is the reference; the report gives the largest batch each mode reaches at
 <= ``--rok-time`` (1.05) times that.
 
@@ -75,7 +74,6 @@ MODES = (
 )  # fmt: skip
 HOST_MODES = ("save_on_cpu", "torchtune")  # keep every activation in pinned host memory
 HOST_RAM_USE = 0.7  # --fit: their batch stays within this share of the RAM available
-FIT_BUDGET = 0.8  # --fit: ssdtier_adaptive keeps at most this share of what keep fits
 SSDTIER_MODES = ("ssdtier_host", "ssdtier_nvme", "ssdtier_adaptive", "ssdtier_cufile")
 DISK_MODES = ("ssdtier_nvme", "ssdtier_adaptive", "ssdtier_cufile")
 # Defaults of the 1B run, and of --quick; an option given on the command line wins over both.
@@ -884,7 +882,7 @@ def ssd_for(mode: str, args: argparse.Namespace, keep_act: int | None, notes: di
     if mode == "ssdtier_cufile":
         cfg["io"] = {"backend": "cufile"}
     if mode == "ssdtier_adaptive":
-        cfg.setdefault("policy", {})["mode"] = "adaptive"
+        cfg.setdefault("policy", {}).update(mode="adaptive", device_budget="auto")
     return cfg
 
 
@@ -1039,11 +1037,6 @@ def run_fit(args: argparse.Namespace, results: dict[str, Any], deadline: float) 
             notes[mode] = (
                 f"batch at most {max_batch}: {HOST_RAM_USE} of the RAM available / keep's activations per sample"
             )
-        if mode == "ssdtier_adaptive" and per_sample:
-            # What a user would set: the activations keep fits, less room for the copies in flight.
-            budget = int(FIT_BUDGET * per_sample * fit["keep"]["largest"]) >> 20 << 20
-            ssd.setdefault("policy", {})["device_budget"] = budget
-            notes[mode] += f"; policy.device_budget {budget / GiB:.1f} GiB ({FIT_BUDGET} x keep's at its largest batch)"
         log(f"fit [{mode}] started, until +{until - now:.0f} s" + (f": {notes[mode]}" if mode in notes else ""))
         fit[mode] = fit_mode(mode, args, ssd, tt, until, args.fit_steps, max_batch)
         fit[mode]["max_batch"] = max_batch

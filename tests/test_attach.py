@@ -932,6 +932,53 @@ def test_device_budget_caps_what_is_kept(store_dir):
     assert got[2].tensors_kept == 0 and got[2].tensors_offloaded > 0
 
 
+def test_an_auto_device_budget_is_for_adaptive_mode_on_a_gpu(store_dir, warned):
+    with pytest.raises(ssdtier.ConfigError, match="set policy.mode = 'adaptive' \\(it is 'all'\\)"):
+        ssdtier.attach(build_model(CONFIGS["gpt"]), offload_config(store_dir, device_budget="auto"))
+    got = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive", device_budget="auto"), micro=4)
+    assert_same(train(CONFIGS["gpt"], micro=4), got)
+    assert warned("sizes the budget from GPU memory, and this GPT is not on a GPU: no budget")
+    assert got[2].plan.device_budget is None
+
+
+def test_an_auto_device_budget_follows_the_memory_left(store_dir, monkeypatch, warned):
+    # On a fake GPU, with a disk too slow to hide any layer: the plan keeps what the budget allows.
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.offload.budget import Memory
+
+    gib = 1 << 30
+    gpu = {"free": 0, "retries": 0}  # no memory left: keep nothing
+    offloaders = []
+    init = Adaptive.__init__
+
+    def on_a_fake_gpu(self, off):
+        init(self, off)
+        offloaders.append(off)
+        self.memory = lambda: Memory(gpu["free"], 100 * gib, 10 * gib, 10 * gib, gpu["retries"])
+
+    monkeypatch.setattr(Adaptive, "__init__", on_a_fake_gpu)
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e6, 1e6))  # 1 MB/s: no layer's I/O hides
+    cfg = offload_config(store_dir, mode="adaptive", device_budget="auto")
+    budgets, kept = [], []
+
+    def backward(loss):
+        loss.backward()
+        plan = offloaders[-1].plan()
+        budgets.append(plan and plan.device_budget)
+        kept.append(plan and plan.keep_last)
+        if len(budgets) == 3:
+            gpu["free"] = 50 * gib  # 45 GiB above the margin of 5: keep what the disk cannot hide
+        if len(budgets) == 5:
+            gpu["retries"] = 1  # an allocation was retried: keep less than the last step did
+
+    got = train(CONFIGS["gpt"], cfg, micro=7, backward=backward)
+    assert_same(train(CONFIGS["gpt"], micro=7), got)
+    assert budgets[:3] == [None, 0, 0] and kept[1:3] == [0, 0]
+    assert budgets[3] > 44 * gib and kept[3] == 3  # the slow disk: all kept
+    assert 0 < budgets[5] < 1 << 20 and kept[5] < 3, (budgets, kept)  # 0.9 of what the last step kept
+    assert f"adaptive plan: keep the last {kept[-1]} (device budget " in str(got[2])
+
+
 def test_every_mode_is_exact(store_dir):
     ref = train(CONFIGS["bert"])
     for mode in ("all", "none", "adaptive"):

@@ -4,6 +4,8 @@ without CUDA; run on a GPU machine."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ from .test_fork import private_bytes
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None):
+def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, batch=2):
     """As test_attach.train, on the GPU; ``shard`` is applied to the model before attaching,
     ``wrap`` (torch.compile) after."""
     torch.use_deterministic_algorithms(True)
@@ -36,7 +38,7 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None):
         if shard is not None:
             model = shard(model)
         gen = torch.Generator().manual_seed(2)
-        batches = [make_batch(cfg, 2, gen, device="cuda") for _ in range(micro)]
+        batches = [make_batch(cfg, batch, gen, device="cuda") for _ in range(micro)]
         off = ssdtier.attach(model, ssd) if ssd is not None else None
         runner = wrap(model) if wrap is not None else model
         torch.manual_seed(1)
@@ -498,6 +500,30 @@ class _SleepyBlock(torch.nn.Module):
         if self.cycles:
             torch.cuda._sleep(self.cycles)
         return torch.tanh(self.fc(x))
+
+
+def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir):
+    # A process allowed 450 MiB more than it holds (a per-process memory fraction): keep's
+    # ~0.9 GiB of activations do not fit; adaptive mode with device_budget = "auto" offloads
+    # what does not, with the gradients of keep run without the limit.
+    cfg = GPTConfig(n_layers=8, vocab_size=256, seq_len=256, d_model=256, n_heads=4)
+    ref = train_cuda(cfg, batch=32)
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (450 << 20)) / total)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            train_cuda(cfg, batch=32)
+        gc.collect()
+        torch.cuda.empty_cache()
+        ssd = offload_config(store_dir, host="256MiB", mode="adaptive", device_budget="auto")
+        got = train_cuda(cfg, ssd, batch=32)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert_same(ref, got)
+    plan = got[2].plan
+    assert plan is not None and 0 <= plan.device_budget < 450 << 20, plan.table()
 
 
 def test_adaptive_times_blocks_on_the_gpu_not_the_host(store_dir):

@@ -119,6 +119,15 @@ def _preallocate(value: Any, key: str, source: str | None) -> int | str:
     return _ANY_SIZE(value, key, source)  # type: ignore[return-value]
 
 
+def _device_budget(value: Any, key: str, source: str | None) -> int | str | None:
+    if value == "auto" and isinstance(value, str):
+        return value
+    try:
+        return _size_range(0, optional=True)(value, key, source)
+    except ConfigError:
+        bad_value(source, key, value, "'auto' or a size such as '20GiB'", show_type=not isinstance(value, str))
+
+
 def _bool(value: Any, key: str, source: str | None) -> bool:
     if not isinstance(value, bool):
         bad_value(source, key, value, "true or false (a boolean)", show_type=True)
@@ -361,7 +370,8 @@ class PolicyConfig:
             in forward order), or None to detect every stack of repeated blocks.
         mode: ``"all"``, ``"adaptive"`` or ``"none"``.
         device_budget: Most bytes of activations kept in memory (in every mode: beyond
-            it, even what the policy would keep is offloaded), or None.
+            it, even what the policy would keep is offloaded), None, or ``"auto"``
+            (adaptive mode on a GPU: what the GPU has room for, measured each step).
         exclude: Modules whose saved tensors stay in memory, by qualified name
             (``"lm_head"``) or glob pattern (``"model.layers.*.mlp"``); each must match one.
     """
@@ -375,7 +385,7 @@ class PolicyConfig:
     dedup: bool = _key(_bool, True)
     layers: str | tuple[str, ...] | None = _key(_module_paths, None)
     mode: str = _key(_choice("all", "adaptive", "none"), "all")
-    device_budget: int | None = _key(_size_range(0, optional=True), None, size=True)
+    device_budget: int | str | None = _key(_device_budget, None, size=True)
     exclude: tuple[str, ...] = _key(_module_patterns, ())
 
     def __post_init__(self) -> None:

@@ -63,6 +63,7 @@ class Plan:
     host: HostTier | None = None
     copy_finish_s: float = 0.0  # when the last copy to the host tier ends
     spill_bytes: int = 0  # the offloaded bytes that go to NVMe
+    device_budget: int | None = None
 
     def table(self) -> str:
         disk = f"write {self.write_bytes_per_s / 1e6:.0f} MB/s, read {self.read_bytes_per_s / 1e6:.0f} MB/s"
@@ -76,8 +77,9 @@ class Plan:
             if self.spill_bytes:
                 nvme = f"{format_size(self.spill_bytes)} to NVMe ({disk}), written by {self.write_finish_s:.3f} s"
             where = f"  host tier {format_size(self.host.capacity)}; {fwd}; {nvme}"
+        budget = "" if self.device_budget is None else f" (device budget {format_size(self.device_budget)})"
         rows = [
-            f"ssdtier plan: keep the last {self.keep_last} of {len(self.layers)} layers; {self.reason}",
+            f"ssdtier plan: keep the last {self.keep_last} of {len(self.layers)} layers{budget}; {self.reason}",
             where,
             "  layer      bytes   forward  backward  decision",
         ]
@@ -231,5 +233,16 @@ def make_plan(
             decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, True, why))
     forward = sum(x.forward_s for x in layers)
     return Plan(
-        k, tuple(decisions), wbw, rbw, r.write_finish, forward, stall_free, reason, host, r.copy_finish, r.spill
+        k,
+        tuple(decisions),
+        wbw,
+        rbw,
+        r.write_finish,
+        forward,
+        stall_free,
+        reason,
+        host,
+        r.copy_finish,
+        r.spill,
+        device_budget,
     )

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from ..errors import SsdtierWarning
 from ..plan import HostTier, LayerProfile, Plan, make_plan
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device
+from .budget import AutoBudget, Memory
 from .control import StepControl
 
 if TYPE_CHECKING:
@@ -42,6 +44,12 @@ class Adaptive:
         self.wait0 = 0.0
         self.bw = self.calibrate()
         self.host = self.host_tier()
+        # device_budget = "auto": the GPU's memory, read before each step (None: a fixed budget).
+        self.memory: Callable[[], Memory] | None = None
+        if off.config.policy.device_budget == "auto" and self.device is not None:
+            device = self.device
+            self.memory = lambda: Memory.of(device)
+        self.auto = AutoBudget()
 
     def calibrate(self) -> tuple[float, float]:
         """The store's write and read bandwidth, measured at attach on a few blocks, through a
@@ -127,8 +135,21 @@ class Adaptive:
     def saved(self, tag: int, nbytes: int) -> None:
         self.bytes[tag] = self.bytes.get(tag, 0) + nbytes
 
+    def budget(self) -> int | None:
+        """The device budget for the step about to start: the configured one, or with "auto"
+        what the GPU has room for (None until the memory was read once)."""
+        budget = self.off.config.policy.device_budget
+        if budget != "auto":
+            return budget
+        if self.memory is None:
+            return None
+        res = self.off.res
+        kept, res.kept_peak = res.kept_peak, res.kept  # the next step's most starts from what is kept now
+        return self.auto.next(kept, self.memory())
+
     def replan(self) -> None:
         """At the start of an iteration: plan from the last one's profile, with stall feedback."""
+        budget = self.budget()
         if not self.forward_times():
             return
         off = self.off
@@ -145,7 +166,8 @@ class Adaptive:
         layers = [LayerProfile(i, saved.get(i + 1, 0), fwd.get(i + 1, 0.0), 2 * fwd.get(i + 1, 0.0)) for i in range(n)]
         if layers:  # what is saved before the first block goes whenever a block does: with block 0
             layers[0] = dataclasses.replace(layers[0], bytes=layers[0].bytes + saved.get(0, 0))
-        plan = make_plan(layers, self.bw[0], self.bw[1], off.config.policy.device_budget, self.min_keep, self.host)
+        plan = make_plan(layers, self.bw[0], self.bw[1], budget, self.min_keep, self.host)
+        off.device_budget(budget)
         if self.plan is None or plan.keep_last != self.plan.keep_last:
             log.info("%s", plan.table())
         self.plan = plan

@@ -103,7 +103,10 @@ class Kept:
         self.key, self.held = key, off._kept_st.setdefault(key, [])
         self.held.append(None)
         if len(self.held) == 1:
-            off.res.kept += nbytes
+            res = off.res
+            res.kept += nbytes
+            if res.kept > res.kept_peak:
+                res.kept_peak = res.kept
 
     def __del__(self) -> None:
         held = self.held

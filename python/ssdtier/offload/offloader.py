@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import Config, resolve_config
-from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
+from ..errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Plan
 from ..ram import available
 from ..sizes import format_size
@@ -95,6 +95,17 @@ class Offloader:
         if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         pol = config.policy
+        if pol.device_budget == "auto":
+            if pol.mode != "adaptive":
+                raise ConfigError(
+                    f"{config.source}: policy.device_budget = 'auto' sizes adaptive mode's plan from GPU memory; "
+                    f"set policy.mode = 'adaptive' (it is {pol.mode!r}) or give the budget as a size"
+                )
+            if cuda_device(model) is None:
+                warn(
+                    f"{config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "
+                    f"this {type(model).__name__} is not on a GPU: no budget"
+                )
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model = model
@@ -115,7 +126,7 @@ class Offloader:
         self.cuda_ok = torch.cuda.is_available()
         self._min_bytes = pol.min_tensor_bytes
         self._dedup_on = pol.dedup
-        self._budget = pol.device_budget
+        self._budget: int | None = None if pol.device_budget == "auto" else pol.device_budget
         stacks = find_stacks(model, pol.layers)
         self.layers_path = ", ".join(p for p, _ in stacks) if stacks else None
         blocks = [b for _, bs in stacks for b in bs]
@@ -200,6 +211,10 @@ class Offloader:
         n = self.n_layers
         self.layers_kept = keep
         self._keep_from = n - keep + 1 if keep else n + 2
+
+    def device_budget(self, budget: int | None) -> None:
+        """The most bytes of activations kept from now on (adaptive mode's, with "auto")."""
+        self._budget = budget
 
     def store_wait(self) -> float:
         """Seconds the store has waited on transfers so far."""

@@ -103,17 +103,31 @@ class OffloadStats:
         if self.failed_writes or self.failed_reads:
             lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
         if self.plan is not None:
-            lines.append(f"adaptive plan: keep the last {self.plan.keep_last}: {self.plan.reason}")
+            b = self.plan.device_budget
+            within = "" if b is None else f" (device budget {format_size(b)})"
+            lines.append(f"adaptive plan: keep the last {self.plan.keep_last}{within}: {self.plan.reason}")
         return "\n".join(lines)
 
 
 class Resident:
     """Bytes of saved activations the offloader holds in memory, by where, and the peak."""
 
-    __slots__ = ("forward_wait", "held_back", "kept", "peak", "restored", "sources", "stall", "stall_ahead", "tracked")
+    __slots__ = (
+        "forward_wait",
+        "held_back",
+        "kept",
+        "kept_peak",
+        "peak",
+        "restored",
+        "sources",
+        "stall",
+        "stall_ahead",
+        "tracked",
+    )
 
     def __init__(self) -> None:
         self.kept = 0  # kept tensors, each storage once
+        self.kept_peak = 0  # the most kept since adaptive mode last looked (device_budget = "auto")
         self.sources = 0  # sources held: writes from their own memory in flight, or serving unpacks
         self.restored = 0  # restored or read-ahead storages still alive
         self.peak = 0
