@@ -504,21 +504,21 @@ class _SleepyBlock(torch.nn.Module):
 
 def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir):
     # A process allowed 450 MiB more than it holds (a per-process memory fraction): keep's
-    # ~0.9 GiB of activations do not fit; adaptive mode with device_budget = "auto" offloads
-    # what does not, with the gradients of keep run without the limit.
+    # 1 GiB of activations (8 blocks of 124 MiB) do not fit; adaptive mode with device_budget
+    # = "auto" offloads what does not, with the gradients of keep run without the limit.
     cfg = GPTConfig(n_layers=8, vocab_size=256, seq_len=256, d_model=256, n_heads=4)
-    ref = train_cuda(cfg, batch=32)
+    ref = train_cuda(cfg, batch=16)
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (450 << 20)) / total)
     try:
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            train_cuda(cfg, batch=32)
+            train_cuda(cfg, batch=16)
         gc.collect()
         torch.cuda.empty_cache()
         ssd = offload_config(store_dir, host="256MiB", mode="adaptive", device_budget="auto")
-        got = train_cuda(cfg, ssd, batch=32)
+        got = train_cuda(cfg, ssd, batch=16)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert_same(ref, got)
