@@ -208,23 +208,25 @@ def test_an_auto_device_budget_leaves_what_is_not_kept_at_the_peak_and_a_margin(
 
     g = 1 << 30
     ab = AutoBudget()
-    assert ab.next(0, Memory(50 * g, 100 * g, 10 * g, 12 * g, 0)) is None  # no step seen yet
+    assert ab.next(0, 0, Memory(50 * g, 100 * g, 10 * g, 12 * g, 0)) is None  # no step seen yet
     # Step 1 kept at most 1 GiB and set a peak of 20: 19 GiB at the peak were not kept
     # activations. Free and cached 60 GiB, less a margin of 5% of the GPU: 36 GiB to keep.
-    assert ab.next(1 * g, Memory(50 * g, 100 * g, 10 * g, 20 * g, 0)) == 36 * g
+    assert ab.next(1 * g, 0, Memory(50 * g, 100 * g, 10 * g, 20 * g, 0)) == 36 * g
     # Step 2 kept 30 GiB at a peak of 48 (18 other), its allocator now holding 50 GiB.
-    assert ab.next(30 * g, Memory(10 * g, 100 * g, 50 * g, 48 * g, 0)) == 37 * g
-    assert ab.next(30 * g, Memory(10 * g, 100 * g, 50 * g, 48 * g, 0)) == 37 * g  # no new peak: as it was
+    assert ab.next(30 * g, 0, Memory(10 * g, 100 * g, 50 * g, 48 * g, 0)) == 37 * g
+    assert ab.next(30 * g, 0, Memory(10 * g, 100 * g, 50 * g, 48 * g, 0)) == 37 * g  # no new peak: as it was
     # The peak counters were reset by someone: the peak since is the last step's.
-    assert ab.next(25 * g, Memory(10 * g, 100 * g, 50 * g, 40 * g, 0)) == 40 * g
+    assert ab.next(25 * g, 0, Memory(10 * g, 100 * g, 50 * g, 40 * g, 0)) == 40 * g
     # An allocation was retried: 0.9 of what the last step kept, and the margin added to the rest.
-    assert ab.next(30 * g, Memory(10 * g, 100 * g, 50 * g, 40 * g, 1)) == 27 * g
-    assert ab.next(27 * g, Memory(10 * g, 100 * g, 50 * g, 40 * g, 1)) == 35 * g
+    assert ab.next(30 * g, 0, Memory(10 * g, 100 * g, 50 * g, 40 * g, 1)) == 27 * g
+    assert ab.next(27 * g, 0, Memory(10 * g, 100 * g, 50 * g, 40 * g, 1)) == 35 * g
+    # Copies out queued at once hold their sources' memory: 4 GiB of them, 4 GiB less to keep.
+    assert ab.next(27 * g, 4 * g, Memory(10 * g, 100 * g, 50 * g, 40 * g, 1)) == 31 * g
     # A small GPU's margin is 1 GiB at least, and no room at all keeps nothing.
     small = AutoBudget()
-    small.next(0, Memory(4 * g, 8 * g, 1 * g, 1 * g, 0))
-    assert small.next(1 * g, Memory(4 * g, 8 * g, 2 * g, 2 * g, 0)) == 4 * g
-    assert small.next(1 * g, Memory(0, 8 * g, 2 * g, 9 * g, 0)) == 0
+    small.next(0, 0, Memory(4 * g, 8 * g, 1 * g, 1 * g, 0))
+    assert small.next(1 * g, 0, Memory(4 * g, 8 * g, 2 * g, 2 * g, 0)) == 4 * g
+    assert small.next(1 * g, 0, Memory(0, 8 * g, 2 * g, 9 * g, 0)) == 0
 
 
 def test_the_gpu_memory_is_read_within_a_per_process_fraction(monkeypatch):
@@ -233,7 +235,7 @@ def test_the_gpu_memory_is_read_within_a_per_process_fraction(monkeypatch):
     from ssdtier.offload.budget import Memory
 
     gib = 1 << 30
-    stats = {"reserved_bytes.all.current": 6 * gib, "reserved_bytes.all.peak": 8 * gib, "num_alloc_retries": 2}
+    stats = {"reserved_bytes.all.current": 6 * gib, "allocated_bytes.all.peak": 8 * gib, "num_alloc_retries": 2}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (60 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: stats)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)

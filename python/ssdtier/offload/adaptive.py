@@ -143,9 +143,11 @@ class Adaptive:
             return budget
         if self.memory is None:
             return None
-        res = self.off.res
-        kept, res.kept_peak = res.kept_peak, res.kept  # the next step's most starts from what is kept now
-        return self.auto.next(kept, self.memory())
+        res, cuda = self.off.res, self.off.cuda
+        # The next step's most start from what is kept and queued now.
+        kept, res.kept_peak = res.kept_peak, res.kept
+        queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
+        return self.auto.next(kept, queued, self.memory())
 
     def replan(self) -> None:
         """At the start of an iteration: plan from the last one's profile, with stall feedback."""

@@ -181,6 +181,7 @@ class CudaTransport:
         self.pinned: Pinned | None = None
         self.pending: deque[Entry] = deque()  # copies to the arena in flight, in order
         self.inflight = 0  # their bytes
+        self.inflight_peak = 0  # the most since adaptive mode last looked (device_budget = "auto")
         arena = self.store.arena
         # Back-pressure: at most half the arena in flight, so that reserving a slot finds room
         # (committed slots can be evicted, slots being filled cannot).
@@ -252,6 +253,8 @@ class CudaTransport:
             raise
         entry.out = Copying(event, off, weakref.ref(whole.untyped_storage()), whole.data_ptr())
         self.inflight += nbytes
+        if self.inflight > self.inflight_peak:
+            self.inflight_peak = self.inflight
         self.pending.append(entry)
         return entry
 
