@@ -786,6 +786,21 @@ def fit_mode(
             r["store"] = setup.store_info()
         s = setup
 
+        def first_step(batch: Any, probe: dict[str, Any]) -> float:
+            """A probe's first step. Adaptive mode's device budget was learned at another
+            batch: out of memory, its first step is tried once more, as a job that starts at
+            this batch would not have run the others."""
+            try:
+                return s.step(batch)[0]
+            except Exception as e:
+                if mode != "ssdtier_adaptive" or not is_oom(e):
+                    raise
+            free_memory()
+            s.reset_hooks()
+            probe["first_step_out_of_memory"] = True
+            log(f"fit [{mode}] batch {probe['batch']}: out of memory at its first step; once more")
+            return s.step(batch)[0]
+
         def fits(b: int) -> bool | None:
             if time.monotonic() > until:
                 return None
@@ -796,7 +811,8 @@ def fit_mode(
                 before = s.stats()
                 torch.cuda.reset_peak_memory_stats()
                 probe["base_bytes"] = torch.cuda.memory_allocated()
-                times = [s.step(batch)[0] for _ in range(steps + (0 if r["probes"] else 1))]
+                first = first_step(batch, probe)
+                times = [first, *(s.step(batch)[0] for _ in range(steps - 1 + (0 if r["probes"] else 1)))]
                 after = s.stats()
                 probe.update(fits=True, step_s=times[-1], s_per_sample=times[-1] / b)
                 probe["peak_bytes"] = torch.cuda.max_memory_allocated()

@@ -364,6 +364,30 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     assert fit["ssdtier_adaptive"]["store"]["policy"]["device_budget"] == "auto"
 
 
+def test_fit_tries_the_first_step_of_adaptive_mode_once_more(on_cpu, store_dir, monkeypatch):
+    # Its budget was learned at the batch before: a first step out of memory is retried once.
+    gs = on_cpu
+    step = gs.Setup.step
+    tried = set()
+
+    def first_step_fails(self, batch):
+        b = batch[0].shape[0]
+        if b > 2 and (self.mode, b) not in tried:
+            tried.add((self.mode, b))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+        return step(self, batch)
+
+    monkeypatch.setattr(gs.Setup, "step", first_step_fails)
+    out = store_dir / "fit.json"
+    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "4", "--dtype", "fp32"]
+    argv += ["--modes", "ssdtier_adaptive", "--dir", str(store_dir / "nvme"), "--json", str(out)]
+    assert gs.main(argv) == 0
+    fit = json.loads(out.read_text())["fit"]
+    assert (fit["keep"]["largest"], fit["ssdtier_adaptive"]["largest"]) == (2, 4)
+    (retried,) = [p for p in fit["ssdtier_adaptive"]["probes"] if p.get("first_step_out_of_memory")]
+    assert retried["batch"] == 4 and retried["fits"]
+
+
 def test_without_cuda_it_says_so(gs, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gs.main(["--quick"]) == 2
