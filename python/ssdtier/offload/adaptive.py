@@ -143,8 +143,10 @@ class Adaptive:
             return budget
         if self.memory is None:
             return None
+        if self.device is not None and not self._timing():  # a CUDA graph being captured: not now
+            return self.off._budget
         res, cuda = self.off.res, self.off.cuda
-        # The next step's most start from what is kept and queued now.
+        # The next step's highs are counted from what is kept and queued now.
         kept, res.kept_peak = res.kept_peak, res.kept
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
         return self.auto.next(kept, queued, self.memory())
