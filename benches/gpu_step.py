@@ -50,6 +50,7 @@ import contextlib
 import gc
 import itertools
 import json
+import logging
 import os
 import platform
 import shutil
@@ -357,7 +358,6 @@ def _torchtune_offloading_alone() -> Any:
     two names it takes from torchtune (``modules.TiedLinear``, ``utils.get_logger``): the
     package's ``__init__`` imports its datasets, whose dependencies are too big to carry."""
     import importlib.util
-    import logging
 
     spec = importlib.util.find_spec("torchtune")  # finds it without running its __init__
     if spec is None or not spec.submodule_search_locations:
@@ -1312,6 +1312,28 @@ def render_fit(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with ssdtier_info_logged():
+        return run(args)
+
+
+@contextlib.contextmanager
+def ssdtier_info_logged() -> Any:
+    """ssdtier's INFO lines (each adaptive plan, the arena's pinning, the read-ahead window) on
+    stderr beside the bench's own, for this run only."""
+    logger = logging.getLogger("ssdtier")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
     import torch

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -298,7 +299,7 @@ def test_fit_report_has_the_rok_view(gs):
     assert re.search(r"\| checkpoint +\| +64 \(cut\) \|", text)
 
 
-def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
+def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch, capsys):
     gs = on_cpu
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     monkeypatch.setattr(gs, "torchtune_maker", lambda: (lambda model: hooks, "stand-in hooks"))
@@ -316,6 +317,9 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch):
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
     phases = res["modes"]["ssdtier_host"]["phases"]
     assert phases["forward_s"] > 0 and phases["backward_s"] > 0 and phases["optimizer_s"] > 0
+    # ssdtier's own INFO lines are in the log, during the run only.
+    assert " ssdtier plan: keep the last " in capsys.readouterr().err
+    assert not logging.getLogger("ssdtier").handlers
 
 
 def test_a_slow_mode_gets_its_share_of_the_time_not_all(on_cpu, store_dir, monkeypatch):
