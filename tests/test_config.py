@@ -213,7 +213,7 @@ def test_direct_construction_normalises_and_validates(monkeypatch):
     assert NvmeConfig(Path("/mnt/a"), "1GiB") == NvmeConfig("/mnt/a", GiB)
     assert IoConfig(block_size="4KiB").block_size == 4 * KiB
     assert PolicyConfig(device_budget="20GiB").device_budget == 20 * GiB
-    assert PolicyConfig(device_budget="auto").device_budget == "auto"
+    assert PolicyConfig(mode="adaptive", device_budget="auto").device_budget == "auto"
     assert PolicyConfig(keep_last_layers=0).keep_last_layers == 0
     assert PolicyConfig(layers="model.layers").layers == "model.layers"
     assert PolicyConfig(layers="0.blocks").layers == "0.blocks"
@@ -508,6 +508,12 @@ BAD_FILES = [
         "device-budget-bad",
         '[policy]\ndevice_budget = "lots"\n',
         r"policy\.device_budget: expected 'auto' or a size such as '20GiB', got 'lots'$",
+    ),
+    (
+        "device-budget-auto-not-adaptive",
+        '[policy]\ndevice_budget = "auto"\n',
+        r"policy\.device_budget: 'auto' sizes adaptive mode's plan from GPU memory; set policy\.mode = 'adaptive' "
+        r"\(it is 'all'\) or give a size$",
     ),
     (
         "min-tensor-bytes-fraction",

@@ -390,6 +390,12 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        if self.device_budget == "auto" and self.mode != "adaptive":
+            source, prefix = _LOCATION.get()
+            raise ConfigError(
+                f"{where(source, f'{prefix or self._TABLE}.device_budget')}: 'auto' sizes adaptive mode's plan "
+                f"from GPU memory; set policy.mode = 'adaptive' (it is {self.mode!r}) or give a size"
+            )
 
 
 _TABLE_CLASSES: dict[str, type] = {

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import Config, resolve_config
-from ..errors import ConfigError, OutOfSpaceError, SsdtierError, SsdtierOSError
+from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Plan
 from ..ram import available
 from ..sizes import format_size
@@ -95,17 +95,11 @@ class Offloader:
         if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         pol = config.policy
-        if pol.device_budget == "auto":
-            if pol.mode != "adaptive":
-                raise ConfigError(
-                    f"{config.source}: policy.device_budget = 'auto' sizes adaptive mode's plan from GPU memory; "
-                    f"set policy.mode = 'adaptive' (it is {pol.mode!r}) or give the budget as a size"
-                )
-            if cuda_device(model) is None:
-                warn(
-                    f"{config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "
-                    f"this {type(model).__name__} is not on a GPU: no budget"
-                )
+        if pol.device_budget == "auto" and cuda_device(model) is None:
+            warn(
+                f"{config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "
+                f"this {type(model).__name__} is not on a GPU: no budget"
+            )
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model = model
