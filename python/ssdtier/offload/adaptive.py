@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +16,7 @@ from ..errors import SsdtierWarning
 from ..plan import HostTier, LayerProfile, Plan, make_plan
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device
-from .budget import AutoBudget, Memory
+from .budget import AutoBudget, Gpu
 from .control import StepControl
 
 if TYPE_CHECKING:
@@ -45,10 +44,9 @@ class Adaptive:
         self.bw = self.calibrate()
         self.host = self.host_tier()
         # device_budget = "auto": the GPU's memory, read before each step (None: a fixed budget).
-        self.memory: Callable[[], Memory] | None = None
+        self.gpu: Gpu | None = None
         if off.config.policy.device_budget == "auto" and self.device is not None:
-            device = self.device
-            self.memory = lambda: Memory.of(device)
+            self.gpu = Gpu(self.device)
         self.auto = AutoBudget()
 
     def calibrate(self) -> tuple[float, float]:
@@ -141,7 +139,7 @@ class Adaptive:
         budget = self.off.config.policy.device_budget
         if budget != "auto":
             return budget
-        if self.memory is None:
+        if self.gpu is None:
             return None
         if self.device is not None and not self._timing():  # a CUDA graph being captured: not now
             return self.off._budget
@@ -149,7 +147,13 @@ class Adaptive:
         # The next step's highs are counted from what is kept and queued now.
         kept, res.kept_peak = res.kept_peak, res.kept
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
-        return self.auto.next(kept, queued, self.memory())
+        return self.auto.next(kept, queued, self.gpu.memory())
+
+    def sample(self) -> None:
+        """device_budget = "auto": what is allocated now and is not kept activations (at the
+        forward's end, and as the backward reaches each layer)."""
+        if self.gpu is not None and (self.device is None or self._timing()):
+            self.auto.sample(self.gpu.allocated(), self.off.res.kept)
 
     def replan(self) -> None:
         """At the start of an iteration: plan from the last one's profile, with stall feedback."""

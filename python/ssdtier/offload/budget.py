@@ -24,32 +24,54 @@ class Memory:
     allocated_peak: int  # the most allocated at once since the peak counters were last reset
     retries: int  # allocations retried after emptying the allocator's cache, so far
 
-    @staticmethod
-    def of(device: torch.device) -> Memory:
-        free, total = torch.cuda.mem_get_info(device)
-        st = torch.cuda.memory_stats(device)
-        reserved = st.get("reserved_bytes.all.current", 0)
+
+class Gpu:
+    """Reads one GPU's memory (tests give adaptive mode a stand-in)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def memory(self) -> Memory:
+        free, total = torch.cuda.mem_get_info(self.device)
+        st = torch.cuda.memory_stats_as_nested_dict(self.device)
+        reserved = _stat(st, "reserved_bytes", "current")
         # torch.cuda.set_per_process_memory_fraction: the allocator's limit, not the device's.
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(self.device)
         if fraction < 1.0:
             total = int(total * fraction)
             free = max(0, min(free, total - reserved))
-        return Memory(free, total, reserved, st.get("allocated_bytes.all.peak", 0), st.get("num_alloc_retries", 0))
+        return Memory(free, total, reserved, _stat(st, "allocated_bytes", "peak"), st.get("num_alloc_retries", 0))
+
+    def allocated(self) -> int:
+        return _stat(torch.cuda.memory_stats_as_nested_dict(self.device), "allocated_bytes", "current")
+
+
+def _stat(st: dict, name: str, which: str) -> int:
+    """One of the allocator's counters, all pools together (0 before CUDA has started)."""
+    return st.get(name, {}).get("all", {}).get(which, 0)
 
 
 class AutoBudget:
     """Before each step: the memory this process can have (free and its allocator's cache),
-    less a margin, less what is not kept activations at the peak, less the sources whose
-    copies out were queued at once in the last step (freed, yet reserved until copied).
-    The part not kept is learned when a step sets a new peak: the peak less the most bytes
-    kept in that step. Keeping d bytes more raises any moment of a step by at most d, so the
-    next peak stays within reach. After a retried allocation (the GPU ran full), less than
-    the last step kept."""
+    less a margin, less the most that was not kept activations at one time in the last step,
+    less the sources whose copies out were queued at once (freed, yet reserved until copied).
+
+    What is not kept activations is sampled (allocated less kept) at the forward's end and as
+    the backward reaches each layer, robust to a training loop that resets the peak counters;
+    a step that raised ``max_memory_allocated`` also counts (its peak less the most kept), for
+    what happens between samples. A budget of B keeps every moment of a step within that part
+    plus B. After a retried allocation (the GPU ran full), less than the last step kept."""
 
     def __init__(self) -> None:
-        self.peak = -1  # the allocator's peak at the last look
-        self.other: int | None = None  # bytes at the peak that are not kept activations
+        self.peak = -1  # the allocator's peak counter at the last look
+        self.other: int | None = None  # the most bytes at one time that were not kept activations
+        self.sampled: int | None = None  # ... in the step under way, from the samples
         self.retries: int | None = None
+
+    def sample(self, allocated: int, kept: int) -> None:
+        other = allocated - kept
+        if self.sampled is None or other > self.sampled:
+            self.sampled = other
 
     def next(self, kept: int, queued: int, mem: Memory) -> int | None:
         """The budget for the step about to start, after a step that kept at most ``kept``
@@ -58,12 +80,13 @@ class AutoBudget:
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
-        # A new peak (or the counters were reset since) is the last step's; an older one is
-        # at least the last step's, so the first estimate errs toward keeping less.
-        if not first and (mem.allocated_peak != self.peak or self.other is None):
-            self.other = max(0, mem.allocated_peak - kept)
-        self.peak = mem.allocated_peak
-        if self.other is None:
+        seen = [] if self.sampled is None else [self.sampled]
+        if not first and mem.allocated_peak > self.peak:  # a new peak: in the last step
+            seen.append(mem.allocated_peak - kept)
+        self.peak, self.sampled = mem.allocated_peak, None
+        if seen:
+            self.other = max(0, *seen)
+        if self.other is None or first:
             return None
         margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
         budget = max(0, mem.free + mem.reserved - margin - self.other - queued)

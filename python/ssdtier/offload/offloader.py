@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -158,12 +158,15 @@ class Offloader:
         self._pace: WaitShare | None = WaitShare() if pol.mode == "all" else None
         self._handles: list[Any] = []
         self.adaptive: Adaptive | None = None
+        self._sample: Callable[[], None] | None = None  # device_budget = "auto": GPU memory now
         try:
             device = cuda_device(model)
             if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
+                if self.adaptive.gpu is not None:
+                    self._sample = self.adaptive.sample
             self._handles += [
                 model.register_forward_pre_hook(ModelHook(self._enter)),
                 model.register_forward_hook(ModelHook(self._exit), always_call=True),
@@ -311,6 +314,8 @@ class Offloader:
             self._hooks.__exit__(None, None, None)
             unpush(f)
             self.res.forward_wait += self._native.wait_seconds - f.wait0
+            if self._sample is not None:
+                self._sample()
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 if (
                     self.ahead.auto
@@ -511,6 +516,8 @@ class Offloader:
             if not b.done:
                 self._backward_begins(e.forward)
             if e.layer != b.last and b.due(e.layer):
+                if self._sample is not None:
+                    self._sample()
                 self.cpu.poll()  # writes done since the last block let their sources go
                 if not self.ahead.auto:
                     self.ahead.start(e.forward, e.layer)
@@ -558,6 +565,8 @@ class Offloader:
             if not b.done:
                 with self._lock:
                     self._backward_begins(h.forward)
+            if self._sample is not None and (h.layer > self.n_layers or h.layer != b.last):
+                self._sample()  # each layer's first, and each of the head's (its gradients are large)
             if h.layer != b.last and b.due(h.layer):
                 self.cpu.poll()
                 with self._lock:
