@@ -43,6 +43,8 @@ def test_device_budget_is_respected():
     assert make_plan(layers, 0.4e9, 0.4e9, device_budget=10**12).keep_last == 5
     # Zero budget: everything offloaded.
     assert make_plan(layers, 0.4e9, 0.4e9, device_budget=0).keep_last == 0
+    # What follows the last block is kept first: 120 MB of it leaves room for one layer.
+    assert make_plan(layers, 0.1e9, 0.1e9, device_budget=250 * MB, head=120 * MB).keep_last == 1
 
 
 def test_min_keep_after_stalls():

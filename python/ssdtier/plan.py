@@ -174,6 +174,7 @@ def make_plan(
     device_budget: int | None = None,
     min_keep: int = 0,
     host: HostTier | None = None,
+    head: int = 0,
 ) -> Plan:
     """Choose how many last layers to keep.
 
@@ -183,6 +184,8 @@ def make_plan(
         device_budget: the most bytes of kept activations allowed, or None.
         min_keep: keep at least this many (the re-planner raises it after stalls).
         host: the host tier the bytes go through first, or None (straight to NVMe).
+        head: bytes kept with the last layers, ahead of them in the budget: what is saved
+            after the last block, which the backward needs first.
 
     Returns:
         The plan: the fewest kept last layers for which the forward never waits and the
@@ -193,7 +196,7 @@ def make_plan(
     rbw = max(read_bytes_per_s, 1.0)
     max_keep = n
     if device_budget is not None:
-        kept = 0
+        kept = head
         max_keep = 0
         for layer in reversed(layers):
             if kept + layer.bytes > device_budget:

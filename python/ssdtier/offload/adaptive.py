@@ -174,7 +174,8 @@ class Adaptive:
         layers = [LayerProfile(i, saved.get(i + 1, 0), fwd.get(i + 1, 0.0), 2 * fwd.get(i + 1, 0.0)) for i in range(n)]
         if layers:  # what is saved before the first block goes whenever a block does: with block 0
             layers[0] = dataclasses.replace(layers[0], bytes=layers[0].bytes + saved.get(0, 0))
-        plan = make_plan(layers, self.bw[0], self.bw[1], budget, self.min_keep, self.host)
+        head = saved.get(n + 1, 0)  # what follows the blocks is kept with them, and needed first
+        plan = make_plan(layers, self.bw[0], self.bw[1], budget, self.min_keep, self.host, head)
         off.device_budget(budget)
         if self.plan is None or plan.keep_last != self.plan.keep_last:
             log.info("%s", plan.table())
