@@ -530,6 +530,46 @@ def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatc
     assert (s.bytes_read_nvme > 0) == (host != "64MiB"), s
 
 
+def test_an_auto_device_budget_leaves_room_for_the_copies_queued(store_dir, gpu, monkeypatch):
+    # The sources of copies still queued are freed, yet their memory is held until copied:
+    # the most queued at once in a step is taken off the next step's budget.
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    gib = 1 << 30
+    init, budget_for = Adaptive.__init__, AutoBudget.next
+    budgets = []
+
+    class FakeGpu:  # 50 GiB free, 8 cached, 3 GiB allocated beside the kept activations
+        def __init__(self, off):
+            self.off = off
+
+        def memory(self):
+            return Memory(50 * gib, 100 * gib, 8 * gib, 1 * gib, 0)
+
+        def allocated(self):
+            return self.off.res.kept + 3 * gib
+
+    def on_a_fake_gpu(self, off):
+        init(self, off)
+        self.gpu = FakeGpu(off)
+
+    def recorded(self, kept, queued, mem):
+        budgets.append((queued, budget_for(self, kept, queued, mem)))
+        return budgets[-1][1]
+
+    monkeypatch.setattr(Adaptive, "__init__", on_a_fake_gpu)
+    monkeypatch.setattr(AutoBudget, "next", recorded)
+    ref = train(CONFIGS["gpt"], micro=3)
+    through_the_cuda_transport(gpu, monkeypatch)
+    got = train(CONFIGS["gpt"], offload_config(store_dir, host="64MiB", mode="adaptive", device_budget="auto"), micro=3)
+    assert_same(ref, got)
+    assert budgets[0] == (0, None)  # the first look: no step seen
+    for queued, budget in budgets[1:]:
+        assert queued > 0 and budget == (50 + 8 - 5 - 3) * gib - queued, budgets
+    assert got[2].plan.device_budget == budgets[-1][1]
+
+
 class Groups:
     """The offloader's native store, recording the groups it is told of."""
 
