@@ -925,6 +925,16 @@ def test_stats_read_as_a_few_lines_and_as_plain_data(store_dir):
     assert d["store"]["nvme_bytes_written"] == s.bytes_written_nvme and d["plan"]["keep_last"] == s.plan.keep_last
 
 
+def test_what_a_loop_logs_has_the_plan_in_adaptive_mode(store_dir):
+    from ssdtier.integrations import summary
+
+    plain = summary(train(CONFIGS["gpt"], offload_config(store_dir))[2])
+    assert "ssdtier/layers_kept" not in plain and plain["ssdtier/offloaded_GiB"] > 0
+    s = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive", device_budget="3GiB"))[2]
+    logged = summary(s)
+    assert logged["ssdtier/layers_kept"] == s.plan.keep_last and logged["ssdtier/device_budget_GiB"] == 3.0
+
+
 def test_device_budget_caps_what_is_kept(store_dir):
     # mode "none" would keep everything; a zero budget forces all of it out.
     got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none", device_budget=0))

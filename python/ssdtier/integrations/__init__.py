@@ -34,11 +34,18 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def summary(stats: Any) -> dict[str, float]:
-    """What a loop logs of an offloader's :class:`~ssdtier.OffloadStats`, so far."""
-    return {
+    """What a loop logs of an offloader's :class:`~ssdtier.OffloadStats`, so far; with an
+    adaptive plan, the blocks it keeps and its device budget."""
+    out = {
         "ssdtier/offloaded_GiB": round(stats.bytes_offloaded / 2**30, 4),
         "ssdtier/peak_resident_GiB": round(stats.peak_resident_bytes / 2**30, 4),
         "ssdtier/stall_s": round(stats.stall_seconds, 4),
         "ssdtier/forward_wait_s": round(stats.forward_wait_seconds, 4),
         "ssdtier/gpu_wait_s": round(stats.gpu_wait_seconds, 4),
     }
+    plan = stats.plan
+    if plan is not None:
+        out["ssdtier/layers_kept"] = float(plan.keep_last)
+        if plan.device_budget is not None:
+            out["ssdtier/device_budget_GiB"] = round(plan.device_budget / 2**30, 4)
+    return out
