@@ -225,6 +225,10 @@ def test_an_auto_device_budget_leaves_what_is_not_kept_activations_and_a_margin(
     # An allocation was retried: 0.9 of what the last step kept, and the margin added to the rest.
     assert ab.next(30 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 1)) == 27 * g
     assert ab.next(27 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 1)) == 35 * g
+    # Retried again after the cut: held where it is, not cut down to nothing step by step.
+    assert ab.next(27 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 2)) == 27 * g
+    # Retried after keeping more again: cut again.
+    assert ab.next(33 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == int(33 * g * 0.9)
     # A small GPU's margin is 1 GiB at least, and no room at all keeps nothing.
     small = AutoBudget()
     small.next(0, 0, Memory(4 * g, 8 * g, 1 * g, 1 * g, 0))

@@ -60,13 +60,15 @@ class AutoBudget:
     the backward reaches each layer, robust to a training loop that resets the peak counters;
     a step that raised ``max_memory_allocated`` also counts (its peak less the most kept), for
     what happens between samples. A budget of B keeps every moment of a step within that part
-    plus B. After a retried allocation (the GPU ran full), less than the last step kept."""
+    plus B. After a retried allocation (the GPU ran full), less than the last step kept; not
+    less again while allocations are retried at what a cut left: keeping less did not help."""
 
     def __init__(self) -> None:
         self.peak = -1  # the allocator's peak counter at the last look
         self.other: int | None = None  # the most bytes at one time that were not kept activations
         self.sampled: int | None = None  # ... in the step under way, from the samples
         self.retries: int | None = None
+        self.cut: int | None = None  # what the last step kept when a retry cut the budget
 
     def sample(self, allocated: int, kept: int) -> None:
         other = allocated - kept
@@ -91,6 +93,9 @@ class AutoBudget:
         margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
         budget = max(0, mem.free + mem.reserved - margin - self.other - queued)
         if retried:
+            if self.cut is not None and kept <= self.cut:
+                return min(budget, kept)  # retried after a cut too: keeping less is not the cure
             self.other += margin  # it was more than seen: room for it
+            self.cut = kept
             budget = min(budget, int(kept * RETRY_CUT))
         return budget
