@@ -10,7 +10,7 @@
 # There (device tool: carry [".wheels"]), back to back, within one session's 15 minutes:
 #   bash benches/gpu_session.sh call1                 # timeout_s 330: install import info udev_shim
 #                                                     #   test_cuda cufile (cufile_probe if cuFile failed)
-#   SESSION_S=480 bash benches/gpu_session.sh call2   # timeout_s 500: install bench_1b (every mode)
+#   SESSION_S=450 bash benches/gpu_session.sh call2   # timeout_s 470: install bench_1b (every mode)
 # and in a later session:
 #   SESSION_S=560 bash benches/gpu_session.sh call3   # timeout_s 580: install test_compile bench_quick fit
 # If call1 fails on something fixable, fix it and run call1 again before call2.
