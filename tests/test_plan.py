@@ -229,6 +229,9 @@ def test_an_auto_device_budget_leaves_what_is_not_kept_activations_and_a_margin(
     assert ab.next(27 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 2)) == 27 * g
     # Retried after keeping more again: cut again.
     assert ab.next(33 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == int(33 * g * 0.9)
+    # Each cut's margin stays when what is not kept is measured again: 60 - 5 - 15 - 2 x 5.
+    ab.sample(40 * g, 25 * g)
+    assert ab.next(25 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == 30 * g
     # A small GPU's margin is 1 GiB at least, and no room at all keeps nothing.
     small = AutoBudget()
     small.next(0, 0, Memory(4 * g, 8 * g, 1 * g, 1 * g, 0))

@@ -69,6 +69,7 @@ class AutoBudget:
         self.sampled: int | None = None  # ... in the step under way, from the samples
         self.retries: int | None = None
         self.cut: int | None = None  # what the last step kept when a retry cut the budget
+        self.extra = 0  # a margin more per cut: the GPU ran full with what was seen
 
     def sample(self, allocated: int, kept: int) -> None:
         other = allocated - kept
@@ -91,11 +92,11 @@ class AutoBudget:
         if self.other is None or first:
             return None
         margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
-        budget = max(0, mem.free + mem.reserved - margin - self.other - queued)
+        budget = max(0, mem.free + mem.reserved - margin - self.other - self.extra - queued)
         if retried:
             if self.cut is not None and kept <= self.cut:
                 return min(budget, kept)  # retried after a cut too: keeping less is not the cure
-            self.other += margin  # it was more than seen: room for it
+            self.extra += margin
             self.cut = kept
             budget = min(budget, int(kept * RETRY_CUT))
         return budget
