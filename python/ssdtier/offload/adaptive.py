@@ -15,7 +15,7 @@ import torch
 from ..errors import SsdtierWarning
 from ..plan import HostTier, LayerProfile, Plan, make_plan
 from ..store import TieredStore
-from ._util import aligned_storage, cuda_device
+from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Gpu
 from .control import StepControl
 
@@ -45,8 +45,14 @@ class Adaptive:
         self.host = self.host_tier()
         # device_budget = "auto": the GPU's memory, read before each step (None: a fixed budget).
         self.gpu: Gpu | None = None
-        if off.config.policy.device_budget == "auto" and self.device is not None:
-            self.gpu = Gpu(self.device)
+        if off.config.policy.device_budget == "auto":
+            if self.device is not None:
+                self.gpu = Gpu(self.device)
+            else:
+                warn(
+                    f"{off.config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "
+                    f"this {type(off.model).__name__} is not on a GPU: no budget"
+                )
         self.auto = AutoBudget()
 
     def calibrate(self) -> tuple[float, float]:

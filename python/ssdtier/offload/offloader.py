@@ -95,11 +95,6 @@ class Offloader:
         if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         pol = config.policy
-        if pol.device_budget == "auto" and cuda_device(model) is None:
-            warn(
-                f"{config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "
-                f"this {type(model).__name__} is not on a GPU: no budget"
-            )
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model = model
