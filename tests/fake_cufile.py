@@ -82,16 +82,25 @@ def driver_close() -> None:
     _trace("driver_close")
 
 
+def driver_get_properties(ptr: int) -> None:
+    """nvidia-fs 0.0 (not loaded): compatibility mode, as on the lent GPU machines."""
+    ctypes.memset(ptr, 0, 8)
+
+
 def handle_register(ptr: int) -> int:
     d = Descr._all.pop(ptr)
     assert d.type == FileHandleType.OPAQUE_FD and d.fs_ops == 0, "descriptor not filled in"
     if fcntl.fcntl(d.handle.fd, fcntl.F_GETFL) & os.O_TMPFILE:  # as libcufile 1.15 on a real GPU
         raise RuntimeError("INVALID_FILE_OPEN_FLAG (5019): unsupported file open flags")
+    # As libcufile 1.15 in compatibility mode: it opens the file again by its path, so a file
+    # with no name (O_TMPFILE, or unlinked) is refused. Without O_DIRECT: unaligned host buffers.
+    path = os.readlink(f"/proc/self/fd/{d.handle.fd}")
+    if path.endswith(" (deleted)"):
+        raise RuntimeError("GETNEWFD_FAILED (5031): failed to obtain new file descriptor")
     with lock:
         h = _next[0]
         _next[0] += 1
-        # The store's fd is O_DIRECT; unaligned host buffers need one without it.
-        state["fds"][h] = os.open(f"/proc/self/fd/{d.handle.fd}", os.O_RDWR)
+        state["fds"][h] = os.open(path, os.O_RDWR)
     _trace("handle_register", d.handle.fd)
     return h
 

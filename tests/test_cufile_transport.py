@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ssdtier
-from ssdtier.errors import OutOfSpaceError, SsdtierOSError
+from ssdtier.errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ssdtier.gds import Gds, GdsState
 from ssdtier.offload import cufile
 from ssdtier.offload.cufile import CuFile
@@ -185,6 +185,40 @@ def test_a_file_cufile_cannot_register_closes_the_driver(store, monkeypatch):
     with pytest.raises(RuntimeError, match="NOT_INITIALIZED"):
         CuFile(store.native, 1, None, fake)
     assert fake.state["opens"] == fake.state["closes"] == 1
+    assert not _links(store), "a name given for cuFile outlived the failure"
+
+
+def _links(store):
+    return [e for d in store.config.nvme for e in os.listdir(d.path) if e.startswith(cufile.LINK_PREFIX)]
+
+
+def test_the_stores_nameless_files_are_named_while_cufile_has_them(store):
+    """cuFile opens a registered file again by its path; the store's O_TMPFILE files get a
+    name while registered and lose it at close, and a dead process's names are removed."""
+    fake.reset()
+    stale = os.path.join(store.config.nvme[0].path, f"{cufile.LINK_PREFIX}999999999-0")
+    live = os.path.join(store.config.nvme[0].path, f"{cufile.LINK_PREFIX}{os.getppid()}-0")
+    for name in (stale, live):
+        open(name, "w").close()
+    io = CuFile(store.native, 1, None, fake)
+    try:
+        mine = [n for n in _links(store) if n.startswith(f"{cufile.LINK_PREFIX}{os.getpid()}-")]
+        assert len(mine) == 2  # one per device
+        assert not os.path.exists(stale) and os.path.exists(live)
+        src = source(8192, 6)
+        key = store.native.reserve_unslotted(8192)
+        io.write(key, src.data_ptr(), 8192, None).wait()
+        out = torch.zeros(8192, dtype=torch.uint8)
+        io.read(key, out.data_ptr(), 8192, None).wait()
+        assert torch.equal(out, src)
+    finally:
+        io.close()
+        os.unlink(live)
+    assert not _links(store)
+    # A file whose name was taken back cannot be named again (the kernel's rule for O_TMPFILE).
+    with pytest.raises(SsdtierError, match="named once"):
+        CuFile(store.native, 1, None, fake)
+    assert not _links(store) and fake.state["opens"] == fake.state["closes"] == 2
 
 
 # ---------------------------------------------------------------- through attach()

@@ -225,3 +225,20 @@ def test_info_runs_no_child_without_cuda(store_dir):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert "GPUDirect Storage: unavailable (no CUDA device)" in r.stdout
+
+
+def test_the_probes_own_child_registers_a_named_file(cuda_up, tmp_path):
+    """The real child, with the stand-in cufile (which, as libcufile, opens a registered file
+    again by its path): a file unlinked before registering would be refused."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    prefix = (
+        "import sys, types\n"
+        f"sys.path.insert(0, {repo!r})\n"
+        "from tests import fake_cufile as f\n"
+        "b = types.ModuleType('cuda.bindings'); b.cufile = f\n"
+        "c = types.ModuleType('cuda'); c.bindings = b\n"
+        "sys.modules.update({'cuda': c, 'cuda.bindings': b, 'cuda.bindings.cufile': f})\n"
+    )
+    g = probe(timeout=30, where=str(tmp_path), _code=prefix + gds._CHILD)
+    assert g.state is GdsState.COMPAT and g.file_error is None, g
+    assert list(tmp_path.iterdir()) == []  # the probe's file is gone

@@ -67,8 +67,7 @@ try:
             except OSError as e:
                 out["file_error"] = f"cannot open an O_DIRECT file there: {e}"
             else:
-                os.unlink(name)
-                try:
+                try:  # named while registered: cuFile opens the file again by its path
                     descr = cufile.Descr()
                     descr.type = cufile.FileHandleType.OPAQUE_FD
                     descr.handle.fd = fd
@@ -78,6 +77,7 @@ try:
                     out["file_error"] = f"{type(e).__name__}: {e}"
                 finally:
                     os.close(fd)
+                    os.unlink(name)
     finally:
         cufile.driver_close()
 except Exception as e:

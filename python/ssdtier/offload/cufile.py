@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import errno
 import fcntl
 import functools
 import importlib
 import logging
 import os
+import secrets
 import stat
 import tempfile
 import threading
@@ -30,6 +33,7 @@ log = logging.getLogger("ssdtier")
 MODULE = "cuda.bindings.cufile"  # the tests give a stand-in that moves host memory
 DEVICE_TYPES = ("cuda",)  # whose storages it moves (the tests add "cpu")
 
+LINK_PREFIX = ".ssdtier-cufile-"  # then the pid: a name given to a store file while cuFile has it
 OPEN_TIMEOUT_S = 30.0  # driver_open has been seen to spin forever (no libcuda.so.1)
 
 # cuFile's driver is opened once per process and closed when its last user closes.
@@ -85,9 +89,10 @@ class CuFile:
             _driver_users += 1
         self.handles: list[int] = []
         self.fds: list[int] = []
+        self.links: list[str] = []  # names given to the store's nameless files, removed at close
         try:
             for fd in fds:
-                self.fds.append(_plain_fd(fd))
+                self.fds.append(self._named_fd(fd))
                 descr = module.Descr()
                 descr.type = module.FileHandleType.OPAQUE_FD
                 descr.handle.fd = self.fds[-1]
@@ -176,6 +181,25 @@ class CuFile:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds.clear()
+        for name in self.links:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        self.links.clear()
+
+    def _named_fd(self, fd: int) -> int:
+        """A descriptor of the store's file opened by a name. cuFile opens a registered file
+        again by its path: the store's files have none (O_TMPFILE), so one is linked while
+        registered. cuFile also refuses the O_TMPFILE flags the store's own fd reports."""
+        direct = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        proc = f"/proc/self/fd/{fd}"
+        path = os.readlink(proc)
+        if path.endswith(" (deleted)"):
+            folder = os.path.dirname(path)
+            _remove_stale_links(folder)
+            path = os.path.join(folder, f"{LINK_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+            _link_open_file(proc, path)
+            self.links.append(path)
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC | direct)
 
     def _close_driver(self) -> None:
         global _driver_users
@@ -186,11 +210,41 @@ class CuFile:
                     self.mod.driver_close()
 
 
-def _plain_fd(fd: int) -> int:
-    """A second descriptor of the store's file, opened through /proc: cuFile refuses the
-    O_TMPFILE flags (O_DIRECTORY among them) that the store's own descriptor reports."""
-    direct = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | direct)
+def _link_open_file(proc: str, path: str) -> None:
+    """linkat(AT_SYMLINK_FOLLOW) of /proc's link to an open file: os.link calls link(2) on
+    some Pythons, which links the /proc entry itself (EXDEV)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, at_symlink_follow = -100, 0x400
+    if libc.linkat(at_fdcwd, os.fsencode(proc), at_fdcwd, os.fsencode(path), at_symlink_follow) != 0:
+        err = ctypes.get_errno()
+        if err == errno.ENOENT:
+            raise SsdtierError(
+                "cuFile opens its files by name, and this store's file can be named once: "
+                "it was given to cuFile before, by an earlier CuFile on the same store"
+            )
+        raise OSError(err, f"cannot give the store's file a name for cuFile: {os.strerror(err)}", path)
+
+
+def _remove_stale_links(folder: str) -> None:
+    """Names left by a process that died with cuFile registered (its pid is gone)."""
+    with contextlib.suppress(OSError), os.scandir(folder) as it:
+        for entry in it:
+            if not entry.name.startswith(LINK_PREFIX):
+                continue
+            pid = entry.name[len(LINK_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # someone else's process: alive
+    return True
 
 
 def _open_driver(module: Any) -> None:
