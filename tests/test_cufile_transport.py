@@ -104,17 +104,21 @@ def test_an_entry_at_the_end_of_a_file_not_preallocated_reads_back(store_dir):
         s.close()
 
 
+def round_trip(io, store, seed, nbytes=8192):
+    src = source(nbytes, seed)
+    key = store.native.reserve_unslotted(nbytes)
+    io.write(key, src.data_ptr(), nbytes, None).wait()
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    io.read(key, out.data_ptr(), nbytes, None).wait()
+    assert torch.equal(out, src)
+
+
 def test_short_calls_are_continued(store):
     fake.reset()
     fake.state["short"] = 1000
     io = CuFile(store.native, 1, None, fake)
     try:
-        src = source(8192, 2)
-        key = store.native.reserve_unslotted(8192)
-        io.write(key, src.data_ptr(), 8192, None).wait()
-        out = torch.zeros(8192, dtype=torch.uint8)
-        io.read(key, out.data_ptr(), 8192, None).wait()
-        assert torch.equal(out, src)
+        round_trip(io, store, 2)
     finally:
         io.close()
 
@@ -205,12 +209,7 @@ def test_the_stores_nameless_files_are_named_while_cufile_has_them(store):
         mine = [n for n in _links(store) if n.startswith(f"{cufile.LINK_PREFIX}{os.getpid()}-")]
         assert len(mine) == 2  # one per device
         assert not os.path.exists(stale) and os.path.exists(live)
-        src = source(8192, 6)
-        key = store.native.reserve_unslotted(8192)
-        io.write(key, src.data_ptr(), 8192, None).wait()
-        out = torch.zeros(8192, dtype=torch.uint8)
-        io.read(key, out.data_ptr(), 8192, None).wait()
-        assert torch.equal(out, src)
+        round_trip(io, store, 6)
     finally:
         io.close()
         os.unlink(live)
