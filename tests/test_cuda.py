@@ -43,7 +43,8 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, ba
         runner = wrap(model) if wrap is not None else model
         torch.manual_seed(1)
         losses = []
-        for b in batches:
+        grads = {}
+        for i, b in enumerate(batches):
             if wrap is not None:  # CUDA graphs (reduce-overhead): the last step's outputs are done with
                 torch.compiler.cudagraph_mark_step_begin()
             loss = batch_loss(runner, b)
@@ -52,8 +53,15 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, ba
                 torch.cuda._sleep(sleep_cycles)
             loss.backward()
             losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
+            if wrap is not None:
+                # Each step's gradients, not a sum: a .grad that is a CUDA graph's output would
+                # be overwritten by the next replay (seen with reduce-overhead on an H200).
+                for n, p in model.named_parameters():
+                    grads[i, n] = None if p.grad is None else _local(p.grad).clone()
+                model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        grads = {n: _local(p.grad) for n, p in model.named_parameters()}
+        if wrap is None:
+            grads = {n: _local(p.grad) for n, p in model.named_parameters()}
         stats = off.stats() if off else None
         if off:
             off.detach()
