@@ -8,11 +8,10 @@
 #          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
 #          bash benches/static_fio.sh                       (fio for the benches: none is there)
 # There (device tool: carry [".wheels"]), back to back, within one session's 15 minutes:
-#   bash benches/gpu_session.sh call1                 # timeout_s 330: install import info udev_shim
-#                                                     #   test_cuda cufile (cufile_probe if cuFile failed)
-#   SESSION_S=450 bash benches/gpu_session.sh call2   # timeout_s 470: install bench_1b (every mode)
-# and in a later session:
-#   SESSION_S=560 bash benches/gpu_session.sh call3   # timeout_s 580: install test_compile bench_quick fit
+#   bash benches/gpu_session.sh call1                 # timeout_s 330: install import udev_shim info
+#                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile failed)
+#   SESSION_S=250 bash benches/gpu_session.sh call2   # timeout_s 270: install bench_1b (every mode)
+#   SESSION_S=... bash benches/gpu_session.sh call3   # what is left, less 20 s: install fit
 # If call1 fails on something fixable, fix it and run call1 again before call2.
 #
 # Out: $OUT/summary.txt and $OUT/gpu_session.tgz (every log, JSON and Markdown), rewritten after
@@ -35,9 +34,9 @@ KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
-    call1) parts+=(install import info udev_shim test_cuda cufile cufile_probe) ;;
+    call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe) ;;
     call2) parts+=(install bench_1b) ;;
-    call3) parts+=(install test_compile bench_quick fit) ;;
+    call3) parts+=(install fit) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -123,11 +122,11 @@ for p in "${parts[@]}"; do
     test_cuda)
         # The torch.compile tests (cold Inductor builds, minutes) are test_compile's.
         part test_cuda "$(limit 150)" "$PY" -m pytest -q -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} \
-            tests/test_cuda.py tests/test_io_errors.py -k "cuda and not torch_compile" -v -rfE --tb=short
+            tests/test_cuda.py tests/test_io_errors.py -k "cuda and not torch_compile" -v -rfEs --tb=short
         ran_cuda=(--ignore=tests/test_cuda.py) # pytest_all need not run them again
         ;;
     test_compile)
-        part test_compile "$(limit 240)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v
+        part test_compile "$(limit 240)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v -rfEs --tb=short -o log_level=WARNING
         ;;
     pytest_all)
         par=()
@@ -158,7 +157,8 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
         bench_1b) secs=$(limit 560) args=(--batch 8 --steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
-        fit) secs=$(limit 560) args=(--fit) margin=80 ;;
+        # The modes that may fit more at keep's speed: the rest are many times slower (run 2).
+        fit) secs=$(limit 560) args=(--fit --modes keep,ssdtier_adaptive,checkpoint,ssdtier_host) margin=80 ;;
         esac
         part "$p" "$secs" "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
             --json "$LOGS/gpu_step_$p.json" --md "$LOGS/gpu_step_$p.md"

@@ -268,6 +268,14 @@ def test_fused_attention_compares_only_the_first_loss(gs):
     assert res["losses_compared"] == 2 and not res["modes"]["checkpoint"]["losses_equal_keep"]
 
 
+def test_losses_at_another_batch_are_not_compared(gs):
+    res = fake_results(gs)
+    res["modes"]["checkpoint"]["batch"] = 1
+    gs.compare(SimpleNamespace(compare_losses=1, deterministic=False, attention="sdpa"), res)
+    assert res["modes"]["checkpoint"]["losses_equal_keep"] is None
+    assert re.search(r"\| checkpoint +\| +1 \|.*\| +- \|", gs.render_steps(res))
+
+
 def test_stats_deltas_leave_the_plan_as_it_is(gs):
     before = {"packs": 2, "store": {"host_peak": 9, "nvme_written": 1}, "plan": {"keep_last": 3}}
     after = {"packs": 5, "store": {"host_peak": 9, "nvme_written": 4}, "plan": {"keep_last": 3}}
@@ -362,6 +370,7 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     fit = res["fit"]
+    assert list(fit) == ["keep", "ssdtier_adaptive", "save_on_cpu", "ssdtier_nvme"]  # the likeliest first
     got = [(fit[m]["largest"], fit[m]["failed"]) for m in ("keep", "save_on_cpu", "ssdtier_nvme")]
     assert got == [(3, 4), (4, None), (4, 5)]
     assert fit["save_on_cpu"]["max_batch"] == 4 and fit["keep"]["rok_batch"] == 3
