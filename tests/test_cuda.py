@@ -286,11 +286,12 @@ class _Wide(torch.nn.Module):
         return torch.relu(self.fc(x))
 
 
-def _busy_forward(cfg, n=8, batch=4096, sleep_cycles=200_000_000, keep_graph=True):
+def _busy_forward(cfg, n=8, batch=4096, sleep_cycles=200_000_000, keep_graph=True, reserved=None):
     """A forward launched while the GPU is busy (a sleep on the compute stream), as the host
     runs ahead in training: every copy to the arena is still queued at its end. Returns
     the forward's peak allocation above the start, the copies pending at its end, the
-    gradients (after the backward), the stats and the offloader's transport calls."""
+    gradients (after the backward), the stats and the offloader's transport calls; the
+    forward's peak reservation above the start goes into ``reserved["peak"]``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Wide() for _ in range(n)]).cuda()
     x = torch.randn(batch, 1024, device="cuda")
@@ -298,11 +299,14 @@ def _busy_forward(cfg, n=8, batch=4096, sleep_cycles=200_000_000, keep_graph=Tru
         model(x)  # loads the kernels first (lazily loaded, they take the host past the sleep)
     off = ssdtier.attach(model, cfg) if cfg is not None else None
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda._sleep(sleep_cycles)
     y = model(x)
     peak = torch.cuda.max_memory_allocated() - base
+    if reserved is not None:
+        reserved["peak"] = torch.cuda.max_memory_reserved() - base_reserved
     pending = len(off.cuda.pending) if off is not None else 0
     if keep_graph:
         y.square().sum().backward()
@@ -335,6 +339,26 @@ def test_sources_leave_gpu_memory_while_their_copies_are_queued(store_dir):
     # saved by the kept block 8, so it stays). One block of slack for the block in use.
     assert stats.bytes_offloaded == 8 * block, stats
     assert keep_peak - peak >= stats.bytes_offloaded - 3 * block, (keep_peak, peak)
+
+
+def test_copies_queued_reserve_no_more_gpu_memory_than_their_bound(store_dir, monkeypatch):
+    """A queued copy's source is freed at once but stays reserved until copied: the queue's
+    bound (a share of the GPU's memory, here 2 blocks) caps what the forward reserves over
+    what it allocates. Half the arena (16 blocks) would let all 7 queue."""
+    from ssdtier.offload import cuda as transport
+
+    block = 4096 * 1024 * 4
+    monkeypatch.setattr(transport, "QUEUE_MIN", 0)
+    monkeypatch.setattr(transport, "device_memory", lambda device: int(2 * block / transport.QUEUE_SHARE))
+    _, _, ref, _ = _busy_forward(None)
+    cfg = offload_config(store_dir, host="512MiB", keep_last_layers=1)
+    got_reserved = {}
+    peak, pending, got, (stats, _) = _busy_forward(cfg, reserved=got_reserved)
+    assert pending <= 2 and stats.bytes_offloaded == 8 * block
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    # The bound, and a block of slack for the allocator's rounding.
+    assert got_reserved["peak"] - peak <= 3 * block, (got_reserved, peak)
 
 
 def test_a_graph_freed_while_its_copies_are_queued_frees_their_slots_after(store_dir):

@@ -16,7 +16,7 @@ import torch
 import ssdtier
 from ssdtier.errors import SsdtierError
 from ssdtier.models import batch_loss, build_model, make_batch
-from ssdtier.offload import offloader
+from ssdtier.offload import cuda, offloader
 from ssdtier.offload.cuda import GpuWaits, Pinned
 from ssdtier.offload.entry import Copying, Held
 from ssdtier.offload.readahead import Backward
@@ -129,6 +129,7 @@ def gpu(monkeypatch):
             g.pinned_on.append(("unregister", g.device))
             return 0 if g.registered.pop(ptr, None) is not None else 713
 
+    monkeypatch.setattr(cuda, "device_memory", lambda device: 1 << 40)  # the arena bounds the queue
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
@@ -205,6 +206,25 @@ def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu, monkeypa
     assert transport.store.arena is not None
     res = transport.off.res
     assert res.held_back >= 0.01 and res.forward_wait == res.held_back  # counted as the forward's wait
+
+
+def test_copies_in_flight_hold_a_share_of_the_gpus_memory_at_most(store_dir, gpu, monkeypatch, caplog):
+    """A queued copy's source stays reserved until copied: a large arena does not let the
+    queue hold more than QUEUE_SHARE of the GPU."""
+    monkeypatch.setattr(cuda, "device_memory", lambda device: 8 << 20)
+    monkeypatch.setattr(cuda, "QUEUE_MIN", 128 << 10)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="64MiB"))
+    try:
+        tr = off.cuda
+        with caplog.at_level("INFO", logger="ssdtier"):
+            es = [offload(tr, source(96 << 10, i)) for i in range(4)]
+        assert tr.bound == 256 << 10  # 8 MiB / 32, not half the arena
+        assert "copies out queued hold at most 256KiB" in caplog.text
+        assert tr.inflight <= 256 << 10 and tr.inflight_peak <= 256 << 10
+        assert es[0].out is None and type(es[-1].out) is Copying  # the oldest waited for
+    finally:
+        off.detach()
 
 
 def test_no_event_is_queried_while_a_cuda_graph_is_captured(transport, gpu):

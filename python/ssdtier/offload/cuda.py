@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+# A queued copy's source stays reserved until it has run: the queue may hold this share of a
+# GPU's memory, at least QUEUE_MIN (a larger tensor still goes, alone).
+QUEUE_SHARE = 1 / 32
+QUEUE_MIN = 256 << 20
 
 log = logging.getLogger("ssdtier")
 
@@ -172,6 +176,11 @@ class GpuWaits:
             self.seconds += before.elapsed_time(after) / 1e3
 
 
+def device_memory(device: torch.device) -> int:
+    """A GPU's memory in bytes (a function of its own: the CPU tests stand in for it)."""
+    return torch.cuda.get_device_properties(device).total_memory
+
+
 class CudaTransport:
     def __init__(self, off: Offloader) -> None:
         self.off = off
@@ -184,7 +193,7 @@ class CudaTransport:
         self.inflight_peak = 0  # the most since adaptive mode last looked (device_budget = "auto")
         arena = self.store.arena
         # Back-pressure: at most half the arena in flight, so that reserving a slot finds room
-        # (committed slots can be evicted, slots being filled cannot).
+        # (committed slots can be evicted, slots being filled cannot); cut for each GPU seen.
         self.bound = arena.numel() // 2 if arena is not None else 0
         self.h2d = Unpins()
         self.free_later: set[int] = set()  # keys of released entries freed once their h2d copies are done
@@ -215,6 +224,10 @@ class CudaTransport:
                 self.pinned = Pinned(self.store.arena, device)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
+            queue = max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
+            if queue < self.bound:
+                self.bound = queue
+                log.info("ssdtier: copies out queued hold at most %s of %s's memory", format_size(queue), device)
         return s
 
     # ---------------------------------------------------------------- forward
