@@ -663,3 +663,44 @@ def test_a_done_copy_unpins_its_slot_whatever_another_streams_copy_does():
     assert u and u.oldest() is slow and u.events() == [slow]
     slow.done = True
     assert list(u.done()) == [1] and not u
+
+
+def test_adaptive_does_not_count_the_hosts_wait_for_copies_as_a_blocks_time(store_dir, gpu):
+    """While the host waits for copies out, the GPU may run dry inside a block: that time
+    would make the block look slow, and the plan offload more, so it is left out."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB", mode="adaptive"))
+    try:
+        ad = off.adaptive
+        ad.device = torch.device("cpu")  # its GPU path, on the fake streams
+        ad.block_enter(1)
+        gpu.run()  # the block starts on the GPU...
+        time.sleep(0.06)
+        off.res.held_back += 0.05  # ...while the host waits 50 ms of its 60 ms
+        ad.block_exit(1)
+        gpu.run()
+        t = ad.forward_times()[1]
+        assert 0.005 < t < 0.03, t
+    finally:
+        off.detach()
+
+
+def test_adaptive_plans_from_a_gpus_second_iteration_not_its_first(store_dir, gpu):
+    """The first iteration on a GPU loads kernels and tunes cuBLAS: not planned from."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB", mode="adaptive"))
+    try:
+        ad = off.adaptive
+        ad.device = torch.device("cpu")  # its GPU path, on the fake streams
+        plans = []
+        for _ in range(2):
+            for tag in (1, 2):
+                ad.block_enter(tag)
+                ad.saved(tag, 1 << 20)
+                ad.block_exit(tag)
+            gpu.run()
+            ad.replan()
+            plans.append(ad.plan)
+        assert plans[0] is None and plans[1] is not None and ad.warm
+    finally:
+        off.detach()

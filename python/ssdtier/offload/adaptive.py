@@ -31,6 +31,7 @@ class Adaptive:
     def __init__(self, off: Offloader) -> None:
         self.off = off
         self.plan: Plan | None = None
+        self.warm = False  # an iteration was profiled and not planned from (GPU only)
         self.min_keep = 0
         self.ctl = StepControl(patience=3)
         self.fwd: dict[int, float] = {}  # layer tag -> forward seconds
@@ -38,8 +39,8 @@ class Adaptive:
         self.t0: dict[int, tuple[float, float]] = {}  # layer tag -> (start, store wait then)
         # On a GPU host clocks time kernel launches: CUDA events time the blocks, read at replan.
         self.device = cuda_device(off.model)  # None: on the CPU
-        self.ev0: dict[int, torch.cuda.Event] = {}  # layer tag -> event at its start
-        self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []  # (tag, start, end)
+        self.ev0: dict[int, tuple[torch.cuda.Event, float]] = {}  # layer tag -> (event at its start, waits then)
+        self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event, float]] = []  # (tag, start, end, waited)
         self.wait0 = 0.0
         self.bw = self.calibrate()
         self.host = self.host_tier()
@@ -104,10 +105,15 @@ class Adaptive:
     def block_enter(self, tag: int) -> None:
         if self.device is not None:
             if self._timing():
-                ev = self.ev0[tag] = torch.cuda.Event(enable_timing=True)
+                ev = torch.cuda.Event(enable_timing=True)
                 ev.record(torch.cuda.current_stream(self.device))
+                self.ev0[tag] = (ev, self._forward_waits())
             return
         self.t0[tag] = (time.perf_counter(), self.off.store_wait())
+
+    def _forward_waits(self) -> float:
+        """Seconds the host has waited for copies out and the store so far."""
+        return self.off.res.held_back + self.off.store_wait()
 
     @staticmethod
     def _timing() -> bool:
@@ -116,11 +122,11 @@ class Adaptive:
 
     def block_exit(self, tag: int) -> None:
         if self.device is not None:
-            start_ev = self.ev0.pop(tag, None)
-            if start_ev is not None and self._timing():
+            start = self.ev0.pop(tag, None)
+            if start is not None and self._timing():
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(torch.cuda.current_stream(self.device))
-                self.marks.append((tag, start_ev, end))
+                self.marks.append((tag, start[0], end, self._forward_waits() - start[1]))
             return
         start = self.t0.pop(tag, None)
         if start is not None:
@@ -130,9 +136,11 @@ class Adaptive:
 
     def forward_times(self) -> dict[int, float]:
         """Forward seconds per layer tag so far in this iteration (GPU events read now)."""
-        for tag, start_ev, end in self.marks:
+        for tag, start_ev, end, waited in self.marks:
             end.synchronize()  # the last forward's, done long ago unless the host ran far ahead
-            self.fwd[tag] = self.fwd.get(tag, 0.0) + start_ev.elapsed_time(end) / 1e3
+            # While the host waited for copies out the GPU may have run dry: not the block's time.
+            secs = start_ev.elapsed_time(end) / 1e3 - waited
+            self.fwd[tag] = self.fwd.get(tag, 0.0) + max(secs, 0.0)
         self.marks.clear()
         return self.fwd
 
@@ -167,6 +175,13 @@ class Adaptive:
         if not self.forward_times():
             return
         off = self.off
+        if self.device is not None and not self.warm:
+            # A GPU's first iteration loads kernels and tunes cuBLAS: its times would plan the
+            # next steps wrong (on an H200, 12 of 24 blocks kept, then 17, 19, 22).
+            self.warm = True
+            off.device_budget(budget)
+            self._next_iteration()
+            return
         n = off.n_layers
         stall = off.io_wait() - self.wait0
         if self.plan is not None:
@@ -187,9 +202,12 @@ class Adaptive:
             log.info("%s", plan.table())
         self.plan = plan
         off.keep_last(plan.keep_last)
+        self._next_iteration()
+
+    def _next_iteration(self) -> None:
         self.fwd.clear()
         self.bytes.clear()
-        self.wait0 = off.io_wait()
+        self.wait0 = self.off.io_wait()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
