@@ -118,6 +118,13 @@ def test_copies_in_flight_are_bounded_by_half_the_arena():
     assert p.keep_last == 7 and p.stall_free
 
 
+def test_copies_in_flight_are_bounded_by_the_gpus_share_too():
+    # A 2000 MB arena, but 50 MB of copies queued at most (the GPU's share): as a 100 MB arena.
+    p = make_plan(uniform(), 1e9, 1e9, host=HostTier(2000 * MB, 0.5e9, queue=50 * MB))
+    assert p.keep_last == 7 and p.stall_free
+    assert make_plan(uniform(), 1e9, 1e9, host=HostTier(2000 * MB, 0.5e9)).keep_last == 4
+
+
 def test_reads_of_spilled_bytes_wait_for_the_writes_still_going():
     # 800 MB arena, 0.2 GB/s disk: with nothing kept the writes of the last 200 MB run until
     # 1.6 s, 0.8 s into the backward, and the first layer's bytes come back late; keeping one

@@ -36,6 +36,8 @@ class HostTier:
     # Copies between the device and the arena; None where they are part of the measured
     # forward and backward (CPU tensors are copied on the thread that saves them).
     copy_bytes_per_s: float | None
+    # The most bytes of copies in flight (the CUDA transport's bound): half the arena if None.
+    queue: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,14 @@ def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostT
     by the layer's backward and end with it. Without a host tier every byte is written to
     NVMe, its source held until then. With one, a copy lands in the arena and the store
     writes the oldest bytes out once it is three quarters full (it keeps a quarter free or
-    leaving): the forward waits when a copy finds no room or half the arena is in flight,
-    and the last bytes saved come back from memory."""
+    leaving): the forward waits when a copy finds no room or the host tier's queue bound is
+    in flight, and the last bytes saved come back from memory."""
     n = len(layers)
     off = layers[: n - k]
     forward = sum(x.forward_s for x in layers)
     rate = host.copy_bytes_per_s if host is not None else None
     cap = host.capacity if host is not None else 0
+    queue = cap // 2 if host is None or host.queue is None else min(host.queue, cap // 2)
     soft = cap - cap // 4
     t = write_finish = copy_finish = 0.0
     saved = spill = 0
@@ -134,7 +137,7 @@ def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostT
             continue
         copy_finish = max(max(copy_finish, start) + (x.bytes / rate if rate else 0.0), t)
         if rate:
-            room_ok &= (copy_finish - t) * rate <= cap // 2  # the transport's bound on copies in flight
+            room_ok &= (copy_finish - t) * rate <= queue  # the transport's bound on copies in flight
         more = saved - soft - spill
         if more > 0:  # written out from when this layer's saves pass three quarters of the arena
             begin = start + x.forward_s * (soft + spill - (saved - x.bytes)) / x.bytes
