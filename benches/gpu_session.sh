@@ -23,14 +23,15 @@
 # tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
 # torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
-# largest micro-batch of each mode); on request only: train_step_cuda, train_step_cuda_big,
+# largest micro-batch of each mode); on request only: bench_wide (8 blocks of width 4096:
+# how much adaptive mode offloads with more compute per byte), train_step_cuda, train_step_cuda_big,
 # cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
 # cufile part in which cuFile worked), udev_shim (benches/cufile_udev_shim.sh: the udev entry
 # cuFile needs, on a VM without udevd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
@@ -152,11 +153,14 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
             --json "$LOGS/cufile_probe.json"
         ;;
-    bench_quick | bench_1b | fit)
+    bench_quick | bench_1b | bench_wide | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
         bench_1b) secs=$(limit 560) args=(--batch 8 --steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
+        # Wider blocks: more compute per byte saved, so more of it can cross the link in time.
+        bench_wide) secs=$(limit 300) args=(--layers 8 --d-model 4096 --heads 32 --batch 8 --steps 3 --no-fio
+            --modes keep,ssdtier_adaptive,ssdtier_host,checkpoint) margin=60 ;;
         # The modes that may fit more at keep's speed: the rest are many times slower (run 2).
         fit) secs=$(limit 560) args=(--fit --modes keep,ssdtier_adaptive,checkpoint,ssdtier_host) margin=80 ;;
         esac
