@@ -357,8 +357,8 @@ def test_copies_queued_reserve_no_more_gpu_memory_than_their_bound(store_dir, mo
     assert pending <= 2 and stats.bytes_offloaded == 8 * block
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
-    # The bound, and a block of slack for the allocator's rounding.
-    assert got_reserved["peak"] - peak <= 3 * block, (got_reserved, peak)
+    # The bound, and two blocks of slack: a Linear's output before its ReLU, freed and cached.
+    assert got_reserved["peak"] - peak <= 4 * block, (got_reserved, peak)
 
 
 def test_a_graph_freed_while_its_copies_are_queued_frees_their_slots_after(store_dir):
