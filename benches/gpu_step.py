@@ -84,6 +84,9 @@ FIT_ORDER = (
     "ssdtier_nvme",
     "ssdtier_cufile",
 )
+# --fit: adaptive mode's plan at a new batch comes from the step before; its probes take
+# this many steps more, so that the one timed runs the plan made at that batch.
+ADAPTIVE_SETTLE = 2
 HOST_MODES = ("save_on_cpu", "torchtune")  # keep every activation in pinned host memory
 HOST_RAM_USE = 0.7  # --fit: their batch stays within this share of the RAM available
 SSDTIER_MODES = ("ssdtier_host", "ssdtier_nvme", "ssdtier_adaptive", "ssdtier_cufile")
@@ -823,9 +826,10 @@ def fit_mode(
                 torch.cuda.reset_peak_memory_stats()
                 probe["base_bytes"] = torch.cuda.memory_allocated()
                 first = first_step(batch, probe)
-                times = [first, *(s.step(batch)[0] for _ in range(steps - 1 + (0 if r["probes"] else 1)))]
+                more = steps - 1 + (0 if r["probes"] else 1) + (ADAPTIVE_SETTLE if mode == "ssdtier_adaptive" else 0)
+                times = [first, *(s.step(batch)[0] for _ in range(more))]
                 after = s.stats()
-                probe.update(fits=True, step_s=times[-1], s_per_sample=times[-1] / b)
+                probe.update(fits=True, steps=len(times), step_s=times[-1], s_per_sample=times[-1] / b)
                 probe["peak_bytes"] = torch.cuda.max_memory_allocated()
                 if before is not None and after is not None:
                     d = delta(after, before)

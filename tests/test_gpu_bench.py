@@ -375,6 +375,10 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     assert got == [(3, 4), (4, None), (4, 5)]
     assert fit["save_on_cpu"]["max_batch"] == 4 and fit["keep"]["rok_batch"] == 3
     assert fit["ssdtier_adaptive"]["store"]["policy"]["device_budget"] == "auto"
+    # Adaptive mode's timed step runs the plan made at its batch: 2 steps more per probe.
+    steps = [(p["batch"], p["steps"]) for p in fit["ssdtier_adaptive"]["probes"] if p["fits"]]
+    assert steps[0] == (1, 4) and all(n == 3 for _, n in steps[1:]), steps
+    assert all(p["steps"] in (1, 2) for p in fit["ssdtier_nvme"]["probes"] if p["fits"])
 
 
 def test_fit_tries_the_first_step_of_adaptive_mode_once_more(on_cpu, store_dir, monkeypatch):
