@@ -7,12 +7,13 @@
 #          (optional, for the torchtune mode; its offloading module is loaded alone):
 #          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
 #          bash benches/static_fio.sh                       (fio for the benches: none is there)
-# There (device tool: carry [".wheels"]), back to back, within one session's 15 minutes:
+# There (device tool: carry [".wheels"]), back to back, in this order of need:
 #   bash benches/gpu_session.sh call1                 # timeout_s 330: install import udev_shim info
 #                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile failed)
-#   SESSION_S=250 bash benches/gpu_session.sh call2   # timeout_s 270: install bench_1b (every mode)
-#   SESSION_S=... bash benches/gpu_session.sh call3   # what is left, less 20 s: install fit
-# If call1 fails on something fixable, fix it and run call1 again before call2.
+#   SESSION_S=... bash benches/gpu_session.sh call3   # install fit: the device time left less 20 s (>= 300)
+#   SESSION_S=300 bash benches/gpu_session.sh call2   # timeout_s 320: install bench_1b (every mode)
+# A session (15 device-minutes, the start included) fits call1 and one of the others.
+# If call1 fails on something fixable, fix it and run call1 again first.
 #
 # Out: $OUT/summary.txt and $OUT/gpu_session.tgz (every log, JSON and Markdown), rewritten after
 # each part, since the device tool brings back at most 8 files. Failed parts' log tails are
