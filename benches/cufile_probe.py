@@ -1,6 +1,7 @@
 """Which files cuFile takes in a directory, and with which settings: a descriptor opened as the
-store opens its files (O_TMPFILE), the same file reopened through /proc (what ssdtier
-registers), and a plain named file; each with cuFile's defaults and with
+store opens its files (O_TMPFILE), the same file reopened through /proc, the same file given
+a name (what ssdtier registers: cuFile opens a file again by its path), and a plain named
+file; each with cuFile's defaults and with
 CUFILE_FORCE_COMPAT_MODE=true. Each try runs in a process of its own and moves 1 MiB from the
 GPU to the file and back.
 
@@ -17,7 +18,8 @@ import os
 import subprocess
 import sys
 
-KINDS = ("tmpfile", "reopened", "named")
+KINDS = ("tmpfile", "reopened", "linked", "named")
+NAME = "probe.bin"
 ENVS = {"defaults": {}, "force_compat": {"CUFILE_FORCE_COMPAT_MODE": "true"}}
 SIZE = 1 << 20
 
@@ -25,11 +27,17 @@ SIZE = 1 << 20
 def _open(kind: str, d: str) -> tuple[int, list[int]]:
     flags = os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
     if kind == "named":
-        fd = os.open(os.path.join(d, "probe.bin"), flags | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(d, NAME), flags | os.O_CREAT, 0o600)
         return fd, [fd]
     tmp = os.open(d, flags | os.O_TMPFILE, 0o600)
     if kind == "tmpfile":
         return tmp, [tmp]
+    if kind == "linked":
+        from ssdtier.offload.cufile import _link_open_file
+
+        _link_open_file(f"/proc/self/fd/{tmp}", os.path.join(d, NAME))
+        fd = os.open(os.path.join(d, NAME), flags)
+        return fd, [fd, tmp]
     fd = os.open(f"/proc/self/fd/{tmp}", flags)
     return fd, [fd, tmp]
 
@@ -71,8 +79,8 @@ def child(kind: str, d: str, device: str, module: str) -> dict:
         out.update(ok=False, step=step, error=f"{type(e).__name__}: {e}")
     for f in fds:
         os.close(f)
-    if kind == "named":
-        os.unlink(os.path.join(d, "probe.bin"))
+    if kind in ("named", "linked"):
+        os.unlink(os.path.join(d, NAME))
     return out
 
 

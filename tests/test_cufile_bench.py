@@ -223,7 +223,7 @@ def test_transport_part_is_skipped_where_cufile_is_unavailable(cb, fake_cufile, 
 
 def test_the_probe_against_the_stand_in(tmp_path, monkeypatch):
     """benches/cufile_probe.py: each kind of file in a process of its own; the stand-in refuses
-    the O_TMPFILE flags as libcufile does, and takes the same file reopened through /proc."""
+    the O_TMPFILE flags and a file with no name as libcufile does, and takes it named."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "probe.json"
     d = TESTS.parent / "target" / "probe-test"  # O_DIRECT needs a real file system, not tmpfs
@@ -245,7 +245,8 @@ def test_the_probe_against_the_stand_in(tmp_path, monkeypatch):
     )
     assert r.returncode == 0, r.stderr
     rows = {(x["env"], x["kind"]): x for x in json.loads(out.read_text())}
-    assert len(rows) == 6
+    assert len(rows) == 8
     for env in ("defaults", "force_compat"):
         assert not rows[env, "tmpfile"]["ok"] and "INVALID_FILE_OPEN_FLAG" in rows[env, "tmpfile"]["error"]
-        assert rows[env, "reopened"]["ok"] and rows[env, "named"]["ok"]
+        assert not rows[env, "reopened"]["ok"] and "GETNEWFD_FAILED" in rows[env, "reopened"]["error"]
+        assert rows[env, "linked"]["ok"] and rows[env, "named"]["ok"]
