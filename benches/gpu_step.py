@@ -470,14 +470,16 @@ def release(setup: Setup | None, r: dict[str, Any]) -> None:
 
 class Phases:
     """Where the measured steps go: each step's forward, backward and optimizer step, in GPU
-    seconds (CUDA events; host clocks on the CPU), the peak allocated and reserved memory in
-    each (the peak counters reset between them), and what is allocated at the forward's end."""
+    seconds (CUDA events; host clocks on the CPU) and in the host's seconds (the GPU's time
+    close to the host's says the host was the limit), the peak allocated and reserved memory
+    in each (the peak counters reset between them), and what is allocated at the forward's end."""
 
     NAMES = ("forward", "backward", "optimizer")
 
     def __init__(self) -> None:
         self.steps: list[dict[str, list[float]]] = []
         self.marks: list[Any] = []
+        self.clocks: list[float] = []  # the host's, at each mark
         self.peaks: list[tuple[int, int]] = []
         self.held = 0
 
@@ -509,13 +511,14 @@ class Phases:
         import torch
 
         torch.cuda.reset_peak_memory_stats()
-        self.marks, self.peaks = [self._mark()], []
+        self.marks, self.peaks, self.clocks = [self._mark()], [], [time.perf_counter()]
 
     def lap(self) -> None:
         """A phase ends."""
         import torch
 
         self.marks.append(self._mark())
+        self.clocks.append(time.perf_counter())
         now, peak, reserved = self._memory()
         if len(self.marks) == 2:
             self.held = now
@@ -532,6 +535,7 @@ class Phases:
         self.steps.append(
             {
                 "seconds": secs,
+                "host_seconds": [b - a for a, b in itertools.pairwise(self.clocks)],
                 "allocated": [float(p[0]) for p in self.peaks],
                 "reserved": [float(p[1]) for p in self.peaks],
                 "held": [float(self.held)],
@@ -551,6 +555,7 @@ class Phases:
         out: dict[str, Any] = {}
         for i, name in enumerate(self.NAMES):
             out[f"{name}_s"] = statistics.median(s["seconds"][i] for s in self.steps)
+            out[f"{name}_host_s"] = statistics.median(s["host_seconds"][i] for s in self.steps)
             out[f"{name}_peak_bytes"] = max(s["allocated"][i] for s in self.steps) - base
             out[f"{name}_reserved_bytes"] = max(s["reserved"][i] for s in self.steps) - base
         out["held_at_forward_end_bytes"] = max(s["held"][0] for s in self.steps) - base
@@ -1219,7 +1224,7 @@ def render_steps(results: dict[str, Any]) -> str:
 
 def render_phases(runs: dict[str, Any]) -> list[str]:
     """Where each mode's step goes: the time and the peak memory of its phases."""
-    hdr = ["mode", "forward s", "backward s", "optimizer s", "held at forward end GiB"]
+    hdr = ["mode", "forward s", "backward s", "optimizer s", "host s fwd / bwd", "held at forward end GiB"]
     hdr += ["peak GiB fwd / bwd / opt", "reserved GiB fwd / bwd / opt"]
     rows = []
     for mode, r in runs.items():
@@ -1231,6 +1236,7 @@ def render_phases(runs: dict[str, Any]) -> list[str]:
             [
                 mode,
                 *(f"{ph[f'{x}_s']:.3f}" for x in names),
+                " / ".join(f"{ph[f'{x}_host_s']:.3f}" if f"{x}_host_s" in ph else "-" for x in names[:2]),
                 _gib(ph["held_at_forward_end_bytes"]),
                 " / ".join(_gib(ph[f"{x}_peak_bytes"]) for x in names),
                 " / ".join(_gib(ph[f"{x}_reserved_bytes"]) for x in names),
@@ -1239,8 +1245,9 @@ def render_phases(runs: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     what = (
-        "Where a step goes (medians; GPU time between CUDA events; memory above the start's allocation, "
-        "the peak counters reset between phases):"
+        "Where a step goes (medians; GPU time between CUDA events, and the host's time between them: close "
+        "to the GPU's, the host was the limit; memory above the start's allocation, the peak counters "
+        "reset between phases):"
     )
     return [what, "", *md_table(hdr, rows), ""]
 

@@ -213,9 +213,12 @@ def test_each_phase_has_its_own_peak_and_the_step_the_largest(gs, monkeypatch):
     assert (got["forward_peak_bytes"], got["backward_peak_bytes"], got["optimizer_peak_bytes"]) == (42, 35, 21)
     assert (got["forward_reserved_bytes"], got["backward_reserved_bytes"]) == (51, 62)
     assert got["held_at_forward_end_bytes"] == 22 and got["forward_s"] >= 0
+    assert got["forward_host_s"] >= 0 and got["backward_host_s"] >= 0
     res = {"keep": {"status": "ok", "phases": got}, "save_on_cpu": {"status": "OOM"}}
     text = "\n".join(gs.render_phases(res))
     assert "Where a step goes" in text and "save_on_cpu" not in text
+    host = f"{got['forward_host_s']:.3f} / {got['backward_host_s']:.3f}"
+    assert re.search(rf"\| keep +\|.*\| +{re.escape(host)} \|", text), text
 
 
 def test_allocations_retried_under_memory_pressure_are_said(gs, monkeypatch):
