@@ -19,6 +19,7 @@ from ssdtier.errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ssdtier.gds import Gds, GdsState
 from ssdtier.offload import cufile
 from ssdtier.offload.cufile import CuFile
+from ssdtier.paths import CUFILE_LINK_PREFIX
 from ssdtier.store import ByteStore
 
 from . import fake_cufile as fake
@@ -193,20 +194,32 @@ def test_a_file_cufile_cannot_register_closes_the_driver(store, monkeypatch):
 
 
 def _links(store):
-    return [e for d in store.config.nvme for e in os.listdir(d.path) if e.startswith(cufile.LINK_PREFIX)]
+    return [e for d in store.config.nvme for e in os.listdir(d.path) if e.startswith(CUFILE_LINK_PREFIX)]
+
+
+def test_a_store_removes_the_names_a_dead_process_left(store_dir):
+    """A process that died under cuFile leaves its store files named: a store opened in the
+    same directory removes them (a live process's stay)."""
+    d = store_dir / "a"
+    d.mkdir(parents=True)
+    stale, live = d / f"{CUFILE_LINK_PREFIX}999999999-0", d / f"{CUFILE_LINK_PREFIX}{os.getpid()}-0"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    ByteStore(two_dirs(store_dir)).close()
+    assert not stale.exists() and live.exists()
 
 
 def test_the_stores_nameless_files_are_named_while_cufile_has_them(store):
     """cuFile opens a registered file again by its path; the store's O_TMPFILE files get a
     name while registered and lose it at close, and a dead process's names are removed."""
     fake.reset()
-    stale = os.path.join(store.config.nvme[0].path, f"{cufile.LINK_PREFIX}999999999-0")
-    live = os.path.join(store.config.nvme[0].path, f"{cufile.LINK_PREFIX}{os.getppid()}-0")
+    stale = os.path.join(store.config.nvme[0].path, f"{CUFILE_LINK_PREFIX}999999999-0")
+    live = os.path.join(store.config.nvme[0].path, f"{CUFILE_LINK_PREFIX}{os.getppid()}-0")
     for name in (stale, live):
         open(name, "w").close()
     io = CuFile(store.native, 1, None, fake)
     try:
-        mine = [n for n in _links(store) if n.startswith(f"{cufile.LINK_PREFIX}{os.getpid()}-")]
+        mine = [n for n in _links(store) if n.startswith(f"{CUFILE_LINK_PREFIX}{os.getpid()}-")]
         assert len(mine) == 2  # one per device
         assert not os.path.exists(stale) and os.path.exists(live)
         round_trip(io, store, 6)

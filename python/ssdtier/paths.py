@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -153,3 +154,30 @@ def _warn_if_remote(label: str, probe: str) -> None:
         f"{label} is on {w.describe()}: every step's activations would cross the network. "
         f"Point it at a local SSD{': here ' + ssds if ssds else ''}"
     )
+
+
+# A store file named while cuFile has it registered (it opens files again by path), then the
+# pid: offload/cufile.py gives the names, a process that died with them leaves them.
+CUFILE_LINK_PREFIX = ".ssdtier-cufile-"
+
+
+def remove_stale_links(folder: str) -> None:
+    """Remove the names a process that is gone gave its store files in ``folder``."""
+    with contextlib.suppress(OSError), os.scandir(folder) as it:
+        for entry in it:
+            if not entry.name.startswith(CUFILE_LINK_PREFIX):
+                continue
+            pid = entry.name[len(CUFILE_LINK_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # someone else's process: alive
+    return True

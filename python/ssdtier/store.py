@@ -15,7 +15,7 @@ import torch
 from . import _native
 from .config import Config, resolve_config
 from .errors import SsdtierError, StoreClosedError, UnknownKeyError, warn
-from .paths import check_paths
+from .paths import check_paths, remove_stale_links
 from .sizes import GiB, format_size
 
 __all__ = ["ByteStore", "StoreStats", "TieredStore"]
@@ -109,6 +109,8 @@ class ByteStore:
         if cfg.io.fixed_buffers and cfg.host.capacity >= _SLOW_ARENA:
             # Registering it with io_uring faults in every page: about 0.3 s per GiB, on one thread.
             log.info("ssdtier: mapping and registering a %s host arena...", format_size(cfg.host.capacity))
+        for path, _ in self._devices:
+            remove_stale_links(path)  # a store file that outlived a crash under cuFile
         t0 = time.perf_counter()
         self._native = _native.Store(
             self._devices,

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import SsdtierError
 from ..gds import Gds, GdsState, probe
+from ..paths import CUFILE_LINK_PREFIX, remove_stale_links
 from ._util import on_device, warn
 
 log = logging.getLogger("ssdtier")
@@ -33,7 +34,6 @@ log = logging.getLogger("ssdtier")
 MODULE = "cuda.bindings.cufile"  # the tests give a stand-in that moves host memory
 DEVICE_TYPES = ("cuda",)  # whose storages it moves (the tests add "cpu")
 
-LINK_PREFIX = ".ssdtier-cufile-"  # then the pid: a name given to a store file while cuFile has it
 OPEN_TIMEOUT_S = 30.0  # driver_open has been seen to spin forever (no libcuda.so.1)
 
 # cuFile's driver is opened once per process and closed when its last user closes.
@@ -195,8 +195,8 @@ class CuFile:
         path = os.readlink(proc)
         if path.endswith(" (deleted)"):
             folder = os.path.dirname(path)
-            _remove_stale_links(folder)
-            path = os.path.join(folder, f"{LINK_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+            remove_stale_links(folder)
+            path = os.path.join(folder, f"{CUFILE_LINK_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
             _link_open_file(proc, path)
             self.links.append(path)
         return os.open(path, os.O_RDWR | os.O_CLOEXEC | direct)
@@ -223,28 +223,6 @@ def _link_open_file(proc: str, path: str) -> None:
                 "it was given to cuFile before, by an earlier CuFile on the same store"
             )
         raise OSError(err, f"cannot give the store's file a name for cuFile: {os.strerror(err)}", path)
-
-
-def _remove_stale_links(folder: str) -> None:
-    """Names left by a process that died with cuFile registered (its pid is gone)."""
-    with contextlib.suppress(OSError), os.scandir(folder) as it:
-        for entry in it:
-            if not entry.name.startswith(LINK_PREFIX):
-                continue
-            pid = entry.name[len(LINK_PREFIX) :].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass  # someone else's process: alive
-    return True
 
 
 def _open_driver(module: Any) -> None:
