@@ -124,7 +124,7 @@ def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostT
     forward = sum(x.forward_s for x in layers)
     rate = host.copy_bytes_per_s if host is not None else None
     cap = host.capacity if host is not None else 0
-    queue = cap // 2 if host is None or host.queue is None else min(host.queue, cap // 2)
+    queue = cap // 2 if host is None or host.queue is None else host.queue
     soft = cap - cap // 4
     t = write_finish = copy_finish = 0.0
     saved = spill = 0

@@ -18,7 +18,6 @@ from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Gpu
 from .control import StepControl
-from .cuda import queue_bound
 
 if TYPE_CHECKING:
     from .offloader import Offloader
@@ -100,7 +99,7 @@ class Adaptive:
         if self.device is not None:
             if off._gds is not None:
                 return None
-            return HostTier(arena.numel(), copy_bandwidth(self.device), queue_bound(self.device))
+            return HostTier(arena.numel(), copy_bandwidth(self.device), off.cuda.bound)
         return None if off.config.io.zero_copy else HostTier(arena.numel(), None)
 
     def block_enter(self, tag: int) -> None:

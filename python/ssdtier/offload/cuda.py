@@ -176,11 +176,6 @@ class GpuWaits:
             self.seconds += before.elapsed_time(after) / 1e3
 
 
-def queue_bound(device: torch.device) -> int:
-    """The most bytes of copies out the GPU's memory may hold queued."""
-    return max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
-
-
 def device_memory(device: torch.device) -> int:
     """A GPU's memory in bytes (a function of its own: the CPU tests stand in for it)."""
     return torch.cuda.get_device_properties(device).total_memory
@@ -229,7 +224,7 @@ class CudaTransport:
                 self.pinned = Pinned(self.store.arena, device)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
-            queue = queue_bound(device)
+            queue = max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
             if queue < self.bound:
                 self.bound = queue
                 log.info("ssdtier: copies out queued hold at most %s of %s's memory", format_size(queue), device)
