@@ -8,10 +8,12 @@
 #          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
 #          bash benches/static_fio.sh                       (fio for the benches: none is there)
 # There (device tool: carry [".wheels"]), back to back, in this order of need:
-#   bash benches/gpu_session.sh call1                 # timeout_s 330: install import udev_shim info
-#                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile failed)
+#   bash benches/gpu_session.sh call1                 # timeout_s 360: install import udev_shim info
+#                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile
+#                                                     #   failed) pin_rate
 #   SESSION_S=... bash benches/gpu_session.sh call3   # install fit: the device time left less 20 s (>= 300)
-#   SESSION_S=300 bash benches/gpu_session.sh call2   # timeout_s 320: install bench_1b (every mode)
+#   SESSION_S=300 bash benches/gpu_session.sh call2   # timeout_s 320: install bench_1b (every mode),
+#                                                     #   bench_expandable with the time left
 # A session (15 device-minutes, the start included) fits call1 and one of the others.
 # If call1 fails on something fixable, fix it and run call1 again first.
 #
@@ -24,7 +26,10 @@
 # tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
 # torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
-# largest micro-batch of each mode); on request only: bench_wide (8 blocks of width 4096:
+# largest micro-batch of each mode), pin_rate (benches/pin_rate.py: how fast a host arena is
+# pinned, and whether faulting it in first, over threads or in huge pages, is faster),
+# bench_expandable (bench_1b's keep, adaptive and checkpoint with the allocator's expandable
+# segments: the reserved memory a second stream's pool adds); on request only: bench_wide (8 blocks of width 4096:
 # how much adaptive mode offloads with more compute per byte), train_step_cuda, train_step_cuda_big,
 # cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
 # cufile part in which cuFile worked), udev_shim (benches/cufile_udev_shim.sh: the udev entry
@@ -32,12 +37,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} pin_rate bench_expandable bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
-    call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe) ;;
-    call2) parts+=(install bench_1b) ;;
+    call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe pin_rate) ;;
+    call2) parts+=(install bench_1b bench_expandable) ;;
     call3) parts+=(install fit) ;;
     *) parts+=("$a") ;;
     esac
@@ -140,6 +145,9 @@ for p in "${parts[@]}"; do
         part cufile "$(limit 75)" "$PY" benches/cufile_bandwidth.py --size 1GiB --repeats 2 --timeout-s 30 \
             --json "$LOGS/cufile_bandwidth.json"
         ;;
+    pin_rate)
+        part pin_rate "$(limit 75)" "$PY" benches/pin_rate.py --size 4GiB --json "$LOGS/pin_rate.json"
+        ;;
     udev_shim)
         part udev_shim "$(limit 20)" bash benches/cufile_udev_shim.sh benches/out
         ;;
@@ -154,18 +162,22 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
             --json "$LOGS/cufile_probe.json"
         ;;
-    bench_quick | bench_1b | bench_wide | fit)
+    bench_quick | bench_1b | bench_expandable | bench_wide | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
         bench_1b) secs=$(limit 560) args=(--batch 8 --steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
+        bench_expandable) secs=$(limit 240) args=(--batch 8 --steps 3 --no-fio --modes keep,ssdtier_adaptive,checkpoint)
+            margin=50 ;;
         # Wider blocks: more compute per byte saved, so more of it can cross the link in time.
         bench_wide) secs=$(limit 300) args=(--layers 8 --d-model 4096 --heads 32 --batch 8 --steps 3 --no-fio
             --modes keep,ssdtier_adaptive,ssdtier_host,checkpoint) margin=60 ;;
         # The modes that may fit more at keep's speed: the rest are many times slower (run 2).
         fit) secs=$(limit 560) args=(--fit --modes keep,ssdtier_adaptive,checkpoint,ssdtier_host) margin=80 ;;
         esac
-        part "$p" "$secs" "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
+        env=()
+        [ "$p" = bench_expandable ] && env=(env "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        part "$p" "$secs" ${env[@]+"${env[@]}"} "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
             --json "$LOGS/gpu_step_$p.json" --md "$LOGS/gpu_step_$p.md"
         ;;
     train_step_cuda)

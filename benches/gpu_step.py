@@ -283,6 +283,7 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "dir": str(args.dir),
         "mount": mount_of(args.dir),
         "disk_free": shutil.disk_usage(args.dir).free,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
 
 
@@ -1108,6 +1109,8 @@ def header(results: dict[str, Any]) -> list[str]:
         f"{' autocast' if a['dtype'] == 'bf16' else ''}, fused AdamW",
         f"--dir {m['dir']} on {mt['device']} ({mt.get('medium', mt['fstype'])}), {m['disk_free'] / GiB:.0f} GiB free",
     ]
+    if m.get("alloc_conf"):
+        lines.append(f"PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']}")
     for mode, note in results.get("config_notes", {}).items():
         lines.append(f"{mode}: {note}")
     return lines

@@ -3,9 +3,12 @@ shape, never for speed)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 TINY = ["--layers", "2", "--d-model", "32", "--seq", "16", "--batch", "2", "--heads", "2", "--vocab", "64"]
@@ -198,3 +201,15 @@ def test_spill_reads_prints_a_row_per_cell(store_dir):
     rows = [r for r in p.stdout.splitlines() if r.startswith("| 1 ") or r.startswith("| 2 ")]
     # Two disk rates each: lifetime and lru for one forward (one group either way), all three for two.
     assert len(rows) == 2 * (2 + 3), p.stdout
+
+
+def test_pin_rate_times_each_way_of_pinning(tmp_path):
+    out = tmp_path / "pin.json"
+    r = run("pin_rate.py", "--size", "64MiB", "--threads", "1,2", "--repeats", "1", "--json", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    ways = ["plain", "plain+populate x1", "plain+populate x2", "huge", "huge+populate x1", "huge+populate x2"]
+    assert list(got["rows"]) == ways and got["size"] == 64 << 20
+    for way, row in got["rows"].items():
+        assert row["total_s"] > 0 and row["gb_s"] == pytest.approx((64 << 20) / row["total_s"] / 1e9)
+        assert (row["populate_s"] > 0) == ("populate" in way), way
