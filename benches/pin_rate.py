@@ -64,7 +64,7 @@ class Pinner:
             _check(libc.mlock(p, n), "mlock")
             return
         rc = self.cudart.cudaHostRegister(p, n, REGISTER_PORTABLE)
-        if int(getattr(rc, "value", rc)) != 0:
+        if int(rc[0] if isinstance(rc, tuple) else rc) != 0:
             raise RuntimeError(f"cudaHostRegister: {rc}")
 
     def unpin(self, p: int, n: int) -> None:
