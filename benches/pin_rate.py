@@ -8,7 +8,7 @@ to register on an H200 VM). Each way maps a fresh region as the store maps its a
 
     python benches/pin_rate.py [--size 8GiB] [--threads 1,4,16] [--repeats 2] [--json OUT]
 
-Ways are interleaved over repeats; the median of each is reported, in GB/s (10^9 B/s).
+Ways are interleaved over repeats, each repeat starting at another; the median of each is reported, in GB/s (10^9 B/s).
 """
 
 from __future__ import annotations
@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {_machine.nproc()} CPUs, {_machine.mem_total() / 2**30:.0f} GiB RAM, {_machine.kernel()}")
     runs: dict[str, list[dict[str, float]]] = {}
     for rep in range(args.repeats):
-        for huge, t in ways:
+        # Each repeat starts at another way: what one way leaves (fragmented or whole huge
+        # pages, memory the hypervisor backs already) must not always fall to the same next.
+        shift = rep * len(ways) // args.repeats
+        for huge, t in ways[shift:] + ways[:shift]:
             name = ("huge" if huge else "plain") + (f"+populate x{t}" if t else "")
             r = one(pinner, n, huge, t)
             runs.setdefault(name, []).append(r)
