@@ -28,8 +28,10 @@ A step is forward + backward + fused AdamW under bf16 autocast (``--dtype``). Af
 peak GPU memory = ``max_memory_allocated`` over the measured steps, activation memory = that
 peak minus ``memory_allocated`` at the reset. Step time = median of the measured steps,
 each between ``torch.cuda.synchronize`` calls. For the ssdtier modes, ``off.stats()`` before
-and after gives NVMe bytes and the waits of forward and backward per step; the NVMe bandwidth reached (bytes per step /
-step time) is set beside fio's on the same directory (same block size and queue depth).
+and after gives NVMe bytes and the waits of forward and backward per step; those bytes at the
+rates fio reaches on the same directory (same block size and queue depth) are set as a share
+of the step: 1.00 means the step runs at the disk's speed. After a mode's steps, the
+allocator's reserved memory is split by the stream it was reserved for.
 A row at another batch than keep's has its activations and time compared per sample. Each
 mode gets its share of the time left (``--budget-s``): a slow one is cut to fewer steps.
 
@@ -458,6 +460,32 @@ def free_memory() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
+def reserved_by_stream(off: Any) -> dict[str, dict[str, int]]:
+    """The allocator's segments by the stream they were reserved for, and how much of each is
+    allocated: what a side stream's pool (ssdtier's prefetch stream) adds to reserved memory."""
+    import torch
+
+    if DEVICE != "cuda":
+        return {}
+    names = {torch.cuda.current_stream().cuda_stream: "compute"}
+    if off is not None:
+        for offload, prefetch in off.cuda.streams.values():
+            names[offload.cuda_stream] = "ssdtier offload"
+            names[prefetch.cuda_stream] = "ssdtier prefetch"
+        for side in off.cpu.side.values():
+            names[side.cuda_stream] = "ssdtier cuFile reads"
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # an older torch: no include_traces
+        segments = torch.cuda.memory_snapshot()
+    out: dict[str, dict[str, int]] = {}
+    for seg in segments:
+        d = out.setdefault(names.get(seg["stream"], "other streams"), {"reserved": 0, "allocated": 0})
+        d["reserved"] += seg["total_size"]
+        d["allocated"] += seg["allocated_size"]
+    return out
+
+
 def release(setup: Setup | None, r: dict[str, Any]) -> None:
     """A mode's end: detach, free; a failure here goes into its result, and the next mode still runs."""
     try:
@@ -716,6 +744,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
         # The phases reset the peak counters: the peaks are theirs.
         peak, reserved = max(peak, phases.peak[0]), max(probe.reserved, phases.peak[1])
         r["phases"] = phases.summary(base)
+        r["reserved_by_stream"] = reserved_by_stream(setup.off)
         after = setup.stats()
         plan = setup.off.plan() if setup.off is not None else None
         if plan is not None:
@@ -1190,6 +1219,11 @@ def render_steps(results: dict[str, Any]) -> str:
                 f"host peak {_gib(d['store']['host_peak'])} GiB, NVMe peak {_gib(d['store']['nvme_peak'])} GiB"
             )
     for mode, r in runs.items():
+        by = r.get("reserved_by_stream")
+        if r.get("status") == "ok" and by:
+            parts = [f"{k} {_gib(v['reserved'])} ({_gib(v['reserved'] - v['allocated'])} free)" for k, v in by.items()]
+            lines.append(f"{mode}: reserved GiB by stream after its steps: {', '.join(parts)}")
+    for mode, r in runs.items():
         if r.get("plan"):
             lines += [f"{mode}: {line.strip()}" for line in r["plan"].splitlines()[:2]]
     lines += copy_ceiling(results)
@@ -1205,11 +1239,11 @@ def render_steps(results: dict[str, Any]) -> str:
             )
             for m in DISK_MODES:
                 r = runs.get(m, {})
-                if r.get("status") == "ok":
+                if r.get("status") == "ok" and (r["nvme_write_bps"] or r["nvme_read_bps"]):
+                    w, rd = r["nvme_write_bps"] / fio["write"], r["nvme_read_bps"] / fio["read"]
                     lines.append(
-                        f"{m} reached {r['nvme_write_bps'] / fio['write']:.2f} of fio's write and "
-                        f"{r['nvme_read_bps'] / fio['read']:.2f} of its read bandwidth (bytes per step / median step; "
-                        "the I/O runs during part of the step only)"
+                        f"{m}: at fio's rates its NVMe bytes take {w + rd:.2f} of its median step (writes {w:.2f}, "
+                        f"reads {rd:.2f}); 1.00: the step runs at the disk's speed"
                     )
     goal = results.get("goal", {})
     if goal:

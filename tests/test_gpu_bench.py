@@ -174,7 +174,8 @@ def test_report_has_ratios_goal_and_failures(gs):
     text = gs.render_steps(res)
     assert re.search(r"\| save_on_cpu +\| +OOM \|", text) and re.search(r"\| torchtune +\| +not installed \|", text)
     assert re.search(r"\| +0\.250 \|", text)  # ssdtier_nvme's activations / keep's
-    assert "4.0 + 4.0" in text and "2.00 / 3.00" in text and "0.50 of fio's write" in text
+    assert "4.0 + 4.0" in text and "2.00 / 3.00" in text
+    assert "ssdtier_nvme: at fio's rates its NVMe bytes take 1.00 of its median step (writes 0.50, reads 0.50)" in text
     assert "(a row at another batch than keep's: its activations and step time x keep are per sample)" in text
     assert "goal: activations <= 0.3 of keep" in text
     assert "8 heads (sdpa attention)" in text
@@ -183,6 +184,35 @@ def test_report_has_ratios_goal_and_failures(gs):
     # 40 GiB in a third of 1 s need 129 GB/s; 20 GB/s moves 0.16 of them.
     assert "copies GPU <-> pinned host: 20.0 GB/s" in text and "need 129 GB/s: at most 0.16 of them" in text
     json.dumps(res)
+
+
+def test_reserved_memory_is_split_by_the_stream_it_was_reserved_for(gs, monkeypatch):
+    monkeypatch.setattr(gs, "DEVICE", "cuda")
+    stream = lambda handle: SimpleNamespace(cuda_stream=handle)  # noqa: E731
+    off = SimpleNamespace(
+        cuda=SimpleNamespace(streams={"cuda:0": (stream(11), stream(12))}), cpu=SimpleNamespace(side={})
+    )
+    segments = [
+        {"stream": 0, "total_size": 8 << 30, "allocated_size": 6 << 30},
+        {"stream": 12, "total_size": 2 << 30, "allocated_size": 0},
+        {"stream": 0, "total_size": 1 << 30, "allocated_size": 1 << 30},
+        {"stream": 99, "total_size": 1 << 30, "allocated_size": 1 << 30},
+    ]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream(0))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **k: segments)
+    by = gs.reserved_by_stream(off)
+    assert by == {
+        "compute": {"reserved": 9 << 30, "allocated": 7 << 30},
+        "ssdtier prefetch": {"reserved": 2 << 30, "allocated": 0},
+        "other streams": {"reserved": 1 << 30, "allocated": 1 << 30},
+    }
+    res = fake_results(gs)
+    res["modes"]["ssdtier_nvme"]["reserved_by_stream"] = by
+    text = gs.render_steps(res)
+    assert (
+        "ssdtier_nvme: reserved GiB by stream after its steps: compute 9.00 (2.00 free), "
+        "ssdtier prefetch 2.00 (2.00 free), other streams 1.00 (0.00 free)" in text
+    )
 
 
 def test_the_goal_counts_blocks_still_being_copied_out(gs):
