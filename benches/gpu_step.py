@@ -866,6 +866,7 @@ def fit_mode(
                 after = s.stats()
                 probe.update(fits=True, steps=len(times), step_s=times[-1], s_per_sample=times[-1] / b)
                 probe["peak_bytes"] = torch.cuda.max_memory_allocated()
+                probe["reserved_by_stream"] = reserved_by_stream(s.off)
                 if before is not None and after is not None:
                     d = delta(after, before)
                     probe["nvme_written_per_step"] = d["bytes_written_nvme"] / len(times)
@@ -1120,6 +1121,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _by_stream(by: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{k} {_gib(v['reserved'])} ({_gib(v['reserved'] - v['allocated'])} free)" for k, v in by.items())
+
+
 def _x(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.3f}" if key in r else "-"
 
@@ -1219,10 +1224,8 @@ def render_steps(results: dict[str, Any]) -> str:
                 f"host peak {_gib(d['store']['host_peak'])} GiB, NVMe peak {_gib(d['store']['nvme_peak'])} GiB"
             )
     for mode, r in runs.items():
-        by = r.get("reserved_by_stream")
-        if r.get("status") == "ok" and by:
-            parts = [f"{k} {_gib(v['reserved'])} ({_gib(v['reserved'] - v['allocated'])} free)" for k, v in by.items()]
-            lines.append(f"{mode}: reserved GiB by stream after its steps: {', '.join(parts)}")
+        if r.get("status") == "ok" and r.get("reserved_by_stream"):
+            lines.append(f"{mode}: reserved GiB by stream after its steps: {_by_stream(r['reserved_by_stream'])}")
     for mode, r in runs.items():
         if r.get("plan"):
             lines += [f"{mode}: {line.strip()}" for line in r["plan"].splitlines()[:2]]
@@ -1354,6 +1357,9 @@ def render_fit(results: dict[str, Any]) -> str:
     for mode, r in fit.items():
         if r.get("status") != "ok":
             lines.append(f"{mode}: {r.get('status')}: {r.get('error', '')}")
+        by = (r.get("at_largest") or {}).get("reserved_by_stream")
+        if by:
+            lines.append(f"{mode}: reserved GiB by stream at its largest batch: {_by_stream(by)}")
         spilled = [p for p in r.get("probes", []) if p.get("nvme_written_per_step")]
         if mode == "ssdtier_host" and spilled:
             lines.append(

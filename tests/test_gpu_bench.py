@@ -332,12 +332,14 @@ def test_fit_report_has_the_rok_view(gs):
     }
     for r in res["fit"].values():
         r["at_largest"] = next(p for p in r["probes"] if p["batch"] == r["largest"])
+    res["fit"]["ssdtier_host"]["at_largest"]["reserved_by_stream"] = {"compute": {"reserved": 3 << 30, "allocated": 0}}
     res["rok_reference_s_per_sample"] = gs.rok(res["fit"], 1.05)
     assert res["rok_reference_s_per_sample"] == 0.2
     assert [res["fit"][m]["rok_batch"] for m in ("keep", "ssdtier_host", "checkpoint")] == [4, 4, 0]
     text = gs.render_fit(res)
     assert "ROK: largest micro-batch at <= 1.05x keep's time per sample: keep 4, ssdtier_host 4, checkpoint 0" in text
     assert re.search(r"\| checkpoint +\| +64 \(cut\) \|", text)
+    assert "ssdtier_host: reserved GiB by stream at its largest batch: compute 3.00 (3.00 free)" in text
 
 
 def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch, capsys):
