@@ -461,8 +461,9 @@ def free_memory() -> None:
 
 
 def reserved_by_stream(off: Any) -> dict[str, dict[str, int]]:
-    """The allocator's segments by the stream they were reserved for, and how much of each is
-    allocated: what a side stream's pool (ssdtier's prefetch stream) adds to reserved memory."""
+    """The allocator's segments by the stream they were reserved for: reserved, allocated, and
+    freed but awaiting other streams. What a side stream's pool (ssdtier's prefetch stream)
+    adds to reserved memory."""
     import torch
 
     if DEVICE != "cuda":
@@ -480,9 +481,11 @@ def reserved_by_stream(off: Any) -> dict[str, dict[str, int]]:
         segments = torch.cuda.memory_snapshot()
     out: dict[str, dict[str, int]] = {}
     for seg in segments:
-        d = out.setdefault(names.get(seg["stream"], "other streams"), {"reserved": 0, "allocated": 0})
+        d = out.setdefault(names.get(seg["stream"], "other streams"), {"reserved": 0, "allocated": 0, "awaiting": 0})
         d["reserved"] += seg["total_size"]
         d["allocated"] += seg["allocated_size"]
+        # Freed, but another stream may still use it (a source whose copy out is queued).
+        d["awaiting"] += seg.get("active_size", seg["allocated_size"]) - seg["allocated_size"]
     return out
 
 
@@ -1122,7 +1125,11 @@ def _gib(n: float) -> str:
 
 
 def _by_stream(by: dict[str, dict[str, int]]) -> str:
-    return ", ".join(f"{k} {_gib(v['reserved'])} ({_gib(v['reserved'] - v['allocated'])} free)" for k, v in by.items())
+    return ", ".join(
+        f"{k} {_gib(v['reserved'])} ({_gib(v['reserved'] - v['allocated'] - v.get('awaiting', 0))} free"
+        + (f", {_gib(v['awaiting'])} awaiting other streams)" if v.get("awaiting") else ")")
+        for k, v in by.items()
+    )
 
 
 def _x(r: dict[str, Any], key: str) -> str:

@@ -193,7 +193,7 @@ def test_reserved_memory_is_split_by_the_stream_it_was_reserved_for(gs, monkeypa
         cuda=SimpleNamespace(streams={"cuda:0": (stream(11), stream(12))}), cpu=SimpleNamespace(side={})
     )
     segments = [
-        {"stream": 0, "total_size": 8 << 30, "allocated_size": 6 << 30},
+        {"stream": 0, "total_size": 8 << 30, "allocated_size": 5 << 30, "active_size": 6 << 30},
         {"stream": 12, "total_size": 2 << 30, "allocated_size": 0},
         {"stream": 0, "total_size": 1 << 30, "allocated_size": 1 << 30},
         {"stream": 99, "total_size": 1 << 30, "allocated_size": 1 << 30},
@@ -202,15 +202,15 @@ def test_reserved_memory_is_split_by_the_stream_it_was_reserved_for(gs, monkeypa
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **k: segments)
     by = gs.reserved_by_stream(off)
     assert by == {
-        "compute": {"reserved": 9 << 30, "allocated": 7 << 30},
-        "ssdtier prefetch": {"reserved": 2 << 30, "allocated": 0},
-        "other streams": {"reserved": 1 << 30, "allocated": 1 << 30},
+        "compute": {"reserved": 9 << 30, "allocated": 6 << 30, "awaiting": 1 << 30},
+        "ssdtier prefetch": {"reserved": 2 << 30, "allocated": 0, "awaiting": 0},
+        "other streams": {"reserved": 1 << 30, "allocated": 1 << 30, "awaiting": 0},
     }
     res = fake_results(gs)
     res["modes"]["ssdtier_nvme"]["reserved_by_stream"] = by
     text = gs.render_steps(res)
     assert (
-        "ssdtier_nvme: reserved GiB by stream after its steps: compute 9.00 (2.00 free), "
+        "ssdtier_nvme: reserved GiB by stream after its steps: compute 9.00 (2.00 free, 1.00 awaiting other streams), "
         "ssdtier prefetch 2.00 (2.00 free), other streams 1.00 (0.00 free)" in text
     )
 
