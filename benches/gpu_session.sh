@@ -8,7 +8,7 @@
 #          .venv/bin/pip download --no-deps -d .wheels/extra torchtune==0.6.1 torchao==0.17.0
 #          bash benches/static_fio.sh                       (fio for the benches: none is there)
 # There (device tool: carry [".wheels"]), back to back, in this order of need:
-#   bash benches/gpu_session.sh call1                 # timeout_s 360: install import udev_shim info
+#   SESSION_S=350 bash benches/gpu_session.sh call1   # timeout_s 360: install import udev_shim info
 #                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile
 #                                                     #   failed) pin_rate
 #   SESSION_S=... bash benches/gpu_session.sh call3   # install fit: the device time left less 20 s (>= 300)
