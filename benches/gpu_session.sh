@@ -146,7 +146,7 @@ for p in "${parts[@]}"; do
             --json "$LOGS/cufile_bandwidth.json"
         ;;
     pin_rate)
-        part pin_rate "$(limit 75)" "$PY" benches/pin_rate.py --size 4GiB --json "$LOGS/pin_rate.json"
+        part pin_rate "$(limit 75)" "$PY" benches/pin_rate.py --size 2GiB --json "$LOGS/pin_rate.json"
         ;;
     udev_shim)
         part udev_shim "$(limit 20)" bash benches/cufile_udev_shim.sh benches/out
