@@ -1,6 +1,8 @@
-"""How fast a host arena can be pinned: what `attach` waits for (a 75.5 GiB arena took 26 to 28 s
-to register on an H200 VM). Each way maps a fresh region as the store maps its arena
-(anonymous, private, MADV_DONTFORK), then pins it with cudaHostRegister (with no CUDA: mlock):
+"""How fast a host arena can be pinned: what `attach` waits for. On an H200 VM a 75.5 GiB arena
+took 26 to 28 s to register with io_uring as fixed buffers (its first touch: every page
+faulted in on one thread), then 3 s with cudaHostRegister. Each way maps a fresh region as the
+store maps its arena (anonymous, private, MADV_DONTFORK), then pins it with cudaHostRegister
+(with no CUDA: mlock):
 
 - plain: the registration faults every page in itself;
 - populate xN: MADV_POPULATE_WRITE over N threads first (pages faulted in parallel), then pins;

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
+import re
 import time
 
 import pytest
@@ -378,11 +379,15 @@ def test_the_arena_is_unregistered_before_it_can_be_unmapped(store_dir, gpu):
     assert not gpu.registered
 
 
-def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monkeypatch):
+def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monkeypatch, caplog):
     # Not in the first forward: pinning faults in every page of the arena.
     monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 1))
+    monkeypatch.setattr(cuda, "SLOW_ARENA", 1 << 20)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
+    with caplog.at_level("INFO", logger="ssdtier"):
+        off = ssdtier.attach(model, offload_config(store_dir, host="1MiB"))
+    # A large arena takes seconds: said before, and how long after.
+    assert re.search(r"pinning the 1MiB host arena for CUDA\.\.\.\n.*pinned the 1MiB host arena in", caplog.text)
     arena = off.store.arena
     assert off.cuda.registered and gpu.registered == {arena.data_ptr(): arena.numel()}
     off.detach()

@@ -259,7 +259,7 @@ def test_fixed_buffers_off_and_on_agree(store_dir):
 def test_a_large_arena_is_said_before_it_is_registered_and_timed(store_dir, monkeypatch, caplog):
     import ssdtier.store as st
 
-    monkeypatch.setattr(st, "_SLOW_ARENA", 1 << 20)  # "large": registering takes seconds from 8 GiB on
+    monkeypatch.setattr(st, "SLOW_ARENA", 1 << 20)  # "large": registering takes seconds from 8 GiB on
     with caplog.at_level("INFO", logger="ssdtier"):
         TieredStore(store_config(store_dir, host="2MiB")).close()
     text = caplog.text

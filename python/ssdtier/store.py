@@ -76,7 +76,7 @@ class StoreStats:
 
 # A step at least a device's capacity allocates all of it at once.
 _PREALLOC_ALL = 1 << 62
-_SLOW_ARENA = 8 * GiB  # arenas this large take seconds to register: said before
+SLOW_ARENA = 8 * GiB  # arenas this large take seconds to register: said before
 
 
 def _devices(cfg: Config) -> list[tuple[str, int]]:
@@ -106,7 +106,7 @@ class ByteStore:
         self.config = resolve_config(config, **overrides)
         cfg = self.config
         self._devices = _devices(cfg)
-        if cfg.io.fixed_buffers and cfg.host.capacity >= _SLOW_ARENA:
+        if cfg.io.fixed_buffers and cfg.host.capacity >= SLOW_ARENA:
             # Registering it with io_uring faults in every page: about 0.3 s per GiB, on one thread.
             log.info("ssdtier: mapping and registering a %s host arena...", format_size(cfg.host.capacity))
         for path, _ in self._devices:

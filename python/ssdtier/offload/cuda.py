@@ -18,6 +18,7 @@ import torch
 
 from ..ram import Available, pinnable
 from ..sizes import format_size
+from ..store import SLOW_ARENA
 from ._util import host_event, on_device, warn
 from .entry import Copying, Entry, Held, Made, Reading
 
@@ -209,12 +210,13 @@ class CudaTransport:
         """At attach, for a model on ``device``: register the arena now, not inside the first
         forward (pinning faults in every page of it: for GiBs that takes seconds)."""
         t0 = time.perf_counter()
+        arena = self.store.arena
+        if arena is not None and not self.off.uses_cufile and arena.numel() >= SLOW_ARENA:
+            log.info("ssdtier: pinning the %s host arena for CUDA...", format_size(arena.numel()))
         self._streams(device)
         if self.registered:
             log.info(
-                "ssdtier: pinned the %.1f GiB host arena in %.2f s",
-                self.store.arena.numel() / 2**30,
-                time.perf_counter() - t0,
+                "ssdtier: pinned the %s host arena in %.2f s", format_size(arena.numel()), time.perf_counter() - t0
             )
 
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
