@@ -29,8 +29,9 @@
 # largest micro-batch of each mode), pin_rate (benches/pin_rate.py: how fast a host arena is
 # pinned, and whether faulting it in first, over threads or in huge pages, is faster),
 # bench_expandable (bench_1b's keep, adaptive and checkpoint with the allocator's expandable
-# segments: the reserved memory a second stream's pool adds); on request only: bench_wide (8 blocks of width 4096:
-# how much adaptive mode offloads with more compute per byte), train_step_cuda, train_step_cuda_big,
+# segments: the reserved memory a second stream's pool adds); on request only: bench_wide
+# (8 blocks of width 4096: how much adaptive mode offloads with more compute per byte),
+# train_step_cuda, train_step_cuda_big,
 # cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
 # cufile part in which cuFile worked), udev_shim (benches/cufile_udev_shim.sh: the udev entry
 # cuFile needs, on a VM without udevd).
