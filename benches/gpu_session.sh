@@ -12,8 +12,8 @@
 #                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile
 #                                                     #   failed) pin_rate
 #   SESSION_S=... bash benches/gpu_session.sh call3   # install fit: the device time left less 20 s (>= 300)
-#   SESSION_S=300 bash benches/gpu_session.sh call2   # timeout_s 320: install bench_1b (every mode),
-#                                                     #   bench_expandable with the time left
+#   SESSION_S=... bash benches/gpu_session.sh call2   # install bench_1b (every mode), then with the time
+#                                                     #   left bench_cpool, bench_expandable (>= 300; 600 for all)
 # A session (15 device-minutes, the start included) fits call1 and one of the others.
 # If call1 fails on something fixable, fix it and run call1 again first.
 #
@@ -28,8 +28,9 @@
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
 # largest micro-batch of each mode), pin_rate (benches/pin_rate.py: how fast a host arena is
 # pinned, and whether faulting it in first, over threads or in huge pages, is faster),
-# bench_expandable (bench_1b's keep, adaptive and checkpoint with the allocator's expandable
-# segments: the reserved memory a second stream's pool adds); on request only: bench_wide
+# bench_cpool (bench_1b's keep, adaptive and host modes with copies ahead into the compute
+# stream's pool), bench_expandable (its keep, adaptive and checkpoint with the allocator's
+# expandable segments: the reserved memory a second stream's pool adds); on request only: bench_wide
 # (8 blocks of width 4096: how much adaptive mode offloads with more compute per byte),
 # train_step_cuda, train_step_cuda_big,
 # cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
@@ -38,12 +39,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} pin_rate bench_expandable bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} pin_rate bench_cpool bench_expandable bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
     call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe pin_rate) ;;
-    call2) parts+=(install bench_1b bench_expandable) ;;
+    call2) parts+=(install bench_1b bench_cpool bench_expandable) ;;
     call3) parts+=(install fit) ;;
     *) parts+=("$a") ;;
     esac
@@ -163,11 +164,14 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
             --json "$LOGS/cufile_probe.json"
         ;;
-    bench_quick | bench_1b | bench_expandable | bench_wide | fit)
+    bench_quick | bench_1b | bench_cpool | bench_expandable | bench_wide | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
         bench_1b) secs=$(limit 560) args=(--batch 8 --steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
+        # Copies ahead into the compute stream's pool: less reserved, perhaps less overlap.
+        bench_cpool) secs=$(limit 240) args=(--batch 8 --steps 3 --no-fio --stage-pool compute
+            --modes keep,ssdtier_adaptive,ssdtier_host) margin=50 ;;
         bench_expandable) secs=$(limit 240) args=(--batch 8 --steps 3 --no-fio --modes keep,ssdtier_adaptive,checkpoint)
             margin=50 ;;
         # Wider blocks: more compute per byte saved, so more of it can cross the link in time.

@@ -340,6 +340,49 @@ def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(tran
     assert ev in gpu.current.waits and (st.data_ptr(), gpu.current) in gpu.recorded
 
 
+def test_a_copy_ahead_into_the_compute_streams_pool_waits_for_its_queued_work(transport, gpu):
+    # The block may be one the compute stream's queued work still uses: the copy on the
+    # prefetch stream comes after that work; the unpack waits for the copy, and records no
+    # use of another stream's block.
+    transport.stage_pool = cuda.StagePool.COMPUTE
+    src = source(64 << 10, 5)
+    e = offload(transport, src)
+    gpu.run()
+    transport.poll()  # landed: the copy ahead reads the committed slot
+    transport.start_read(e, True)
+    transport.stage_later(e)
+    transport.stage_ready()
+    out, ev, pool = e.back.staged
+    prefetch = transport.streams[src.device][1]
+    assert pool is gpu.current and ev in prefetch.events and torch.equal(out, src)
+    (ready,) = prefetch.waits
+    assert ready in gpu.current.events and ready is not ev
+    gpu.recorded.clear()
+    st = transport.restore(e, e.back.staged)[0]
+    assert ev in gpu.current.waits and torch.equal(torch.empty(0, dtype=torch.uint8).set_(st), src)
+    assert not gpu.recorded
+
+
+@pytest.mark.parametrize("pool", list(cuda.StagePool))
+def test_a_copy_ahead_never_unpacked_keeps_its_block_until_done(transport, gpu, pool):
+    # Released unused (a graph dropped before its backward ended): a block of the compute
+    # stream's pool must not go back to it while the copy into it may still run.
+    transport.stage_pool = pool
+    e = offload(transport, source(64 << 10, 9))
+    gpu.run()
+    transport.poll()
+    transport.start_read(e, True)
+    transport.stage_later(e)
+    transport.stage_ready()
+    out, ev, _ = e.back.staged
+    transport.off._release(e)
+    held = [t for t, _ in transport.unused]
+    assert held == ([out] if pool is cuda.StagePool.COMPUTE else [])  # the prefetch stream's: in its order
+    gpu.run()
+    transport.poll()
+    assert not transport.unused
+
+
 def test_the_byte_window_learns_from_reads_into_the_arena(transport, gpu):
     # "auto" read-ahead sizes its window from the reads it started; on CUDA they go from
     # NVMe into the arena, and without them it would never leave its first guess.
@@ -535,19 +578,21 @@ def through_the_cuda_transport(gpu, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "host", "policy"),
+    ("model", "host", "policy", "pool"),
     [
-        *((m, h, {"prefetch_layers": "auto"}) for m in ("gpt", "t5") for h in ("64KiB", "64MiB")),
-        ("bert", "128KiB", {"prefetch_layers": 2}),
-        ("bert", "128KiB", {"mode": "adaptive"}),
+        *((m, h, {"prefetch_layers": "auto"}, "prefetch") for m in ("gpt", "t5") for h in ("64KiB", "64MiB")),
+        ("gpt", "64MiB", {"prefetch_layers": "auto"}, "compute"),
+        ("bert", "128KiB", {"prefetch_layers": 2}, "compute"),
+        ("bert", "128KiB", {"mode": "adaptive"}, "prefetch"),
     ],
 )
-def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatch, model, host, policy):
+def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatch, model, host, policy, pool):
     # CPU tensors take the CUDA transport's whole path, on fake streams whose events end at
     # random as the transport asks: copies still landing at their unpack, spills to NVMe
     # (small arenas), reads ahead staged on the prefetch stream, and exact gradients.
     ref = train(CONFIGS[model], micro=3)
     through_the_cuda_transport(gpu, monkeypatch)
+    monkeypatch.setattr(cuda.CudaTransport, "stage_pool", cuda.StagePool(pool))
     got = train(CONFIGS[model], offload_config(store_dir, host=host, **policy), micro=3)
     assert_same(ref, got)
     s = got[2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import enum
 import logging
 import time
 import weakref
@@ -177,12 +178,26 @@ class GpuWaits:
             self.seconds += before.elapsed_time(after) / 1e3
 
 
+class StagePool(enum.Enum):
+    """Whose pool a copy ahead to the GPU takes its block from (``benches/gpu_step.py
+    --stage-pool`` compares them on a GPU)."""
+
+    # The prefetch stream's: the copy waits for nothing, but the blocks stay that stream's,
+    # reserved beside the compute stream's (which the backward's frees leave unused).
+    PREFETCH = "prefetch"
+    # The unpacking stream's, which the backward's frees refill: the copy waits for the work
+    # that stream had queued when it was asked for.
+    COMPUTE = "compute"
+
+
 def device_memory(device: torch.device) -> int:
     """A GPU's memory in bytes (a function of its own: the CPU tests stand in for it)."""
     return torch.cuda.get_device_properties(device).total_memory
 
 
 class CudaTransport:
+    stage_pool = StagePool.PREFETCH  # an instance's may differ (gpu_step.py --stage-pool)
+
     def __init__(self, off: Offloader) -> None:
         self.off = off
         self.store = off.store
@@ -200,6 +215,7 @@ class CudaTransport:
         self.free_later: set[int] = set()  # keys of released entries freed once their h2d copies are done
         self.staging: list[Entry] = []  # read-aheads not copied to the GPU yet
         self.stage_off = False  # no copies ahead until the next forward (out of GPU memory)
+        self.unused: list[tuple[torch.Tensor, Any]] = []  # copies ahead dropped unused, held until done
         self.waits = GpuWaits()
 
     @property
@@ -301,7 +317,7 @@ class CudaTransport:
         """Commit the arena slots whose device-to-host copy has landed, and unpin the slots
         whose host-to-device copy is done."""
         off, native = self.off, self.native
-        if (self.h2d or self.pending or self.waits.pairs) and torch.cuda.is_current_stream_capturing():
+        if (self.h2d or self.pending or self.waits.pairs or self.unused) and torch.cuda.is_current_stream_capturing():
             return  # querying an event is not allowed while a CUDA graph is captured
         for key in self.h2d.done() if self.h2d else ():
             native.release(key)
@@ -312,6 +328,8 @@ class CudaTransport:
             self._landed(self.pending.popleft())
         if self.waits.pairs:
             self.waits.collect()
+        if self.unused:
+            self.unused = [(t, ev) for t, ev in self.unused if not ev.query()]
 
     def _landed(self, e: Entry) -> None:
         off = self.off
@@ -376,7 +394,7 @@ class CudaTransport:
         prefetch = self._streams(e.device)[1]
         try:
             if type(e.out) is Copying:
-                out, ev = self._copy_landing(e, prefetch)
+                out, ev, pool = self._copy_landing(e, prefetch)
             else:
                 assert e.key is not None
                 if not self.native.location(e.key)[0]:
@@ -384,14 +402,14 @@ class CudaTransport:
                 off = self.native.acquire(e.key)
                 if off is None:
                     return
-                out, ev = self._copy_from_slot(e, off, prefetch)
+                out, ev, pool = self._copy_from_slot(e, off, prefetch)
         except torch.cuda.OutOfMemoryError:
             # Reading ahead is a bet: the unpack copies it on demand (the slot was released). Each
             # failed allocation empties the allocator's cache, so no more copies ahead until the
             # next forward.
             self.stage_off = True
             return
-        r.staged = (out, ev, prefetch)
+        r.staged = (out, ev, pool)
         self.off.res.track(out.untyped_storage(), e.nbytes)
         self.off.c["copied_ahead"] += 1
 
@@ -402,12 +420,25 @@ class CudaTransport:
         with torch.cuda.stream(stream):
             return torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
 
-    def _copy_from_slot(self, e: Entry, off: int, stream: Any) -> tuple[torch.Tensor, Any]:
-        """Copy an entry's acquired arena slot to new GPU bytes on ``stream``; returns them and
-        the copy's event. The slot stays pinned until the copy has read it (poll unpins it);
-        on failure it is released at once."""
+    def _dest(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
+        """GPU bytes for an entry copied on ``stream``, and the stream whose pool they are from."""
+        current = torch.cuda.current_stream(e.device)
+        if self.stage_pool is StagePool.PREFETCH or stream == current:
+            return self._new_on(e, stream), stream
+        out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+        # Work queued on ``current`` may still use the block (or fill it, under deterministic
+        # algorithms): the copy comes after it.
+        ready = host_event()
+        ready.record(current)
+        stream.wait_event(ready)
+        return out, current
+
+    def _copy_from_slot(self, e: Entry, off: int, stream: Any) -> tuple[torch.Tensor, Any, Any]:
+        """Copy an entry's acquired arena slot to new GPU bytes on ``stream``; returns them, the
+        copy's event and the stream whose pool they are from. The slot stays pinned until the
+        copy has read it (poll unpins it); on failure it is released at once."""
         try:
-            out = self._new_on(e, stream)
+            out, pool = self._dest(e, stream)
             with torch.cuda.stream(stream):
                 out.copy_(self.store.slot(off, e.nbytes), non_blocking=True)
                 ev = host_event()
@@ -416,21 +447,21 @@ class CudaTransport:
             self.native.release(e.key)
             raise
         self.h2d.add(stream, ev, e.key)
-        return out, ev
+        return out, ev, pool
 
-    def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
+    def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any, Any]:
         """Copy an entry back from the slot its copy to the arena is still filling: ``stream``
         waits for that copy, and the slot is committed (may be evicted) only after this one."""
         copy = e.out
         assert type(copy) is Copying
-        out = self._new_on(e, stream)
+        out, pool = self._dest(e, stream)
         stream.wait_event(copy.event)
         with torch.cuda.stream(stream):
             out.copy_(self.store.slot(copy.slot, e.nbytes), non_blocking=True)
             ev = host_event()
             ev.record(stream)
         copy.event = ev
-        return out, ev
+        return out, ev, pool
 
     def restore(self, e: Entry, staged: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.UntypedStorage, Made]:
         """The entry back on the GPU: the copy made ahead (``staged``), or one made now on the
@@ -445,7 +476,7 @@ class CudaTransport:
         current = torch.cuda.current_stream(e.device)
         if type(e.out) is Copying:
             before = self.waits.begin(current)
-            out, ev = self._copy_landing(e, current)
+            out, ev, _ = self._copy_landing(e, current)
             self.waits.end(current, before)
         else:
             out, ev = self._copy_now(e)
@@ -478,9 +509,9 @@ class CudaTransport:
         if not resident:
             res.stall += time.perf_counter() - t0
         before = self.waits.begin(current)
-        copied = self._copy_from_slot(e, off, current)
+        out, ev, _ = self._copy_from_slot(e, off, current)
         self.waits.end(current, before)
-        return copied
+        return out, ev
 
     def use_on_current_stream(self, device: torch.device, made: Made, st: torch.UntypedStorage) -> None:
         """Before the current stream uses a restored storage, it waits for the copy that made
@@ -497,6 +528,14 @@ class CudaTransport:
             torch.empty(0, dtype=torch.uint8, device=device).set_(st).record_stream(current)
 
     # ---------------------------------------------------------------- release, close
+
+    def let_go(self, e: Entry, staged: tuple[torch.Tensor, Any, Any]) -> None:
+        """A copy ahead never unpacked. A block of the prefetch stream's pool is done with
+        in that stream's order; another stream's goes back to it once the copy into it is done."""
+        out, ev, pool = staged
+        if pool != self.streams[e.device][1]:
+            self.unused.append((out, ev))
+            self.poll()
 
     def free_key(self, e: Entry) -> None:
         """Free a released entry's key, or once the copies into and out of its slot are done."""
@@ -520,6 +559,9 @@ class CudaTransport:
             e.out.event.synchronize()
         for ev in self.h2d.events():  # copies out of the arena still running (their keys freed later)
             ev.synchronize()
+        for _, ev in self.unused:
+            ev.synchronize()
+        self.unused.clear()
         self.pending.clear()
         self.inflight = 0
         self.h2d = Unpins()

@@ -170,7 +170,7 @@ class Reading:
         self.st, self.pad, self.ticket, self.from_host = st, pad, ticket, from_host
         self.made = made  # cuFile: how ``st`` was made on the GPU
         # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
-        # prefetch stream, the stream it was allocated on).
+        # prefetch stream, the stream whose pool the bytes are from).
         self.staged: tuple[torch.Tensor, Any, Any] | None = None
 
 

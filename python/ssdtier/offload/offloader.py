@@ -636,9 +636,9 @@ class Offloader:
             e.refs -= 1
             if e.refs:
                 return
-            # A copy made ahead and never unpacked goes too: its block is the prefetch
-            # stream's, which is done with it only after the copy into it, in stream order.
             back, e.back = e.back, None
+            if type(back) is Reading and back.staged is not None:
+                self.cuda.let_go(e, back.staged)  # a copy made ahead and never unpacked
             e.hold = e.view = e.first = None
             if type(back) is Reading and back.ticket is not None:
                 # The buffer must outlive its read. A read that failed is of no concern here:
