@@ -29,7 +29,6 @@ import _machine
 
 PROT_RW, MAP_PRIVATE_ANON = 0x3, 0x22
 MADV_DONTFORK, MADV_HUGEPAGE, MADV_POPULATE_WRITE = 10, 14, 23
-REGISTER_PORTABLE = 1
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -50,23 +49,22 @@ class Pinner:
     """cudaHostRegister where CUDA is up, else mlock (the same page walk, without the driver)."""
 
     def __init__(self) -> None:
-        self.cudart = None
-        try:
-            import torch
+        import torch
 
-            if torch.cuda.is_available():
-                torch.zeros(1, device="cuda")  # a context first, as at attach
-                self.cudart = torch.cuda.cudart()
-        except ImportError:
-            pass
+        self.cudart = None
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")  # a context first, as at attach
+            self.cudart = torch.cuda.cudart()
         self.name = "cudaHostRegister" if self.cudart is not None else "mlock"
 
     def pin(self, p: int, n: int) -> None:
         if self.cudart is None:
             _check(libc.mlock(p, n), "mlock")
             return
-        rc = self.cudart.cudaHostRegister(p, n, REGISTER_PORTABLE)
-        if int(rc[0] if isinstance(rc, tuple) else rc) != 0:
+        from ssdtier.offload.cuda import _REGISTER_PORTABLE, _cuda_ok  # as the transport pins
+
+        rc = self.cudart.cudaHostRegister(p, n, _REGISTER_PORTABLE)
+        if not _cuda_ok(rc):
             raise RuntimeError(f"cudaHostRegister: {rc}")
 
     def unpin(self, p: int, n: int) -> None:

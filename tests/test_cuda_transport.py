@@ -340,18 +340,24 @@ def test_read_ahead_of_an_entry_still_landing_copies_on_the_prefetch_stream(tran
     assert ev in gpu.current.waits and (st.data_ptr(), gpu.current) in gpu.recorded
 
 
+def copied_ahead(tr, gpu, src: torch.Tensor):
+    """An entry whose copy to the arena landed, then copied back ahead of its unpack."""
+    e = offload(tr, src)
+    gpu.run()
+    tr.poll()  # landed: the copy ahead reads the committed slot
+    tr.start_read(e, True)
+    tr.stage_later(e)
+    tr.stage_ready()
+    return e
+
+
 def test_a_copy_ahead_into_the_compute_streams_pool_waits_for_its_queued_work(transport, gpu):
     # The block may be one the compute stream's queued work still uses: the copy on the
     # prefetch stream comes after that work; the unpack waits for the copy, and records no
     # use of another stream's block.
     transport.stage_pool = cuda.StagePool.COMPUTE
     src = source(64 << 10, 5)
-    e = offload(transport, src)
-    gpu.run()
-    transport.poll()  # landed: the copy ahead reads the committed slot
-    transport.start_read(e, True)
-    transport.stage_later(e)
-    transport.stage_ready()
+    e = copied_ahead(transport, gpu, src)
     out, ev, pool = e.back.staged
     prefetch = transport.streams[src.device][1]
     assert pool is gpu.current and ev in prefetch.events and torch.equal(out, src)
@@ -368,12 +374,7 @@ def test_a_copy_ahead_never_unpacked_keeps_its_block_until_done(transport, gpu, 
     # Released unused (a graph dropped before its backward ended): a block of the compute
     # stream's pool must not go back to it while the copy into it may still run.
     transport.stage_pool = pool
-    e = offload(transport, source(64 << 10, 9))
-    gpu.run()
-    transport.poll()
-    transport.start_read(e, True)
-    transport.stage_later(e)
-    transport.stage_ready()
+    e = copied_ahead(transport, gpu, source(64 << 10, 9))
     out, ev, _ = e.back.staged
     transport.off._release(e)
     held = [t for t, _ in transport.unused]

@@ -226,20 +226,19 @@ class CudaTransport:
         """At attach, for a model on ``device``: register the arena now, not inside the first
         forward (pinning faults in every page of it: for GiBs that takes seconds)."""
         t0 = time.perf_counter()
-        arena = self.store.arena
-        if arena is not None and not self.off.uses_cufile and arena.numel() >= SLOW_ARENA:
-            log.info("ssdtier: pinning the %s host arena for CUDA...", format_size(arena.numel()))
         self._streams(device)
         if self.registered:
-            log.info(
-                "ssdtier: pinned the %s host arena in %.2f s", format_size(arena.numel()), time.perf_counter() - t0
-            )
+            size = format_size(self.store.arena.numel())
+            log.info("ssdtier: pinned the %s host arena in %.2f s", size, time.perf_counter() - t0)
 
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
         s = self.streams.get(device)
         if s is None:
-            if self.pinned is None and self.store.arena is not None and not self.off.uses_cufile:
-                self.pinned = Pinned(self.store.arena, device)
+            arena = self.store.arena
+            if self.pinned is None and arena is not None and not self.off.uses_cufile:
+                if arena.numel() >= SLOW_ARENA:
+                    log.info("ssdtier: pinning the %s host arena for CUDA...", format_size(arena.numel()))
+                self.pinned = Pinned(arena, device)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
             queue = max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
