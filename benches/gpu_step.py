@@ -38,7 +38,8 @@ mode gets its share of the time left (``--budget-s``): a slow one is cut to fewe
 ``--fit``: per mode, micro-batches 1, 2, 4... until one runs out of memory, then bisection;
 each probe is ``--fit-steps`` steps, timed by its last. Keep's time per sample at its
 largest batch is the reference; the report gives the largest batch each mode reaches at
-<= ``--rok-time`` (1.05) times that.
+<= ``--rok-time`` (1.05) times that, bisected between the probes on either side. A mode
+stops growing once it runs ``--fit-slow`` (8) times slower per sample: it went to the disk.
 
     python benches/gpu_step.py --quick                 # small model, well under a minute
     python benches/gpu_step.py --json out.json         # the 1B model (batch: keep's largest)
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import gc
 import itertools
 import json
@@ -177,6 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fit-steps", type=int, default=2, help="steps per --fit probe (timed by the last)")
     g.add_argument("--fit-max-batch", type=int, help="largest batch --fit tries (default 256; --quick 64)")
     g.add_argument("--rok-time", type=float, default=1.05, help="--fit: time per sample allowed, x keep's")
+    g.add_argument(
+        "--fit-slow",
+        type=float,
+        default=8.0,
+        help="--fit: larger batches are not tried past this x keep's time per sample",
+    )
     g = p.add_argument_group("ssdtier")
     g.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="NVMe directory, on a local disk (not tmpfs)")
     g.add_argument(
@@ -235,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if args.fit_steps < 1 or args.fit_max_batch < 1:
         p.error("--fit-steps and --fit-max-batch must be >= 1")
+    if args.fit_slow <= args.rok_time:
+        p.error("--fit-slow must be more than --rok-time")
     args.dir = args.dir.expanduser().resolve()
     return args
 
@@ -807,35 +817,68 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
 # ---------------------------------------------------------------- --fit and --batch auto
 
 
-def search_batches(fits: Callable[[int], bool | None], max_batch: int) -> dict[str, Any]:
-    """Largest b in 1..max_batch with ``fits(b)``: doubling from 1, then bisection. ``fits``
-    returns None to stop the search (out of time). Returns the largest that fit (0: none),
-    the smallest that did not (None: none failed) and whether the search was cut."""
+class Probe(enum.Enum):
+    """What one --fit probe found."""
+
+    FITS = "fits"
+    FAILS = "fails"  # out of memory
+    SLOW = "slow"  # fits, past --fit-slow: larger batches are not tried
+    STOP = "stop"  # out of time: not run
+
+
+def search_batches(fits: Callable[[int], Probe], max_batch: int) -> dict[str, Any]:
+    """Largest b in 1..max_batch that ``fits(b)``: doubling from 1, then bisection. Returns
+    the largest that fit (0: none), the smallest that did not (None: none failed), whether
+    the search was cut by time and whether the doubling stopped at a slow batch."""
     lo, hi, b = 0, None, 1
     while True:
-        ok = fits(b)
-        if ok is None:
-            return {"largest": lo, "failed": hi, "cut": True}
-        if not ok:
+        got = fits(b)
+        if got is Probe.STOP:
+            return {"largest": lo, "failed": hi, "cut": True, "slow": False}
+        if got is Probe.FAILS:
             hi = b
             break
         lo = b
+        if got is Probe.SLOW:
+            return {"largest": lo, "failed": hi, "cut": False, "slow": True}
         if b >= max_batch:
             break
         b = min(2 * b, max_batch)
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
-        ok = fits(mid)
-        if ok is None:
-            return {"largest": lo, "failed": hi, "cut": True}
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return {"largest": lo, "failed": hi, "cut": False}
+        got = fits(mid)
+        if got is Probe.STOP:
+            return {"largest": lo, "failed": hi, "cut": True, "slow": False}
+        lo, hi = (lo, mid) if got is Probe.FAILS else (mid, hi)
+    return {"largest": lo, "failed": hi, "cut": False, "slow": False}
+
+
+def search_rok(probe: Callable[[int], dict[str, Any] | None], probes: list[dict[str, Any]], limit_s: float) -> bool:
+    """Bisects between the largest probe at <= ``limit_s`` per sample and the next larger one
+    (slower or out of memory); ``probe`` runs one more (None: out of time). False if cut."""
+    within = max((p["batch"] for p in probes if p.get("fits") and p["s_per_sample"] <= limit_s), default=0)
+    above = min((p["batch"] for p in probes if p["batch"] > within), default=None)
+    while above is not None and above - within > 1:
+        mid = (within + above) // 2
+        p = probe(mid)
+        if p is None:
+            return False
+        within, above = (mid, above) if p.get("fits") and p["s_per_sample"] <= limit_s else (within, mid)
+    return True
 
 
 def fit_mode(
-    mode: str, args: argparse.Namespace, ssd: Any, tt: Any, until: float, steps: int, max_batch: int
+    mode: str,
+    args: argparse.Namespace,
+    ssd: Any,
+    tt: Any,
+    until: float,
+    steps: int,
+    max_batch: int,
+    ref: float | None = None,
 ) -> dict[str, Any]:
-    """The largest micro-batch ``mode`` fits, each probe ``steps`` steps (the first probe one more)."""
+    """The largest micro-batch ``mode`` fits, each probe ``steps`` steps (the first probe one
+    more); with keep's time per sample ``ref``, also the largest at <= --rok-time x it."""
     import torch
 
     r: dict[str, Any] = {"mode": mode, "status": "ok", "probes": []}
@@ -862,7 +905,7 @@ def fit_mode(
             log(f"fit [{mode}] batch {probe['batch']}: out of memory at its first step; once more")
             return s.step(batch)[0]
 
-        def fits(b: int) -> bool | None:
+        def probe_at(b: int) -> dict[str, Any] | None:
             if time.monotonic() > until:
                 return None
             probe: dict[str, Any] = {"batch": b}
@@ -899,9 +942,19 @@ def fit_mode(
             else:
                 log(f"fit [{mode}] batch {b}: out of memory")
                 s.reset_hooks()
-            return bool(probe["fits"])
+            return probe
+
+        def fits(b: int) -> Probe:
+            p = probe_at(b)
+            if p is None:
+                return Probe.STOP
+            if not p["fits"]:
+                return Probe.FAILS
+            return Probe.SLOW if ref is not None and p["s_per_sample"] > args.fit_slow * ref else Probe.FITS
 
         r.update(search_batches(fits, max_batch))
+        if ref is not None and mode != "keep" and not r["cut"]:
+            r["cut"] = not search_rok(probe_at, r["probes"], args.rok_time * ref)
     except Exception as e:
         r.update(status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
         traceback.print_exc()
@@ -1120,7 +1173,8 @@ def run_fit(args: argparse.Namespace, results: dict[str, Any], deadline: float) 
                 f"batch at most {max_batch}: {HOST_RAM_USE} of the RAM available / keep's activations per sample"
             )
         log(f"fit [{mode}] started, until +{until - now:.0f} s" + (f": {notes[mode]}" if mode in notes else ""))
-        fit[mode] = fit_mode(mode, args, ssd, tt, until, args.fit_steps, max_batch)
+        ref = ((fit.get("keep") or {}).get("at_largest") or {}).get("s_per_sample")
+        fit[mode] = fit_mode(mode, args, ssd, tt, until, args.fit_steps, max_batch, ref)
         fit[mode]["max_batch"] = max_batch
         write_out(args, results)
     results["rok_reference_s_per_sample"] = rok(fit, args.rok_time)
@@ -1337,7 +1391,8 @@ def render_fit(results: dict[str, Any]) -> str:
     lim = a["rok_time"]
     lines = ["== gpu_step --fit: the largest micro-batch of each mode (ROK view) ==", *header(results)]
     lines.append(
-        f"batches 1, 2, 4... up to {a['fit_max_batch']} until out of memory, then bisection; {a['fit_steps']} "
+        f"batches 1, 2, 4... up to {a['fit_max_batch']} until out of memory or {a.get('fit_slow', '-')}x keep's "
+        f"time per sample, then bisection; then the <= {lim}x boundary is bisected; {a['fit_steps']} "
         "step(s) per probe, timed by the last; time per sample = that step / batch"
     )
     lines.append(
@@ -1351,7 +1406,7 @@ def render_fit(results: dict[str, Any]) -> str:
             rows.append([mode, r.get("status", "?"), *["-"] * (len(hdr) - 2)])
             continue
         p = r.get("at_largest")
-        more = " (cut)" if r.get("cut") else "+" if r.get("failed") is None else ""
+        more = " (cut)" if r.get("cut") else " (slow)" if r.get("slow") else "+" if r.get("failed") is None else ""
         largest = f"{r['largest']}{more}"
         rb = r.get("rok_batch")
         rs = r.get("rok_s_per_sample")
@@ -1369,7 +1424,8 @@ def render_fit(results: dict[str, Any]) -> str:
     lines += md_table(hdr, rows)
     lines.append("")
     lines.append(
-        "'(cut)': the search ran out of its share of --budget-s; '+': no batch failed up to the cap "
+        "'(cut)': the search ran out of its share of --budget-s; '(slow)': past --fit-slow x keep's time per "
+        "sample, larger batches were not tried; '+': no batch failed up to the cap "
         f"(--fit-max-batch; for {', '.join(HOST_MODES)}, the RAM: see above)"
     )
     for mode, r in fit.items():

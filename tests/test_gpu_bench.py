@@ -122,16 +122,52 @@ def test_tmpfs_dir_is_refused(gs):
 
 
 def test_batch_search_doubles_then_bisects(gs):
+    P = gs.Probe
     tried = []
 
     def fits(b):
         tried.append(b)
-        return b <= 37
+        return P.FITS if b <= 37 else P.FAILS
 
-    assert gs.search_batches(fits, 256) == {"largest": 37, "failed": 38, "cut": False}
+    assert gs.search_batches(fits, 256) == {"largest": 37, "failed": 38, "cut": False, "slow": False}
     assert tried[:7] == [1, 2, 4, 8, 16, 32, 64] and len(tried) < 14
-    assert gs.search_batches(lambda b: True, 12) == {"largest": 12, "failed": None, "cut": False}
-    assert gs.search_batches(lambda b: None if b > 2 else True, 64)["cut"]
+    assert gs.search_batches(lambda b: P.FITS, 12) == {"largest": 12, "failed": None, "cut": False, "slow": False}
+    assert gs.search_batches(lambda b: P.STOP if b > 2 else P.FITS, 64)["cut"]
+    # A slow batch stops the doubling; in the bisection it counts as fitting.
+    slow = gs.search_batches(lambda b: P.SLOW if b >= 8 else P.FITS, 64)
+    assert slow == {"largest": 8, "failed": None, "cut": False, "slow": True}
+    assert gs.search_batches(lambda b: P.FAILS if b > 37 else P.SLOW if b > 32 else P.FITS, 256)["largest"] == 37
+
+
+def test_rok_search_bisects_between_the_probes_either_side(gs):
+    def s_per_sample(b):  # keep's speed up to 21 samples, then the disk's
+        return 1.0 if b <= 21 else 10.0
+
+    probes = [{"batch": b, "fits": True, "s_per_sample": s_per_sample(b)} for b in (1, 2, 4, 8, 16, 32)]
+    probes.append({"batch": 64, "fits": False})
+    tried = []
+
+    def probe(b):
+        tried.append(b)
+        p = {"batch": b, "fits": True, "s_per_sample": s_per_sample(b)}
+        probes.append(p)
+        return p
+
+    assert gs.search_rok(probe, probes, 1.05)
+    assert tried == [24, 20, 22, 21]
+    assert max(p["batch"] for p in probes if p.get("fits") and p["s_per_sample"] <= 1.05) == 21
+    # Out of time: cut, and what was found stays.
+    assert not gs.search_rok(
+        lambda b: None, [{"batch": 2, "fits": True, "s_per_sample": 1.0}, {"batch": 4, "fits": False}], 1.05
+    )
+    # Nothing within: bisects below the smallest probe, from batch 0.
+    slow = []
+    assert gs.search_rok(
+        lambda b: slow.append(b) or {"batch": b, "fits": True, "s_per_sample": 9.0},
+        [{"batch": 4, "fits": True, "s_per_sample": 9.0}],
+        1.05,
+    )
+    assert slow == [2, 1]
 
 
 def fake_run(mode, act, step, status="ok", batch=4, reserved=None, **extra):
@@ -436,6 +472,27 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     steps = [(p["batch"], p["steps"]) for p in fit["ssdtier_adaptive"]["probes"] if p["fits"]]
     assert steps[0] == (1, 4) and all(n == 3 for _, n in steps[1:]), steps
     assert all(p["steps"] in (1, 2) for p in fit["ssdtier_nvme"]["probes"] if p["fits"])
+
+
+def test_fit_bisects_the_rok_boundary_and_stops_growing_when_slow(on_cpu, store_dir, monkeypatch):
+    gs = on_cpu
+    step = gs.Setup.step
+
+    def timed(self, batch):  # keep: 1 s a sample up to 4; the host mode: as fast up to 6, then 20x
+        b = batch[0].shape[0]
+        if self.mode == "keep" and b > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+        _, loss = step(self, batch)
+        return (b * (20.0 if self.mode == "ssdtier_host" and b > 6 else 1.0), loss)
+
+    monkeypatch.setattr(gs.Setup, "step", timed)
+    out = store_dir / "fit.json"
+    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "64", "--dtype", "fp32", "--modes", "ssdtier_host"]
+    assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out), "--md", str(store_dir / "f.md")]) == 0
+    host = json.loads(out.read_text())["fit"]["ssdtier_host"]
+    assert [p["batch"] for p in host["probes"]] == [1, 2, 4, 8, 6, 7]  # no 16: 8 ran 20x keep
+    assert (host["largest"], host["slow"], host["cut"], host["rok_batch"]) == (8, True, False, 6)
+    assert re.search(r"\| ssdtier_host +\| +8 \(slow\) \|", (store_dir / "f.md").read_text())
 
 
 def test_fit_tries_the_first_step_of_adaptive_mode_once_more(on_cpu, store_dir, monkeypatch):
