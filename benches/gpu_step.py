@@ -209,8 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--policy-mode",
-        choices=("all", "adaptive", "none"),
-        help="policy.mode (default: ssdtier's; ssdtier_adaptive: adaptive)",
+        choices=("auto", "all", "adaptive", "none"),
+        help="policy.mode of the ssdtier modes but ssdtier_adaptive (default: all)",
     )
     g.add_argument("--keep-last-layers", type=_int_or_auto, help="policy.keep_last_layers (default: ssdtier's)")
     g.add_argument("--prefetch-layers", type=_int_or_auto, help="policy.prefetch_layers (default: ssdtier's)")
@@ -416,14 +416,13 @@ def _torchtune_offloading_alone() -> Any:
 
 
 def ssdtier_config(args: argparse.Namespace, host: int, nvme: int) -> dict[str, Any]:
-    policy: dict[str, Any] = {}
+    policy: dict[str, Any] = {"mode": "all"}  # not the default "auto" (adaptive on a GPU): ssdtier_adaptive is that
     for key in ("mode", "keep_last_layers", "prefetch_layers", "min_tensor_bytes"):
         value = getattr(args, "policy_mode" if key == "mode" else key)
         if value is not None:
             policy[key] = value
     cfg: dict[str, Any] = {"host": {"capacity": host}, "nvme": [{"path": str(args.dir), "capacity": nvme}]}
-    if policy:
-        cfg["policy"] = policy
+    cfg["policy"] = policy
     return cfg
 
 

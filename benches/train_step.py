@@ -183,8 +183,7 @@ def ssdtier_config(
             "prefetch_layers": args.prefetch_layers,
         },
     }
-    if policy_mode is not None:
-        cfg["policy"]["mode"] = policy_mode
+    cfg["policy"]["mode"] = policy_mode or "all"  # on a GPU the default, "auto", would be adaptive
     if throttle is not None:
         cfg["io"] = {"throttle": throttle}
     return cfg

@@ -38,7 +38,7 @@ def offload_config(path, host="64KiB", zero_copy=True, **policy):
     """Everything goes through NVMe: a tiny arena, no size floor, no kept layer.
     With `zero_copy` off, CPU tensors are copied into the arena as CUDA ones are."""
     cfg = store_config(path, host=host, zero_copy=zero_copy)
-    cfg["policy"] = {"min_tensor_bytes": 0, "keep_last_layers": 0, **policy}
+    cfg["policy"] = {"min_tensor_bytes": 0, "keep_last_layers": 0, "mode": "all", **policy}
     return cfg
 
 
@@ -211,12 +211,13 @@ def test_nothing_is_held_once_the_graph_is_gone(store_dir, zero_copy):
 @pytest.mark.parametrize("prefetch", [None, 2])
 def test_default_policy_keeps_small_tensors(store_dir, prefetch):
     """The default read-ahead is the byte window, which keeps no block on the CPU; with
-    whole layers the last block is kept."""
+    whole layers the last block is kept. The default mode, "auto", is "all" on the CPU."""
     cfg = store_config(store_dir)
     cfg["policy"] = {"min_tensor_bytes": "4KiB"} | ({"prefetch_layers": prefetch} if prefetch else {})
     got = train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64}), cfg)
     assert_same(train(GPTConfig(n_layers=4, **{**TINY, "d_model": 64})), got)
     s = got[2]
+    assert s.plan is None  # no adaptive plan
     kept = 0 if prefetch is None else 1
     assert s.layers_kept == kept and s.layers_offloaded == 4 - kept
     assert s.tensors_kept > 0 and s.tensors_offloaded > 0

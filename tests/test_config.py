@@ -167,6 +167,19 @@ def test_format_size_round_trip(n):
 # ---------------------------------------------------------------------------
 
 
+def test_mode_auto_is_adaptive_on_a_gpu_and_all_on_the_cpu():
+    auto = PolicyConfig()
+    assert (auto.resolved(on_gpu=True).mode, auto.resolved(on_gpu=True).device_budget) == ("adaptive", "auto")
+    assert (auto.resolved(on_gpu=False).mode, auto.resolved(on_gpu=False).device_budget) == ("all", None)
+    sized = PolicyConfig(device_budget=20 << 30)
+    assert (sized.resolved(on_gpu=True).mode, sized.resolved(on_gpu=True).device_budget) == ("adaptive", 20 << 30)
+    assert sized.resolved(on_gpu=False).mode == "all"
+    # Asked for by its budget: adaptive on the CPU too (where it warns that there is no GPU).
+    assert PolicyConfig(device_budget="auto").resolved(on_gpu=False).mode == "adaptive"
+    for mode in ("all", "adaptive", "none"):
+        assert PolicyConfig(mode=mode).resolved(on_gpu=True) == PolicyConfig(mode=mode)
+
+
 def test_defaults():
     cfg = Config()
     assert cfg.host == HostConfig(capacity=GiB)
@@ -187,7 +200,7 @@ def test_defaults():
         eviction="lifetime",
         dedup=True,
         layers=None,
-        mode="all",
+        mode="auto",
         device_budget=None,
     )
     assert cfg.source == "<defaults>"
@@ -400,7 +413,7 @@ BAD_FILES = [
     (
         "bad-mode",
         '[policy]\nmode = "some"\n',
-        r"policy\.mode: expected one of 'all', 'adaptive', 'none', got 'some'$",
+        r"policy\.mode: expected one of 'auto', 'all', 'adaptive', 'none', got 'some'$",
     ),
     (
         "block-size-not-power-of-two",
@@ -511,7 +524,7 @@ BAD_FILES = [
     ),
     (
         "device-budget-auto-not-adaptive",
-        '[policy]\ndevice_budget = "auto"\n',
+        '[policy]\nmode = "all"\ndevice_budget = "auto"\n',
         r"policy\.device_budget: 'auto' sizes adaptive mode's plan from GPU memory; set policy\.mode = 'adaptive' "
         r"\(it is 'all'\) or give a size$",
     ),

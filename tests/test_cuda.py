@@ -537,10 +537,11 @@ class _SleepyBlock(torch.nn.Module):
         return torch.tanh(self.fc(x))
 
 
-def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir):
+@pytest.mark.parametrize("default", [False, True], ids=["adaptive-auto", "default-policy"])
+def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir, default):
     # A process allowed 450 MiB more than it holds (a per-process memory fraction): keep's
     # 1 GiB of activations (8 blocks of 124 MiB) do not fit; adaptive mode with device_budget
-    # = "auto" offloads what does not, with the gradients of keep run without the limit.
+    # = "auto" (on a GPU, the default policy) offloads what does not, with keep's gradients.
     cfg = GPTConfig(n_layers=8, vocab_size=256, seq_len=256, d_model=256, n_heads=4)
     ref = train_cuda(cfg, batch=16)
     gc.collect()
@@ -553,6 +554,8 @@ def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir):
         gc.collect()
         torch.cuda.empty_cache()
         ssd = offload_config(store_dir, host="256MiB", mode="adaptive", device_budget="auto")
+        if default:
+            del ssd["policy"]["mode"], ssd["policy"]["device_budget"]
         got = train_cuda(cfg, ssd, batch=16)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

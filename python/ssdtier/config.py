@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from .errors import ConfigError, bad_value, where
@@ -368,7 +368,8 @@ class PolicyConfig:
         layers: Dotted path of the ModuleList, Sequential or ModuleDict holding the layers
             (``"model.layers"``), a list of them (``["encoder.block", "decoder.block"]``,
             in forward order), or None to detect every stack of repeated blocks.
-        mode: ``"all"``, ``"adaptive"`` or ``"none"``.
+        mode: ``"auto"`` (adaptive on a GPU, with ``device_budget = "auto"`` unless one is
+            given; all on the CPU), ``"all"``, ``"adaptive"`` or ``"none"``.
         device_budget: Most bytes of activations kept in memory (in every mode: beyond
             it, even what the policy would keep is offloaded), None, or ``"auto"``
             (adaptive mode on a GPU: what the GPU has room for, measured each step).
@@ -384,18 +385,27 @@ class PolicyConfig:
     eviction: str = _key(_choice("lifetime", "lru", "fifo"), "lifetime")
     dedup: bool = _key(_bool, True)
     layers: str | tuple[str, ...] | None = _key(_module_paths, None)
-    mode: str = _key(_choice("all", "adaptive", "none"), "all")
+    mode: str = _key(_choice("auto", "all", "adaptive", "none"), "auto")
     device_budget: int | str | None = _key(_device_budget, None, size=True)
     exclude: tuple[str, ...] = _key(_module_patterns, ())
 
     def __post_init__(self) -> None:
         _validate(self)
-        if self.device_budget == "auto" and self.mode != "adaptive":
+        if self.device_budget == "auto" and self.mode not in ("adaptive", "auto"):
             source, prefix = _LOCATION.get()
             raise ConfigError(
                 f"{where(source, f'{prefix or self._TABLE}.device_budget')}: 'auto' sizes adaptive mode's plan "
                 f"from GPU memory; set policy.mode = 'adaptive' (it is {self.mode!r}) or give a size"
             )
+
+    def resolved(self, on_gpu: bool) -> PolicyConfig:
+        """``mode = "auto"`` made concrete for a model on a GPU or not (docs/configuration.md)."""
+        if self.mode != "auto":
+            return self
+        if on_gpu:
+            budget = "auto" if self.device_budget is None else self.device_budget
+            return replace(self, mode="adaptive", device_budget=budget)
+        return replace(self, mode="adaptive" if self.device_budget == "auto" else "all")
 
 
 _TABLE_CLASSES: dict[str, type] = {

@@ -94,6 +94,8 @@ class Offloader:
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
         if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
+        # Not config.replace (here and below): errors and warnings name the user's config.
+        config = dataclasses.replace(config, policy=config.policy.resolved(cuda_device(model) is not None))
         pol = config.policy
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -102,7 +104,6 @@ class Offloader:
             # A CPU model's activations go to NVMe from their own pages: the arena only takes
             # the rare storage that cannot (not 64-byte aligned). Registering it with io_uring
             # would pin all of it; unregistered, it costs memory only where it is used.
-            # Not config.replace: errors and warnings still name where the user's config came from.
             config = dataclasses.replace(config, io=dataclasses.replace(config.io, fixed_buffers=False))
         offloads = pol.mode != "none" or pol.device_budget is not None
         tensors = itertools.chain(model.parameters(), model.buffers())
