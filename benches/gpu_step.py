@@ -916,7 +916,12 @@ def fit_mode(
                 probe["base_bytes"] = torch.cuda.memory_allocated()
                 first = first_step(batch, probe)
                 more = steps - 1 + (0 if r["probes"] else 1) + (ADAPTIVE_SETTLE if mode == "ssdtier_adaptive" else 0)
-                times = [first, *(s.step(batch)[0] for _ in range(more))]
+                # A step past --fit-slow ends the probe (on the disk, steps take minutes); not
+                # the first probe's first step, which warms up.
+                slow_s = args.fit_slow * ref * b if ref is not None else float("inf")
+                times = [first]
+                while len(times) <= more and (times[-1] <= slow_s or len(times) == 1 and not r["probes"]):
+                    times.append(s.step(batch)[0])
                 after = s.stats()
                 probe.update(fits=True, steps=len(times), step_s=times[-1], s_per_sample=times[-1] / b)
                 probe["peak_bytes"] = torch.cuda.max_memory_allocated()

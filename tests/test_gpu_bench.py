@@ -487,10 +487,11 @@ def test_fit_bisects_the_rok_boundary_and_stops_growing_when_slow(on_cpu, store_
 
     monkeypatch.setattr(gs.Setup, "step", timed)
     out = store_dir / "fit.json"
-    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "64", "--dtype", "fp32", "--modes", "ssdtier_host"]
+    argv = [*TINY, "--fit", "--fit-steps", "3", "--fit-max-batch", "64", "--dtype", "fp32", "--modes", "ssdtier_host"]
     assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out), "--md", str(store_dir / "f.md")]) == 0
     host = json.loads(out.read_text())["fit"]["ssdtier_host"]
     assert [p["batch"] for p in host["probes"]] == [1, 2, 4, 8, 6, 7]  # no 16: 8 ran 20x keep
+    assert [p["steps"] for p in host["probes"]] == [4, 3, 3, 1, 3, 1]  # a slow step ends its probe
     assert (host["largest"], host["slow"], host["cut"], host["rok_batch"]) == (8, True, False, 6)
     assert re.search(r"\| ssdtier_host +\| +8 \(slow\) \|", (store_dir / "f.md").read_text())
 
