@@ -11,7 +11,8 @@
 #   SESSION_S=350 bash benches/gpu_session.sh call1   # timeout_s 360: install import udev_shim info
 #                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile
 #                                                     #   failed) pin_rate
-#   SESSION_S=... bash benches/gpu_session.sh call3   # install fit: the device time left less 20 s (>= 300)
+#   SESSION_S=... bash benches/gpu_session.sh call3   # install fit fit_cpool: the device time left less 20 s
+#                                                     #   (>= 300; 570 for both)
 #   SESSION_S=... bash benches/gpu_session.sh call2   # install bench_1b (every mode), then with the time
 #                                                     #   left bench_cpool, bench_expandable (>= 300; 600 for all)
 # A session (15 device-minutes, the start included) fits call1 and one of the others.
@@ -26,8 +27,10 @@
 # tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
 # torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
-# largest micro-batch of each mode), pin_rate (benches/pin_rate.py: how fast a host arena is
-# pinned, and whether faulting it in first, over threads or in huge pages, is faster),
+# largest micro-batch of keep, adaptive and checkpoint), fit_cpool (keep's and adaptive's with copies
+# ahead into the compute stream's pool), pin_rate (benches/pin_rate.py: how fast a host arena is
+# pinned, and whether faulting it in first, over threads or in huge pages, is faster; a store's
+# open without and with host.huge_pages),
 # bench_cpool (bench_1b's keep, adaptive and host modes with copies ahead into the compute
 # stream's pool), bench_expandable (its keep, adaptive and checkpoint with the allocator's
 # expandable segments: the reserved memory a second stream's pool adds); on request only: bench_wide
@@ -39,13 +42,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} pin_rate bench_cpool bench_expandable bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
     call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe pin_rate) ;;
     call2) parts+=(install bench_1b bench_cpool bench_expandable) ;;
-    call3) parts+=(install fit) ;;
+    call3) parts+=(install fit fit_cpool) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -148,7 +151,7 @@ for p in "${parts[@]}"; do
             --json "$LOGS/cufile_bandwidth.json"
         ;;
     pin_rate)
-        part pin_rate "$(limit 75)" "$PY" benches/pin_rate.py --size 2GiB --json "$LOGS/pin_rate.json"
+        part pin_rate "$(limit 90)" "$PY" benches/pin_rate.py --size 2GiB --dir benches/out --json "$LOGS/pin_rate.json"
         ;;
     udev_shim)
         part udev_shim "$(limit 20)" bash benches/cufile_udev_shim.sh benches/out
@@ -164,7 +167,7 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
             --json "$LOGS/cufile_probe.json"
         ;;
-    bench_quick | bench_1b | bench_cpool | bench_expandable | bench_wide | fit)
+    bench_quick | bench_1b | bench_cpool | bench_expandable | bench_wide | fit | fit_cpool)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
@@ -177,8 +180,10 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # Wider blocks: more compute per byte saved, so more of it can cross the link in time.
         bench_wide) secs=$(limit 300) args=(--layers 8 --d-model 4096 --heads 32 --batch 8 --steps 3 --no-fio
             --modes keep,ssdtier_adaptive,ssdtier_host,checkpoint) margin=60 ;;
-        # The modes that may fit more at keep's speed: the rest are many times slower (run 2).
-        fit) secs=$(limit 560) args=(--fit --modes keep,ssdtier_adaptive,checkpoint,ssdtier_host) margin=80 ;;
+        # The modes that may fit more at keep's speed, and checkpointing: the rest are many times
+        # slower (runs 2 and 3). Then adaptive's with one pool: 43 GiB sat free in the prefetch one (run 3).
+        fit) secs=$(limit 320) args=(--fit --modes keep,ssdtier_adaptive,checkpoint) margin=60 ;;
+        fit_cpool) secs=$(limit 240) args=(--fit --modes keep,ssdtier_adaptive --stage-pool compute) margin=50 ;;
         esac
         env=()
         [ "$p" = bench_expandable ] && env=(env "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")

@@ -6,9 +6,11 @@ store maps its arena (anonymous, private, MADV_DONTFORK), then pins it with cuda
 
 - plain: the registration faults every page in itself;
 - populate xN: MADV_POPULATE_WRITE over N threads first (pages faulted in parallel), then pins;
-- huge, huge+populate xN: the same with MADV_HUGEPAGE (2 MiB pages where THP allows).
+- huge, huge+populate xN: the same with MADV_HUGEPAGE (2 MiB pages where THP allows);
+- store, store+huge (with --dir): a TieredStore opened with that arena (io_uring's fixed
+  buffers fault it in: "populate" is the open), without and with ``host.huge_pages``, then pinned.
 
-    python benches/pin_rate.py [--size 8GiB] [--threads 1,4,16] [--repeats 2] [--json OUT]
+    python benches/pin_rate.py [--size 8GiB] [--threads 1,4,16] [--repeats 2] [--dir D] [--json OUT]
 
 Ways are interleaved over repeats, each repeat starting at another; the median of each is reported, in GB/s (10^9 B/s).
 """
@@ -116,6 +118,21 @@ def one(pinner: Pinner, n: int, huge: bool, threads: int) -> dict[str, float]:
         libc.munmap(p, n)
 
 
+def one_store(pinner: Pinner, n: int, huge: bool, directory: str) -> dict[str, float]:
+    """Open a store with an ``n``-byte arena (huge pages or not), pin the arena, close it."""
+    import ssdtier
+
+    cfg = {"host": {"capacity": n, "huge_pages": huge}, "nvme": [{"path": directory, "capacity": "1GiB"}]}
+    t0 = time.perf_counter()
+    with ssdtier.TieredStore(cfg) as store:
+        t1 = time.perf_counter()
+        a = store.arena
+        pinner.pin(a.data_ptr(), a.numel())
+        t2 = time.perf_counter()
+        pinner.unpin(a.data_ptr(), a.numel())
+    return {"populate_s": t1 - t0, "pin_s": t2 - t1, "total_s": t2 - t0}
+
+
 def medians(runs: dict[str, list[dict[str, float]]], n: int) -> dict[str, dict[str, float]]:
     """Each way's median seconds per stage, its rate and its speed-up over plain."""
     rows = {}
@@ -136,11 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     cpus = os.cpu_count() or 1
     ap.add_argument("--threads", default=",".join(str(t) for t in sorted({1, max(1, cpus // 4), cpus})))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dir", help="also open a store with that arena here, without and with host.huge_pages")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     n = parse_size(args.size, key="--size", source="command line")
     threads = [int(t) for t in args.threads.split(",") if t]
-    ways = [(huge, t) for huge in (False, True) for t in (0, *threads)]
+    ways: list[tuple[bool, int | None]] = [(huge, t) for huge in (False, True) for t in (0, *threads)]
+    if args.dir:
+        ways += [(False, None), (True, None)]  # None: through a store
     pinner = Pinner()
     thp = "?"
     try:
@@ -158,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         # pages, memory the hypervisor backs already) must not always fall to the same next.
         shift = rep * len(ways) // args.repeats
         for huge, t in ways[shift:] + ways[:shift]:
-            name = ("huge" if huge else "plain") + (f"+populate x{t}" if t else "")
-            r = one(pinner, n, huge, t)
+            if t is None:
+                name = "store+huge" if huge else "store"
+                r = one_store(pinner, n, huge, args.dir)
+            else:
+                name = ("huge" if huge else "plain") + (f"+populate x{t}" if t else "")
+                r = one(pinner, n, huge, t)
             runs.setdefault(name, []).append(r)
             print(
                 f"  [{rep + 1}/{args.repeats}] {name:<24} populate {r['populate_s']:6.2f} s  "

@@ -253,7 +253,7 @@ def test_source_is_not_compared():
 # ---------------------------------------------------------------------------
 
 FULL = {
-    "host": {"capacity": "8GiB"},
+    "host": {"capacity": "8GiB", "huge_pages": True},
     "nvme": [
         {"path": "/mnt/nvme0/ssdtier", "capacity": "256GiB"},
         {"path": "/mnt/nvme1/ssdtier", "capacity": 100 * 10**9},
@@ -282,6 +282,7 @@ FULL = {
 FULL_TOML = """\
 [host]
 capacity = "8GiB"
+huge_pages = true
 
 [[nvme]]
 path = "/mnt/nvme0/ssdtier"
@@ -312,7 +313,7 @@ device_budget = "20GiB"
 """
 
 FULL_CONFIG = Config(
-    host=HostConfig(8 * GiB),
+    host=HostConfig(8 * GiB, huge_pages=True),
     nvme=(
         NvmeConfig("/mnt/nvme0/ssdtier", 256 * GiB),
         NvmeConfig("/mnt/nvme1/ssdtier", 100 * 10**9),
@@ -369,7 +370,7 @@ BAD_FILES = [
     (
         "unknown-key-no-suggestion",
         "[host]\nzzz = 1\n",
-        r"host\.zzz: unknown key\. Allowed keys in \[host\]: capacity$",
+        r"host\.zzz: unknown key\. Allowed keys in \[host\]: capacity, huge_pages$",
     ),
     (
         "unknown-table",
@@ -634,7 +635,7 @@ def test_syntax_error_is_chained(tmp_path):
 def test_to_dict():
     d = FULL_CONFIG.to_dict()
     assert d == {
-        "host": {"capacity": "8GiB"},
+        "host": {"capacity": "8GiB", "huge_pages": True},
         "nvme": [
             {"path": "/mnt/nvme0/ssdtier", "capacity": "256GiB"},
             {"path": "/mnt/nvme1/ssdtier", "capacity": "100GB"},
@@ -669,7 +670,7 @@ def test_to_dict():
 
 def test_to_toml_full():
     text = FULL_CONFIG.to_toml()
-    assert '[host]\ncapacity = "8GiB"\n' in text
+    assert '[host]\ncapacity = "8GiB"\nhuge_pages = true\n' in text
     assert text.count("[[nvme]]") == 2
     for table in ("[io]", "[policy]"):
         assert table in text

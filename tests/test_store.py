@@ -453,3 +453,30 @@ def test_a_view_of_the_arena_keeps_the_native_store_alive(store_dir):
     del arena
     gc.collect()
     assert native() is None
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_huge_pages_are_asked_for_the_arena_only_when_set(store_dir, huge):
+    cfg = store_config(store_dir, host="8MiB")
+    cfg["host"]["huge_pages"] = huge
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel takes the advice: nothing to say
+        store = TieredStore(cfg)
+    with store:
+        assert ("hg" in _vm_flags(store.arena.data_ptr())) is huge
+        x = torch.arange(1 << 20, dtype=torch.int32)
+        assert torch.equal(store.get(store.put(x)), x)

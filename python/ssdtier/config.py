@@ -280,11 +280,14 @@ class HostConfig:
         capacity: Bytes of pinned host memory (0 disables the host tier, so
             everything goes straight to NVMe); at most 1 TiB. Size strings such
             as ``"8GiB"`` are accepted and stored as ints.
+        huge_pages: Map the arena in transparent huge pages: faster to fault in and pin
+            where the kernel has them free, slower where it must compact memory first.
     """
 
     _TABLE: ClassVar[str] = "host"
 
     capacity: int = _key(_size_range(0, TiB), 1 * GiB, size=True)
+    huge_pages: bool = _key(_bool, False)
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -23,7 +23,7 @@ __all__ = ["ByteStore", "StoreStats", "TieredStore"]
 log = logging.getLogger("ssdtier")
 
 # Notices that mean "this works, but not the fast way": warned about, not just logged.
-_WARN_MARKERS = ("O_DIRECT", "O_TMPFILE", "io_uring is not available", "cannot register")
+_WARN_MARKERS = ("O_DIRECT", "O_TMPFILE", "io_uring is not available", "cannot register", "huge_pages")
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ class ByteStore:
             eviction=cfg.policy.eviction,
             prealloc_step=_PREALLOC_ALL if cfg.io.preallocate == "all" else cfg.io.preallocate,
             throttle_bytes_per_sec=cfg.io.throttle or 0,
+            huge_pages=cfg.host.huge_pages,
         )
         for notice in self._native.take_notices():
             if any(m in notice for m in _WARN_MARKERS):

@@ -49,6 +49,17 @@ impl Arena {
         Ok(Arena { ptr: NonNull::new(p as *mut u8), len, born: crate::fork::Born::now() })
     }
 
+    /// Ask for transparent huge pages (`MADV_HUGEPAGE`): fewer faults and pins per byte
+    /// where the kernel has them free, slower where it must compact memory first.
+    pub fn advise_huge(&self) -> std::io::Result<()> {
+        let Some(p) = self.ptr else { return Ok(()) };
+        // Safety: advice on this struct's own mapping.
+        if unsafe { libc::madvise(p.as_ptr() as *mut libc::c_void, self.len, libc::MADV_HUGEPAGE) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.map_or(std::ptr::null_mut(), |p| p.as_ptr())
     }
@@ -77,6 +88,20 @@ impl Drop for Arena {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn huge_page_advice_keeps_the_arena_usable() {
+        let a = Arena::new(4 << 20).unwrap();
+        if let Err(e) = a.advise_huge() {
+            assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}"); // a kernel without THP
+        }
+        // Safety: inside the mapping.
+        unsafe {
+            *a.as_ptr().add(a.len() - 1) = 9;
+            assert_eq!(*a.as_ptr().add(a.len() - 1), 9);
+        }
+        assert!(Arena::new(0).unwrap().advise_huge().is_ok());
+    }
 
     #[test]
     fn page_aligned_and_writable() {

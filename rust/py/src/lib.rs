@@ -131,7 +131,7 @@ impl Store {
     #[pyo3(signature = (
         devices, host_capacity, *, backend = "auto", queue_depth = 64, block_size = 1 << 20,
         direct = true, fixed_buffers = true, threads = 4, eviction = "lifetime", prealloc_step = 256 << 20,
-        throttle_bytes_per_sec = 0
+        throttle_bytes_per_sec = 0, huge_pages = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -147,9 +147,11 @@ impl Store {
         eviction: &str,
         prealloc_step: u64,
         throttle_bytes_per_sec: u64,
+        huge_pages: bool,
     ) -> PyResult<Self> {
         let cfg = StoreConfig {
             host_capacity,
+            huge_pages,
             devices: devices.into_iter().map(|(path, capacity)| DeviceConfig { path, capacity }).collect(),
             backend: backend.parse::<Backend>().py_err(py)?,
             queue_depth,

@@ -56,6 +56,8 @@ pub struct DeviceConfig {
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub host_capacity: u64,
+    /// Map the arena in transparent huge pages where the kernel allows.
+    pub huge_pages: bool,
     pub devices: Vec<DeviceConfig>,
     pub backend: Backend,
     pub queue_depth: u32,
@@ -76,6 +78,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             host_capacity: 1 << 30,
+            huge_pages: false,
             devices: Vec::new(),
             backend: Backend::Auto,
             queue_depth: 64,

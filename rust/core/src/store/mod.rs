@@ -99,6 +99,11 @@ impl Store {
         cfg.validate()?;
         let mut notices = Vec::new();
         let arena = Arena::new(cfg.host_capacity as usize)?;
+        if cfg.huge_pages {
+            if let Err(e) = arena.advise_huge() {
+                notices.push(format!("host.huge_pages: the kernel refused huge pages ({e}); small pages"));
+            }
+        }
         let buffers: Vec<(*mut u8, usize)> = if cfg.fixed_buffers && !arena.is_empty() {
             (0..arena.len() as u64)
                 .step_by(FIXED_BUF as usize)
