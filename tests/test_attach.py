@@ -273,13 +273,20 @@ def test_retain_graph_unpacks_twice(store_dir):
     assert got[2].unpacks > got[2].packs - got[2].tensors_kept
 
 
+def seeded(ssd):
+    """As train() sets up: the GPT from seed 0, attached to ``ssd`` (if any), batches from a
+    generator of seed 2, dropout from seed 1: (model, generator, offloader or None)."""
+    torch.manual_seed(0)
+    model = build_model(CONFIGS["gpt"])
+    gen = torch.Generator().manual_seed(2)
+    off = ssdtier.attach(model, ssd) if ssd else None
+    torch.manual_seed(1)
+    return model, gen, off
+
+
 def test_several_forwards_before_one_backward(store_dir):
     def run(ssd):
-        torch.manual_seed(0)
-        model = build_model(CONFIGS["gpt"])
-        gen = torch.Generator().manual_seed(2)
-        off = ssdtier.attach(model, ssd) if ssd else None
-        torch.manual_seed(1)
+        model, gen, off = seeded(ssd)
         losses = [batch_loss(model, make_batch(CONFIGS["gpt"], 2, gen)) for _ in range(3)]
         stats = None
         if off:
@@ -1000,6 +1007,61 @@ def test_an_auto_device_budget_follows_the_memory_left(store_dir, monkeypatch, w
     assert budgets[3] == 50 * gib and kept[3] == 3  # the slow disk: all kept
     assert 0 < budgets[5] < 1 << 20 and kept[5] < 3, (budgets, kept)  # 0.9 of what the last step kept
     assert f"adaptive plan: keep the last {kept[-1]} (device budget " in str(got[2])
+
+
+def test_an_auto_device_budget_shrinks_at_once_for_a_larger_batch(store_dir, monkeypatch, caplog):
+    # On a fake GPU: 3 GiB allocated beside the kept activations, 2 of them before each step.
+    # A forward of twice the batch makes twice the 1 GiB of the step's own: 1 GiB less to keep.
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.offload.budget import Memory
+
+    gib = 1 << 30
+    init, grew = Adaptive.__init__, Adaptive.grew
+
+    class FakeGpu:
+        def __init__(self, off):
+            self.off = off
+
+        def memory(self):
+            return Memory(50 * gib, 100 * gib, 8 * gib, 1 * gib, 0, 2 * gib)
+
+        def allocated(self):
+            return self.off.res.kept + 3 * gib
+
+    def on_a_fake_gpu(self, off):
+        init(self, off)
+        self.gpu = FakeGpu(off)
+
+    budgets = []
+
+    def seen(self):
+        before = self.off._budget
+        grew(self)
+        budgets.append((before, self.off._budget))
+
+    monkeypatch.setattr(Adaptive, "__init__", on_a_fake_gpu)
+    monkeypatch.setattr(Adaptive, "grew", seen)
+
+    def run(ssd):
+        model, gen, off = seeded(ssd)
+        losses = []
+        for b in (2, 2, 2, 4, 4):
+            loss = batch_loss(model, make_batch(CONFIGS["gpt"], b, gen))
+            loss.backward()
+            losses.append(loss.detach())
+        if off:
+            off.detach()
+        return losses, {n: p.grad for n, p in model.named_parameters()}, None
+
+    with caplog.at_level("INFO", logger="ssdtier"):
+        got = run(offload_config(store_dir, mode="adaptive", device_budget="auto"))
+    assert_same(run(None), got)
+    # 53 GiB of room (58 free and cached, less 5), less 3: 50 GiB; for batch 4, 53 - 2 - 2 x 1.
+    assert budgets[2] == (50 * gib, 50 * gib)
+    before, during = budgets[3]
+    assert before == 50 * gib and 48.9 * gib < during < 49.1 * gib, budgets
+    assert budgets[4] == (50 * gib, 50 * gib)  # the same batch again: as measured
+    assert "this forward saves 2.00x the last one's: device budget 49" in caplog.text
 
 
 def test_every_mode_is_exact(store_dir):

@@ -248,6 +248,21 @@ def test_an_auto_device_budget_leaves_what_is_not_kept_activations_and_a_margin(
     assert small.next(1 * g, 0, Memory(0, 8 * g, 2 * g, 9 * g, 0)) == 0
 
 
+def test_an_auto_budget_shrinks_for_a_step_that_saves_more():
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    assert ab.grown(2.0) is None  # nothing seen yet
+    ab.next(0, 0, Memory(50 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(30 * g, 14 * g)  # 16 GiB beside the kept activations, 10 of them before the step
+    assert ab.next(14 * g, 0, Memory(50 * g, 100 * g, 10 * g, 30 * g, 0, 10 * g)) == 39 * g
+    # Twice the activations: the 6 GiB made during the step double, the 10 before it do not.
+    assert ab.grown(2.0) == 33 * g
+    assert ab.grown(1.0) == 39 * g
+    assert ab.grown(20.0) == 0
+
+
 def test_the_gpu_memory_is_read_within_a_per_process_fraction(monkeypatch):
     import torch
 
@@ -263,7 +278,7 @@ def test_the_gpu_memory_is_read_within_a_per_process_fraction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda d: stats)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
     gpu = Gpu(torch.device("cuda", 0))
-    assert gpu.memory() == Memory(60 * gib, 80 * gib, 6 * gib, 8 * gib, 2) and gpu.allocated() == 3 * gib
+    assert gpu.memory() == Memory(60 * gib, 80 * gib, 6 * gib, 8 * gib, 2, 3 * gib) and gpu.allocated() == 3 * gib
     # set_per_process_memory_fraction(0.25): 20 GiB allowed, 6 of them reserved already.
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 0.25)
-    assert gpu.memory() == Memory(14 * gib, 20 * gib, 6 * gib, 8 * gib, 2)
+    assert gpu.memory() == Memory(14 * gib, 20 * gib, 6 * gib, 8 * gib, 2, 3 * gib)

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import SsdtierWarning
 from ..plan import HostTier, LayerProfile, Plan, make_plan
+from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Gpu
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from .offloader import Offloader
 
 log = logging.getLogger("ssdtier")
+
+GROWTH = 1.1  # a forward's first block saving this much more than the last forward's: a larger batch
 
 
 class Adaptive:
@@ -42,6 +45,8 @@ class Adaptive:
         self.ev0: dict[int, tuple[torch.cuda.Event, float]] = {}  # layer tag -> (event at its start, waits then)
         self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event, float]] = []  # (tag, start, end, waited)
         self.wait0 = 0.0
+        self.first_bytes = 0  # saved up to the end of the first block, in the last forward counted
+        self.counting = True  # self.bytes holds this forward's alone
         self.bw = self.calibrate()
         self.host = self.host_tier()
         # device_budget = "auto": the GPU's memory, read before each step (None: a fixed budget).
@@ -115,12 +120,15 @@ class Adaptive:
         """Seconds the host has waited for copies out and the store so far."""
         return self.off.res.held_back + self.off.store_wait()
 
-    @staticmethod
-    def _timing() -> bool:
+    def _timing(self) -> bool:
         """Events can time blocks: not while traced, nor inside a CUDA graph being captured."""
-        return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+        capturing = self.device is not None and torch.cuda.is_current_stream_capturing()
+        return not torch.compiler.is_compiling() and not capturing
 
     def block_exit(self, tag: int) -> None:
+        if tag == 1 and self.gpu is not None and self.counting and self._timing():  # not traced
+            self.counting = False
+            self.grew()
         if self.device is not None:
             start = self.ev0.pop(tag, None)
             if start is not None and self._timing():
@@ -162,6 +170,25 @@ class Adaptive:
         kept, res.kept_peak = res.kept_peak, res.kept
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
         return self.auto.next(kept, queued, self.gpu.memory())
+
+    def grew(self) -> None:
+        """A forward that saved more by the end of its first block than the last one did (a
+        larger batch, longer sequences) makes more of the rest too: its budget shrinks now,
+        before the GPU runs full, rather than after the step."""
+        now = self.bytes.get(0, 0) + self.bytes.get(1, 0)
+        last, self.first_bytes = self.first_bytes, now
+        budget = self.off._budget
+        if not last or now <= GROWTH * last or budget is None:
+            return
+        grown = self.auto.grown(now / last)
+        if grown is not None and grown < budget:
+            log.info(
+                "ssdtier: this forward saves %.2fx the last one's: device budget %s for it, not %s",
+                now / last,
+                format_size(grown),
+                format_size(budget),
+            )
+            self.off.device_budget(grown)
 
     def sample(self) -> None:
         """device_budget = "auto": what is allocated now and is not kept activations (at the
@@ -207,6 +234,7 @@ class Adaptive:
     def _next_iteration(self) -> None:
         self.fwd.clear()
         self.bytes.clear()
+        self.counting = True
         self.wait0 = self.off.io_wait()
 
 

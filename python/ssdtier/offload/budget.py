@@ -23,6 +23,7 @@ class Memory:
     reserved: int  # by this process's caching allocator
     allocated_peak: int  # the most allocated at once since the peak counters were last reset
     retries: int  # allocations retried after emptying the allocator's cache, so far
+    allocated: int = 0  # now: before a step, what outlives it (parameters, optimizer state)
 
 
 class Gpu:
@@ -40,7 +41,8 @@ class Gpu:
         if fraction < 1.0:
             total = int(total * fraction)
             free = max(0, min(free, total - reserved))
-        return Memory(free, total, reserved, _stat(st, "allocated_bytes", "peak"), st.get("num_alloc_retries", 0))
+        peak, now = _stat(st, "allocated_bytes", "peak"), _stat(st, "allocated_bytes", "current")
+        return Memory(free, total, reserved, peak, st.get("num_alloc_retries", 0), now)
 
     def allocated(self) -> int:
         return _stat(torch.cuda.memory_stats_as_nested_dict(self.device), "allocated_bytes", "current")
@@ -61,7 +63,8 @@ class AutoBudget:
     a step that raised ``max_memory_allocated`` also counts (its peak less the most kept), for
     what happens between samples. A budget of B keeps every moment of a step within that part
     plus B. After a retried allocation (the GPU ran full), less than the last step kept; not
-    less again while allocations are retried at what a cut left: keeping less did not help."""
+    less again while allocations are retried at what a cut left: keeping less did not help.
+    A step found to save r times more than the last (a larger batch) gets ``grown(r)``."""
 
     def __init__(self) -> None:
         self.peak = -1  # the allocator's peak counter at the last look
@@ -70,6 +73,8 @@ class AutoBudget:
         self.retries: int | None = None
         self.cut: int | None = None  # what the last step kept when a retry cut the budget
         self.extra = 0  # a margin more per cut: the GPU ran full with what was seen
+        self.room: int | None = None  # at the last look: the memory for activations and the rest
+        self.base = 0  # at the last look: allocated before the step
 
     def sample(self, allocated: int, kept: int) -> None:
         other = allocated - kept
@@ -89,10 +94,11 @@ class AutoBudget:
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
             self.other = max(0, *seen)
+        margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
+        self.room, self.base = mem.free + mem.reserved - margin - self.extra - queued, mem.allocated
         if self.other is None or first:
             return None
-        margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
-        budget = max(0, mem.free + mem.reserved - margin - self.other - self.extra - queued)
+        budget = max(0, self.room - self.other)
         if retried:
             if self.cut is not None and kept <= self.cut:
                 return min(budget, kept)  # retried after a cut too: keeping less is not the cure
@@ -100,3 +106,11 @@ class AutoBudget:
             self.cut = kept
             budget = min(budget, int(kept * RETRY_CUT))
         return budget
+
+    def grown(self, ratio: float) -> int | None:
+        """The budget for a step that saves ``ratio`` times what the last one did: what was not
+        kept activations grows as much, but for what was allocated before the step."""
+        if self.room is None or self.other is None:
+            return None
+        base = min(self.base, self.other)
+        return max(0, self.room - base - int((self.other - base) * ratio))
