@@ -755,3 +755,17 @@ def test_adaptive_plans_from_a_gpus_second_iteration_not_its_first(store_dir, gp
         assert plans[0] is None and plans[1] is not None and ad.warm
     finally:
         off.detach()
+
+
+@pytest.mark.parametrize("mode", [None, "all"], ids=["auto", "all"])
+def test_a_model_moved_to_a_gpu_after_attach_is_told_what_auto_chose(store_dir, gpu, warned, mode):
+    cfg = offload_config(store_dir, host="1MiB")
+    if mode is None:
+        del cfg["policy"]["mode"]
+    with ssdtier.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg) as off:  # on the CPU
+        assert off.config.policy.mode == "all"
+        e = offload(off.cuda, source(64 << 10, 7))  # the first CUDA tensor
+        gpu.run()
+        off.cuda.poll()
+        let_go(off.cuda, e)
+    assert len(warned('so policy.mode "auto" chose "all"')) == (mode is None)

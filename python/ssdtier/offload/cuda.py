@@ -234,6 +234,12 @@ class CudaTransport:
     def _streams(self, device: torch.device) -> tuple[Any, Any]:
         s = self.streams.get(device)
         if s is None:
+            if self.off.auto_on_cpu:
+                self.off.once.warn(
+                    "moved",
+                    'the model was on the CPU at attach, so policy.mode "auto" chose "all" (offload every '
+                    "block); attach after moving it to the GPU for adaptive mode, or set policy.mode",
+                )
             arena = self.store.arena
             if self.pinned is None and arena is not None and not self.off.uses_cufile:
                 if arena.numel() >= SLOW_ARENA:

@@ -95,7 +95,9 @@ class Offloader:
         if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         # Not config.replace (here and below): errors and warnings name the user's config.
-        config = dataclasses.replace(config, policy=config.policy.resolved(cuda_device(model) is not None))
+        on_gpu = cuda_device(model) is not None
+        self.auto_on_cpu = config.policy.mode == "auto" and not on_gpu  # said if CUDA tensors come
+        config = dataclasses.replace(config, policy=config.policy.resolved(on_gpu))
         pol = config.policy
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
