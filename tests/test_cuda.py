@@ -5,6 +5,7 @@ without CUDA; run on a GPU machine."""
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -28,9 +29,9 @@ from .test_fork import private_bytes
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, batch=2):
+def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, batch=2, sizes=None):
     """As test_attach.train, on the GPU; ``shard`` is applied to the model before attaching,
-    ``wrap`` (torch.compile) after."""
+    ``wrap`` (torch.compile) after; ``sizes``: each step's batch, instead of ``micro`` x ``batch``."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
@@ -38,7 +39,7 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, ba
         if shard is not None:
             model = shard(model)
         gen = torch.Generator().manual_seed(2)
-        batches = [make_batch(cfg, batch, gen, device="cuda") for _ in range(micro)]
+        batches = [make_batch(cfg, b, gen, device="cuda") for b in sizes or [batch] * micro]
         off = ssdtier.attach(model, ssd) if ssd is not None else None
         runner = wrap(model) if wrap is not None else model
         torch.manual_seed(1)
@@ -562,6 +563,17 @@ def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir, default):
     assert_same(ref, got)
     plan = got[2].plan
     assert plan is not None and 0 <= plan.device_budget < 450 << 20, plan.table()
+
+
+def test_the_default_policy_follows_a_growing_batch_exactly(store_dir, caplog):
+    ssd = offload_config(store_dir, host="64MiB")
+    del ssd["policy"]["mode"]  # the default: adaptive with device_budget = "auto" on a GPU
+    sizes = (2, 2, 2, 4, 4, 2)
+    with caplog.at_level("INFO", logger="ssdtier"):
+        got = train_cuda(CFG, ssd, sizes=sizes)
+    assert_same(train_cuda(CFG, sizes=sizes), got)
+    assert got[2].plan is not None and got[2].plan.device_budget is not None
+    assert re.search(r"this forward saves \d\.\d\dx the last one's: device budget", caplog.text), caplog.text
 
 
 def test_adaptive_times_blocks_on_the_gpu_not_the_host(store_dir):
