@@ -459,7 +459,12 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     monkeypatch.setattr(gs, "mem_available", lambda: 6 << 30)  # save_on_cpu: at most 0.7 x 6 GiB / 1 GiB
     out = store_dir / "fit.json"
     argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "8", "--dtype", "fp32", "--fit-slow", "1e6"]
-    argv += ["--modes", "save_on_cpu,ssdtier_nvme,ssdtier_adaptive", "--nvme-arena", "1MiB"]  # (CPU times vary)
+    argv += [
+        "--modes",
+        "save_on_cpu,ssdtier_nvme,ssdtier_adaptive",
+        "--nvme-arena",
+        "1MiB",
+    ]  # --fit-slow off: CPU times vary
     assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     fit = res["fit"]
@@ -511,7 +516,18 @@ def test_fit_tries_the_first_step_of_adaptive_mode_once_more(on_cpu, store_dir, 
 
     monkeypatch.setattr(gs.Setup, "step", first_step_fails)
     out = store_dir / "fit.json"
-    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "4", "--dtype", "fp32"]
+    argv = [
+        *TINY,
+        "--fit",
+        "--fit-steps",
+        "1",
+        "--fit-max-batch",
+        "4",
+        "--dtype",
+        "fp32",
+        "--fit-slow",
+        "1e6",
+    ]  # off: CPU times vary
     argv += ["--modes", "ssdtier_adaptive", "--dir", str(store_dir / "nvme"), "--json", str(out)]
     assert gs.main(argv) == 0
     fit = json.loads(out.read_text())["fit"]
