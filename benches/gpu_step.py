@@ -503,6 +503,14 @@ def reserved_by_stream(off: Any) -> dict[str, dict[str, int]]:
     return out
 
 
+def alloc_retries() -> int:
+    """Allocations the caching allocator retried after freeing its cached blocks, so far: each
+    is a stall, and adaptive mode's auto budget reads one as the GPU running full."""
+    import torch
+
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if DEVICE == "cuda" else 0
+
+
 def release(setup: Setup | None, r: dict[str, Any]) -> None:
     """A mode's end: detach, free; a failure here goes into its result, and the next mode still runs."""
     try:
@@ -748,7 +756,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
         probe = CudaPeak(torch.device(DEVICE))
         probe.start()
         phases = setup.phases = Phases()
-        before = setup.stats()
+        before, retries = setup.stats(), alloc_retries()
         times: list[float] = []
         for i in range(args.steps):
             if times and time.monotonic() > deadline:
@@ -766,6 +774,7 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
         peak, reserved = max(peak, phases.peak[0]), max(probe.reserved, phases.peak[1])
         r["phases"] = phases.summary(base)
         r["reserved_by_stream"] = reserved_by_stream(setup.off)
+        r["alloc_retries_per_step"] = (alloc_retries() - retries) / len(times)
         after = setup.stats()
         plan = setup.off.plan() if setup.off is not None else None
         if plan is not None:
@@ -914,6 +923,7 @@ def fit_mode(
                 before = s.stats()
                 torch.cuda.reset_peak_memory_stats()
                 probe["base_bytes"] = torch.cuda.memory_allocated()
+                retries = alloc_retries()
                 first = first_step(batch, probe)
                 more = steps - 1 + (0 if r["probes"] else 1) + (ADAPTIVE_SETTLE if mode == "ssdtier_adaptive" else 0)
                 # A step past --fit-slow ends the probe (on the disk, steps take minutes); not
@@ -926,6 +936,10 @@ def fit_mode(
                 probe.update(fits=True, steps=len(times), step_s=times[-1], s_per_sample=times[-1] / b)
                 probe["peak_bytes"] = torch.cuda.max_memory_allocated()
                 probe["reserved_by_stream"] = reserved_by_stream(s.off)
+                probe["alloc_retries"] = alloc_retries() - retries
+                plan = s.off.plan() if s.off is not None else None
+                if plan is not None:
+                    probe["layers_kept"] = plan.keep_last
                 if before is not None and after is not None:
                     d = delta(after, before)
                     probe["nvme_written_per_step"] = d["bytes_written_nvme"] / len(times)
@@ -1301,7 +1315,10 @@ def render_steps(results: dict[str, Any]) -> str:
             )
     for mode, r in runs.items():
         if r.get("status") == "ok" and r.get("reserved_by_stream"):
-            lines.append(f"{mode}: reserved GiB by stream after its steps: {_by_stream(r['reserved_by_stream'])}")
+            lines.append(
+                f"{mode}: reserved GiB by stream after its steps: {_by_stream(r['reserved_by_stream'])}; "
+                f"allocations retried per step: {r.get('alloc_retries_per_step', 0):.1f}"
+            )
     for mode, r in runs.items():
         if r.get("plan"):
             lines += [f"{mode}: {line.strip()}" for line in r["plan"].splitlines()[:2]]
@@ -1435,9 +1452,15 @@ def render_fit(results: dict[str, Any]) -> str:
     for mode, r in fit.items():
         if r.get("status") != "ok":
             lines.append(f"{mode}: {r.get('status')}: {r.get('error', '')}")
-        by = (r.get("at_largest") or {}).get("reserved_by_stream")
-        if by:
-            lines.append(f"{mode}: reserved GiB by stream at its largest batch: {_by_stream(by)}")
+        top = r.get("at_largest") or {}
+        if top.get("reserved_by_stream"):
+            lines.append(
+                f"{mode}: reserved GiB by stream at its largest batch: {_by_stream(top['reserved_by_stream'])}; "
+                f"allocations retried over its {top['steps']} steps: {top.get('alloc_retries', 0)}"
+            )
+        kept = [f"{p['batch']}: {p['layers_kept']}" for p in r.get("probes", []) if "layers_kept" in p]
+        if kept:
+            lines.append(f"{mode}: layers kept at the end of each probe (batch: layers): {', '.join(kept)}")
         spilled = [p for p in r.get("probes", []) if p.get("nvme_written_per_step")]
         if mode == "ssdtier_host" and spilled:
             lines.append(

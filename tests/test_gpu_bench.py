@@ -380,14 +380,21 @@ def test_fit_report_has_the_rok_view(gs):
     }
     for r in res["fit"].values():
         r["at_largest"] = next(p for p in r["probes"] if p["batch"] == r["largest"])
-    res["fit"]["ssdtier_host"]["at_largest"]["reserved_by_stream"] = {"compute": {"reserved": 3 << 30, "allocated": 0}}
+    res["fit"]["ssdtier_host"]["at_largest"].update(
+        reserved_by_stream={"compute": {"reserved": 3 << 30, "allocated": 0}}, steps=2, alloc_retries=1
+    )
+    res["fit"]["ssdtier_host"]["probes"][0]["layers_kept"] = 2
     res["rok_reference_s_per_sample"] = gs.rok(res["fit"], 1.05)
     assert res["rok_reference_s_per_sample"] == 0.2
     assert [res["fit"][m]["rok_batch"] for m in ("keep", "ssdtier_host", "checkpoint")] == [4, 4, 0]
     text = gs.render_fit(res)
     assert "ROK: largest micro-batch at <= 1.05x keep's time per sample: keep 4, ssdtier_host 4, checkpoint 0" in text
     assert re.search(r"\| checkpoint +\| +64 \(cut\) \|", text)
-    assert "ssdtier_host: reserved GiB by stream at its largest batch: compute 3.00 (3.00 free)" in text
+    assert (
+        "ssdtier_host: reserved GiB by stream at its largest batch: compute 3.00 (3.00 free); "
+        "allocations retried over its 2 steps: 1"
+    ) in text
+    assert "ssdtier_host: layers kept at the end of each probe (batch: layers): 4: 2" in text
 
 
 def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch, capsys):
@@ -416,6 +423,7 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch, capsys):
     assert "keep the last" in res["modes"]["ssdtier_adaptive"]["plan"]
     assert res["args"]["attention"] == "sdpa"  # flash attention, as LLM training uses
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
+    assert all(r["alloc_retries_per_step"] == 0 for r in res["modes"].values())  # no CUDA allocator here
     phases = res["modes"]["ssdtier_host"]["phases"]
     assert phases["forward_s"] > 0 and phases["backward_s"] > 0 and phases["optimizer_s"] > 0
     # ssdtier's own INFO lines are in the log, during the run only.
@@ -458,13 +466,9 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 << 30)  # keep: 1 GiB per sample
     monkeypatch.setattr(gs, "mem_available", lambda: 6 << 30)  # save_on_cpu: at most 0.7 x 6 GiB / 1 GiB
     out = store_dir / "fit.json"
-    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "8", "--dtype", "fp32", "--fit-slow", "1e6"]
-    argv += [
-        "--modes",
-        "save_on_cpu,ssdtier_nvme,ssdtier_adaptive",
-        "--nvme-arena",
-        "1MiB",
-    ]  # --fit-slow off: CPU times vary
+    argv = [*TINY, "--fit", "--fit-steps", "1", "--fit-max-batch", "8", "--dtype", "fp32"]
+    argv += ["--modes", "save_on_cpu,ssdtier_nvme,ssdtier_adaptive", "--nvme-arena", "1MiB"]
+    argv += ["--fit-slow", "1e6"]  # off: CPU times vary
     assert gs.main([*argv, "--dir", str(store_dir / "nvme"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     fit = res["fit"]
@@ -476,6 +480,7 @@ def test_fit_on_the_cpu_with_a_fake_memory_limit(on_cpu, store_dir, monkeypatch)
     # Adaptive mode's timed step runs the plan made at its batch: 2 steps more per probe.
     steps = [(p["batch"], p["steps"]) for p in fit["ssdtier_adaptive"]["probes"] if p["fits"]]
     assert steps[0] == (1, 4) and all(n == 3 for _, n in steps[1:]), steps
+    assert all(p["alloc_retries"] == 0 and "layers_kept" in p for p in fit["ssdtier_adaptive"]["probes"] if p["fits"])
     assert all(p["steps"] in (1, 2) for p in fit["ssdtier_nvme"]["probes"] if p["fits"])
 
 
