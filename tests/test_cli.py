@@ -58,6 +58,7 @@ def test_info_reports_the_backend(store_dir):
     assert f"file system     {where(store_dir).describe()}\n" in r.stdout
     assert "\nfree            " in r.stdout
     assert "\nmemory left     " in r.stdout and "a GPU's host arena can take " in r.stdout
+    assert 'default policy  on the CPU, all (policy.mode "auto")' in r.stdout  # (no CUDA here)
 
 
 def test_info_does_not_create_the_directory(store_dir):

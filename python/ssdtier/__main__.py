@@ -75,10 +75,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"note            {w.message}")
     import torch
 
-    cuda = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available()
     print(f"torch           {torch.__version__}")
-    print(f"CUDA            {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no'}")
-    if cuda:
+    print(f"CUDA            {'yes: ' + torch.cuda.get_device_name(0) if on_gpu else 'no'}")
+    if on_gpu:
         from .offload.adaptive import copy_bandwidth
 
         try:
@@ -108,6 +108,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         GdsState.UNAVAILABLE: "through the host arena",
     }
     print(f"CUDA activations go {path_of[gds.state]}")
+    if on_gpu:
+        print('default policy  on a GPU, adaptive (policy.mode "auto"): offloads what the copies and disk hide,')
+        print("                and what the GPU has no room for")
+    else:
+        print('default policy  on the CPU, all (policy.mode "auto"): every block is offloaded')
     return 0
 
 
