@@ -934,6 +934,7 @@ def fit_mode(
                     times.append(s.step(batch)[0])
                 after = s.stats()
                 probe.update(fits=True, steps=len(times), step_s=times[-1], s_per_sample=times[-1] / b)
+                probe["slow"] = times[-1] > slow_s
                 probe["peak_bytes"] = torch.cuda.max_memory_allocated()
                 probe["reserved_by_stream"] = reserved_by_stream(s.off)
                 probe["alloc_retries"] = alloc_retries() - retries
@@ -968,7 +969,7 @@ def fit_mode(
                 return Probe.STOP
             if not p["fits"]:
                 return Probe.FAILS
-            return Probe.SLOW if ref is not None and p["s_per_sample"] > args.fit_slow * ref else Probe.FITS
+            return Probe.SLOW if p["slow"] else Probe.FITS
 
         r.update(search_batches(fits, max_batch))
         if ref is not None and mode != "keep" and not r["cut"]:

@@ -95,9 +95,9 @@ class Offloader:
         if attached(model) is not None:
             raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
         # Not config.replace (here and below): errors and warnings name the user's config.
-        on_gpu = cuda_device(model) is not None
-        self.auto_on_cpu = config.policy.mode == "auto" and not on_gpu  # said if CUDA tensors come
-        config = dataclasses.replace(config, policy=config.policy.resolved(on_gpu))
+        device = cuda_device(model)
+        self.auto_on_cpu = config.policy.mode == "auto" and device is None  # said if CUDA tensors come
+        config = dataclasses.replace(config, policy=config.policy.resolved(device is not None))
         pol = config.policy
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -158,7 +158,6 @@ class Offloader:
         self.adaptive: Adaptive | None = None
         self._sample: Callable[[], None] | None = None  # device_budget = "auto": GPU memory now
         try:
-            device = cuda_device(model)
             if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
