@@ -50,11 +50,9 @@ BOOKS = (
     "cuda.free_later",
     "cuda.staging",
     "ahead.reads",
-    "adaptive.fwd",
-    "adaptive.bytes",
-    "adaptive.t0",
-    "adaptive.ev0",
-    "adaptive.marks",
+    "adaptive.profile.open",
+    "adaptive.profile.spans",
+    "adaptive.profile.rec_spans",
 )
 
 

@@ -366,8 +366,9 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
         if plan is not None:
             result["plan"] = {
                 "keep_last": plan.keep_last,
-                "n_layers": len(plan.layers),
-                "stall_free": plan.stall_free,
+                "n_layers": len(plan.decisions),
+                "actions": [a.value for a in plan.actions],
+                "fits": plan.fits,
                 "reason": plan.reason,
                 "table": plan.table(),
             }
@@ -967,8 +968,8 @@ def render_throttled(args: argparse.Namespace, results: dict[str, Any]) -> str:
     plan = runs["throttled-adaptive"].get("plan")
     if plan:
         lines.append(
-            f"adaptive plan after the measured steps: keep_last {plan['keep_last']} of {plan['n_layers']}, "
-            f"stall-free {'yes' if plan['stall_free'] else 'no'}"
+            f"adaptive plan after the measured steps, for {plan['n_layers']} blocks: "
+            f"{', '.join(plan.get('actions', []))}; fits its budget: {'yes' if plan.get('fits', True) else 'no'}"
         )
         lines.append(plan["table"])
     else:

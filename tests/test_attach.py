@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import gc
-import json
 import re
 import subprocess
 import sys
@@ -42,14 +40,17 @@ def offload_config(path, host="64KiB", zero_copy=True, **policy):
     return cfg
 
 
-def train(model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=None, wrap=None):
-    """Build from seed 0, run `micro` micro-batches of gradient accumulation with
-    seed 1 for dropout; returns losses, grads and the offloader's stats. `wrap` (e.g.
-    torch.compile) is applied to the model after attaching."""
+def train(
+    model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=None, wrap=None, sizes=None, on_step=None
+):
+    """Build from seed 0, run `micro` micro-batches of gradient accumulation (or one of each
+    of `sizes`) with seed 1 for dropout; returns losses, grads and the offloader's stats.
+    `wrap` (e.g. torch.compile) is applied to the model after attaching; `on_step(offloader)`
+    runs after each backward."""
     torch.manual_seed(0)
     model = build_model(model_cfg)
     gen = torch.Generator().manual_seed(2)
-    batches = [make_batch(model_cfg, batch, gen) for _ in range(micro)]
+    batches = [make_batch(model_cfg, b, gen) for b in sizes or [batch] * micro]
     off = ssdtier.attach(model, ssd_cfg) if ssd_cfg is not None else None
     runner = wrap(model) if wrap is not None else model
     torch.manual_seed(1)
@@ -60,6 +61,8 @@ def train(model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=No
             loss = batch_loss(runner, b)
         (backward or (lambda x: x.backward()))(loss)
         losses.append(loss.detach())
+        if on_step is not None:
+            on_step(off)
     grads = {n: p.grad for n, p in model.named_parameters()}
     stats = off.stats() if off else None
     if off:
@@ -249,8 +252,8 @@ def test_reentrant_checkpointing_inside(store_dir, monkeypatch):
 
     import ssdtier.models
 
-    def run_block(block, use_checkpoint, *args):
-        if use_checkpoint and torch.is_grad_enabled():
+    def run_block(config, i, block, *args):
+        if config.checkpoint and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=True)
         return block(*args)
 
@@ -877,191 +880,6 @@ def view_offloaders():
         off.detach()
     for path in paths:
         shutil.rmtree(path)
-
-
-# ------------------------------------------------------------------ adaptive mode and device budget
-
-
-def test_adaptive_mode_plans_and_stays_exact(store_dir):
-    cfg = offload_config(store_dir, mode="adaptive")
-    cfg["io"]["throttle"] = "200MB"  # a slow disk, so the plan must keep some layers
-    ref = train(CONFIGS["gpt"], micro=4)
-    got = train(CONFIGS["gpt"], cfg, micro=4)
-    assert_same(ref, got)
-    s = got[2]
-    assert s.plan is not None
-    assert len(s.plan.layers) == 3
-    assert s.plan.keep_last == s.layers_kept
-    assert "keep the last" in s.plan.table()
-    # Block 0 carries what is saved before it (the embeddings' indices): it goes with block 0.
-    assert s.plan.layers[0].bytes > s.plan.layers[1].bytes == s.plan.layers[2].bytes
-
-
-def test_adaptive_mode_counts_on_the_host_tier(store_dir):
-    # CPU tensors copied into an arena that holds them all (as CUDA ones are): a slow disk
-    # does not matter, every layer is offloaded and nothing reaches NVMe.
-    cfg = offload_config(store_dir, host="64MiB", zero_copy=False, mode="adaptive")
-    cfg["io"]["throttle"] = "20MB"
-    got = train(CONFIGS["gpt"], cfg, micro=4)
-    assert_same(train(CONFIGS["gpt"], micro=4), got)
-    plan = got[2].plan
-    assert plan.host is not None and plan.host.capacity >= 64 << 20 and plan.host.copy_bytes_per_s is None
-    assert plan.keep_last == 0 and plan.spill_bytes == 0 and plan.stall_free
-    assert got[2].bytes_written_nvme == 0
-    # Zero copy writes from the tensors' own pages, straight to NVMe: no host tier in the plan.
-    cfg = offload_config(store_dir, host="64MiB", mode="adaptive")
-    cfg["io"]["throttle"] = "20MB"
-    assert train(CONFIGS["gpt"], cfg, micro=4)[2].plan.host is None
-
-
-def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
-    model = build_model(CONFIGS["gpt"])
-    with ssdtier.attach(model, offload_config(store_dir, mode="adaptive")) as off:
-        s = off.stats()
-        assert off.adaptive.bw is not None and min(off.adaptive.bw) > 0  # measured
-        assert s.bytes_written_nvme == s.bytes_read_nvme == s.store.host_peak == s.store.nvme_peak == 0
-
-
-def test_stats_read_as_a_few_lines_and_as_plain_data(store_dir):
-    s = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive"))[2]
-    text = str(s)
-    assert len(text.splitlines()) == 4, text  # with the plan's line
-    assert f"in {s.tensors_offloaded} tensors" in text and f"{s.forwarded} of {s.unpacks} unpacks" in text
-    assert f"adaptive plan: keep the last {s.plan.keep_last}: " in text
-    d = s.as_dict()
-    assert json.loads(json.dumps(d))["store"] == d["store"] == dataclasses.asdict(s.store)
-    assert d["store"]["nvme_bytes_written"] == s.bytes_written_nvme and d["plan"]["keep_last"] == s.plan.keep_last
-
-
-def test_what_a_loop_logs_has_the_plan_in_adaptive_mode(store_dir):
-    from ssdtier.integrations import summary
-
-    plain = summary(train(CONFIGS["gpt"], offload_config(store_dir))[2])
-    assert "ssdtier/layers_kept" not in plain and plain["ssdtier/offloaded_GiB"] > 0
-    s = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive", device_budget="3GiB"))[2]
-    logged = summary(s)
-    assert logged["ssdtier/layers_kept"] == s.plan.keep_last and logged["ssdtier/device_budget_GiB"] == 3.0
-
-
-def test_device_budget_caps_what_is_kept(store_dir):
-    # mode "none" would keep everything; a zero budget forces all of it out.
-    got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none", device_budget=0))
-    assert_same(train(CONFIGS["gpt"]), got)
-    assert got[2].tensors_kept == 0 and got[2].tensors_offloaded > 0
-
-
-def test_an_auto_device_budget_is_for_adaptive_mode_on_a_gpu(store_dir, warned):
-    with pytest.raises(ssdtier.ConfigError, match="set policy.mode = 'adaptive' \\(it is 'all'\\)"):
-        ssdtier.attach(build_model(CONFIGS["gpt"]), offload_config(store_dir, device_budget="auto"))
-    got = train(CONFIGS["gpt"], offload_config(store_dir, mode="adaptive", device_budget="auto"), micro=4)
-    assert_same(train(CONFIGS["gpt"], micro=4), got)
-    assert warned("sizes the budget from GPU memory, and this GPT is not on a GPU: no budget")
-    assert got[2].plan.device_budget is None
-
-
-def test_an_auto_device_budget_follows_the_memory_left(store_dir, monkeypatch, warned):
-    # On a fake GPU, with a disk too slow to hide any layer: the plan keeps what the budget allows.
-    from ssdtier.offload.adaptive import Adaptive
-    from ssdtier.offload.budget import Memory
-
-    gib = 1 << 30
-    gpu = {"free": 0, "retries": 0}  # 8 GiB cached, less a margin of 5 and 3 not kept: nothing
-    offloaders = []
-    init = Adaptive.__init__
-
-    class FakeGpu:
-        """8 GiB cached, 3 GiB allocated beside the kept activations at every sample."""
-
-        def __init__(self, off):
-            self.off = off
-
-        def memory(self):
-            return Memory(gpu["free"], 100 * gib, 8 * gib, 1 * gib, gpu["retries"])
-
-        def allocated(self):
-            return self.off.res.kept + 3 * gib
-
-    def on_a_fake_gpu(self, off):
-        init(self, off)
-        offloaders.append(off)
-        self.gpu = FakeGpu(off)
-
-    monkeypatch.setattr(Adaptive, "__init__", on_a_fake_gpu)
-    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e6, 1e6))  # 1 MB/s: no layer's I/O hides
-    cfg = offload_config(store_dir, mode="adaptive", device_budget="auto")
-    budgets, kept = [], []
-
-    def backward(loss):
-        loss.backward()
-        plan = offloaders[-1].plan()
-        budgets.append(plan and plan.device_budget)
-        kept.append(plan and plan.keep_last)
-        if len(budgets) == 3:
-            gpu["free"] = 50 * gib  # 50 GiB more
-        if len(budgets) == 5:
-            gpu["retries"] = 1  # an allocation was retried: keep less than the last step did
-
-    got = train(CONFIGS["gpt"], cfg, micro=7, backward=backward)
-    assert_same(train(CONFIGS["gpt"], micro=7), got)
-    assert budgets[:3] == [None, 0, 0] and kept[1:3] == [0, 0]
-    assert budgets[3] == 50 * gib and kept[3] == 3  # the slow disk: all kept
-    assert 0 < budgets[5] < 1 << 20 and kept[5] < 3, (budgets, kept)  # 0.9 of what the last step kept
-    assert f"adaptive plan: keep the last {kept[-1]} (device budget " in str(got[2])
-
-
-def test_an_auto_device_budget_shrinks_at_once_for_a_larger_batch(store_dir, monkeypatch, caplog):
-    # On a fake GPU: 3 GiB allocated beside the kept activations, 2 of them before each step.
-    # A forward of twice the batch makes twice the 1 GiB of the step's own: 1 GiB less to keep.
-    from ssdtier.offload.adaptive import Adaptive
-    from ssdtier.offload.budget import Memory
-
-    gib = 1 << 30
-    init, grew = Adaptive.__init__, Adaptive.grew
-
-    class FakeGpu:
-        def __init__(self, off):
-            self.off = off
-
-        def memory(self):
-            return Memory(50 * gib, 100 * gib, 8 * gib, 1 * gib, 0, 2 * gib)
-
-        def allocated(self):
-            return self.off.res.kept + 3 * gib
-
-    def on_a_fake_gpu(self, off):
-        init(self, off)
-        self.gpu = FakeGpu(off)
-
-    budgets = []
-
-    def seen(self):
-        before = self.off._budget
-        grew(self)
-        budgets.append((before, self.off._budget))
-
-    monkeypatch.setattr(Adaptive, "__init__", on_a_fake_gpu)
-    monkeypatch.setattr(Adaptive, "grew", seen)
-
-    def run(ssd):
-        model, gen, off = seeded(ssd)
-        losses = []
-        for b in (2, 2, 2, 4, 4):
-            loss = batch_loss(model, make_batch(CONFIGS["gpt"], b, gen))
-            loss.backward()
-            losses.append(loss.detach())
-        if off:
-            off.detach()
-        return losses, {n: p.grad for n, p in model.named_parameters()}, None
-
-    with caplog.at_level("INFO", logger="ssdtier"):
-        got = run(offload_config(store_dir, mode="adaptive", device_budget="auto"))
-    assert_same(run(None), got)
-    # 53 GiB of room (58 free and cached, less 5), less 3: 50 GiB; for batch 4, 53 - 2 - 2 x 1.
-    assert budgets[2] == (50 * gib, 50 * gib)
-    before, during = budgets[3]
-    assert before == 50 * gib and 48.9 * gib < during < 49.1 * gib, budgets
-    assert budgets[4] == (50 * gib, 50 * gib)  # the same batch again: as measured
-    assert "this forward saves 2.00x the last one's: device budget 49" in caplog.text
 
 
 def test_every_mode_is_exact(store_dir):

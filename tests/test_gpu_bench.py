@@ -121,55 +121,6 @@ def test_tmpfs_dir_is_refused(gs):
         gs.check_dir(Path("/dev/shm/gpu_step-test"))
 
 
-def test_batch_search_doubles_then_bisects(gs):
-    P = gs.Probe
-    tried = []
-
-    def fits(b):
-        tried.append(b)
-        return P.FITS if b <= 37 else P.FAILS
-
-    assert gs.search_batches(fits, 256) == {"largest": 37, "failed": 38, "cut": False, "slow": False}
-    assert tried[:7] == [1, 2, 4, 8, 16, 32, 64] and len(tried) < 14
-    assert gs.search_batches(lambda b: P.FITS, 12) == {"largest": 12, "failed": None, "cut": False, "slow": False}
-    assert gs.search_batches(lambda b: P.STOP if b > 2 else P.FITS, 64)["cut"]
-    # A slow batch stops the doubling; in the bisection it counts as fitting.
-    slow = gs.search_batches(lambda b: P.SLOW if b >= 8 else P.FITS, 64)
-    assert slow == {"largest": 8, "failed": None, "cut": False, "slow": True}
-    assert gs.search_batches(lambda b: P.FAILS if b > 37 else P.SLOW if b > 32 else P.FITS, 256)["largest"] == 37
-
-
-def test_rok_search_bisects_between_the_probes_either_side(gs):
-    def s_per_sample(b):  # keep's speed up to 21 samples, then the disk's
-        return 1.0 if b <= 21 else 10.0
-
-    probes = [{"batch": b, "fits": True, "s_per_sample": s_per_sample(b)} for b in (1, 2, 4, 8, 16, 32)]
-    probes.append({"batch": 64, "fits": False})
-    tried = []
-
-    def probe(b):
-        tried.append(b)
-        p = {"batch": b, "fits": True, "s_per_sample": s_per_sample(b)}
-        probes.append(p)
-        return p
-
-    assert gs.search_rok(probe, probes, 1.05)
-    assert tried == [24, 20, 22, 21]
-    assert max(p["batch"] for p in probes if p.get("fits") and p["s_per_sample"] <= 1.05) == 21
-    # Out of time: cut, and what was found stays.
-    assert not gs.search_rok(
-        lambda b: None, [{"batch": 2, "fits": True, "s_per_sample": 1.0}, {"batch": 4, "fits": False}], 1.05
-    )
-    # Nothing within: bisects below the smallest probe, from batch 0.
-    slow = []
-    assert gs.search_rok(
-        lambda b: slow.append(b) or {"batch": b, "fits": True, "s_per_sample": 9.0},
-        [{"batch": 4, "fits": True, "s_per_sample": 9.0}],
-        1.05,
-    )
-    assert slow == [2, 1]
-
-
 def fake_run(mode, act, step, status="ok", batch=4, reserved=None, **extra):
     r = {"mode": mode, "status": status, "batch": batch}
     if status == "ok":
@@ -420,14 +371,14 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch, capsys):
         assert res["modes"][mode]["losses_equal_keep"], mode
     assert res["modes"]["ssdtier_nvme"]["per_step"]["nvme_written"] > 0  # (on the CPU, ssdtier_host's too: zero copy)
     assert res["modes"]["ssdtier_adaptive"]["store"]["policy"]["mode"] == "adaptive"
-    assert "keep the last" in res["modes"]["ssdtier_adaptive"]["plan"]
+    assert res["modes"]["ssdtier_adaptive"]["plan"].startswith("ssdtier plan: ")  # its table, whatever the planner
     assert res["args"]["attention"] == "sdpa"  # flash attention, as LLM training uses
     assert res["modes"]["ssdtier_nvme"]["store"]["policy"].get("mode", "all") == "all"
     assert all(r["alloc_retries_per_step"] == 0 for r in res["modes"].values())  # no CUDA allocator here
     phases = res["modes"]["ssdtier_host"]["phases"]
     assert phases["forward_s"] > 0 and phases["backward_s"] > 0 and phases["optimizer_s"] > 0
     # ssdtier's own INFO lines are in the log, during the run only.
-    assert " ssdtier plan: keep the last " in capsys.readouterr().err
+    assert " ssdtier plan: " in capsys.readouterr().err
     assert not logging.getLogger("ssdtier").handlers
 
 

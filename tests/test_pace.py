@@ -112,8 +112,8 @@ def test_evaluation_losses_kept_detached_are_not_said(store_dir, warned):
 
 
 def test_adaptive_mode_keeps_more_blocks_when_the_gpu_waits(store_dir, monkeypatch):
-    # The GPU's waits for copies back count as stalls: each iteration that had them keeps one
-    # more block (as on an H200, where the host never waited).
+    # The GPU's waits for copies back count as stalls (as on an H200, where the host never
+    # waited): charged to the bytes moved, they make the next plans offload less.
     from ssdtier.offload.offloader import Offloader
 
     def plans(gpu_waits):
@@ -130,5 +130,5 @@ def test_adaptive_mode_keeps_more_blocks_when_the_gpu_waits(store_dir, monkeypat
         return kept
 
     quiet, waited = plans(False), plans(True)
-    assert quiet[-1] == 0, quiet  # the host tier keeps up: everything offloaded
+    assert quiet[-1] <= 1, quiet  # the host tier keeps up: all offloaded but the last block
     assert waited[-1] >= 2 and waited[-1] > quiet[-1], (quiet, waited)

@@ -372,10 +372,12 @@ class PolicyConfig:
             (``"model.layers"``), a list of them (``["encoder.block", "decoder.block"]``,
             in forward order), or None to detect every stack of repeated blocks.
         mode: ``"auto"`` (adaptive on a GPU, with ``device_budget = "auto"`` unless one is
-            given; all on the CPU), ``"all"``, ``"adaptive"`` or ``"none"``.
-        device_budget: Most bytes of activations kept in memory (in every mode: beyond
-            it, even what the policy would keep is offloaded), None, or ``"auto"``
-            (adaptive mode on a GPU: what the GPU has room for, measured each step).
+            given; on the CPU adaptive with a budget, else all), ``"all"``, ``"adaptive"``
+            (keep, offload or recompute per block, docs/planner.md) or ``"none"``.
+        device_budget: Most bytes of activations held in memory (adaptive mode plans
+            within it; in the other modes, beyond it even what the policy would keep is
+            offloaded), None, or ``"auto"`` (adaptive mode on a GPU: what the GPU has room
+            for, measured each step).
         exclude: Modules whose saved tensors stay in memory, by qualified name
             (``"lm_head"``) or glob pattern (``"model.layers.*.mlp"``); each must match one.
     """
@@ -408,7 +410,8 @@ class PolicyConfig:
         if on_gpu:
             budget = "auto" if self.device_budget is None else self.device_budget
             return replace(self, mode="adaptive", device_budget=budget)
-        return replace(self, mode="adaptive" if self.device_budget == "auto" else "all")
+        # On the CPU a budget asks for the planner; without one, every block is offloaded.
+        return replace(self, mode="adaptive" if self.device_budget is not None else "all")
 
 
 _TABLE_CLASSES: dict[str, type] = {

@@ -1,254 +1,548 @@
-"""The adaptive plan: which layers to offload so that I/O hides behind compute.
+"""The ROK plan: per block, keep, offload or recompute, chosen from measured numbers.
 
-Pure functions over measured numbers, so the policy is tested on synthetic timings.
-docs/offloader.md#the-adaptive-plan has the model; in short (as in SSDTrain): a
-layer's saved bytes leave while the forward goes on and come back, in reverse order,
-while the backward goes on. The last layers' backward comes first, leaving no time to
-read, so the plan keeps the fewest last layers for which nothing waits, within the
-device budget.
+Pure functions, tested on synthetic profiles. :func:`simulate` predicts one assignment's
+step: when each block's bytes leave and come back, the stalls, and the most activation bytes
+held at once. :func:`solve` searches assignments for the fastest within a device budget
+(docs/planner.md has the model and the search).
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .sizes import format_size
 
-__all__ = ["HostTier", "LayerDecision", "LayerProfile", "Plan", "make_plan"]
+__all__ = ["Action", "Block", "Head", "Outcome", "Plan", "Transfers", "simulate", "solve"]
+
+EPS = 1e-9  # seconds: a transfer that ends as its window does fits (sums of floats round)
+FREE = 0.03  # without a budget: offload while the predicted step stays within this share of keep's
+
+
+class Action(enum.Enum):
+    """What one block's saved activations do."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"  # to the host tier, spilling to NVMe; back before its backward
+    RECOMPUTE = "recompute"  # dropped, its forward run again in backward; its inputs kept
+    RECOMPUTE_OFFLOAD = "recompute+offload"  # recomputed, and its inputs offloaded
+
+    @property
+    def recomputes(self) -> bool:
+        return self is Action.RECOMPUTE or self is Action.RECOMPUTE_OFFLOAD
+
+    @property
+    def offloads(self) -> bool:
+        """Whether what the offloader sees of the block (all of it, or its inputs) leaves."""
+        return self is Action.OFFLOAD or self is Action.RECOMPUTE_OFFLOAD
 
 
 @dataclass(frozen=True)
-class LayerProfile:
-    """What one block did in a profiled iteration."""
+class Block:
+    """What one block did in a measured step."""
 
     index: int
-    bytes: int
+    bytes: int  # saved, each storage once
+    inputs: int  # what a recomputation holds: the block's inputs
     forward_s: float
     backward_s: float
+    recompute_s: float  # its forward again, in backward
+    offload_s: float = 0.0  # the hooks' time that the step pays when the block is offloaded
+
+    def held(self, a: Action) -> int:
+        """Bytes the block holds on the device from its forward to its backward."""
+        return self.bytes if a is Action.KEEP else self.inputs if a is Action.RECOMPUTE else 0
+
+    def moved(self, a: Action) -> int:
+        return self.bytes if a is Action.OFFLOAD else self.inputs if a is Action.RECOMPUTE_OFFLOAD else 0
 
 
 @dataclass(frozen=True)
-class HostTier:
-    """The arena that takes each saved tensor first (the CUDA transport, or CPU tensors with
-    ``io.zero_copy`` off); the store writes its oldest bytes to NVMe as it fills."""
+class Head:
+    """What runs after the last block: its saved bytes (always kept, needed first) and times."""
 
-    capacity: int
-    # Copies between the device and the arena; None where they are part of the measured
-    # forward and backward (CPU tensors are copied on the thread that saves them).
-    copy_bytes_per_s: float | None
-    # The most bytes of copies in flight (the CUDA transport's bound): half the arena if None.
+    bytes: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """How offloaded bytes leave the device and come back.
+
+    ``out``/``back``: bytes per second between the device and the host tier (a GPU's link);
+    None where there is no such copy (CPU tensors: written to NVMe from their own pages, or
+    copied into the arena as part of the forward). ``host``: the arena between them and NVMe
+    (0: straight to NVMe). ``queue``: the most bytes of copies out in flight before the
+    forward waits (None: half the arena).
+    """
+
+    write: float  # NVMe, bytes per second
+    read: float
+    out: float | None = None
+    back: float | None = None
+    host: int = 0
     queue: int | None = None
+    nvme: int | None = None  # NVMe capacity (None: enough)
+    per_byte_s: float = 0.0  # waits measured past the model's, charged to each byte moved
 
 
 @dataclass(frozen=True)
-class LayerDecision:
-    index: int
-    bytes: int
-    forward_s: float
-    backward_s: float
-    offload: bool
+class Outcome:
+    """A simulated step under one assignment."""
+
+    peak: int  # most activation bytes held on the device at once
+    forward_peak: int  # ... at the forward's end
+    extra_s: float  # seconds over keeping everything
+    forward_wait_s: float
+    backward_wait_s: float
+    recompute_s: float
+    moved: int  # bytes offloaded
+    spill: int  # of them, bytes written to NVMe
+    copy_end_s: float  # when the last offloaded byte left the device
+    late: tuple[int, ...]  # blocks whose bytes come back late
+    fits_host: bool  # the host tier and NVMe hold what is offloaded
+
+
+def _wait_for_queue(channel_free: float, t: float, rate: float, queue: int) -> float:
+    """Seconds the forward waits at ``t`` until at most ``queue`` bytes are in flight."""
+    return max(0.0, (channel_free - t) - queue / rate)
+
+
+def simulate(
+    blocks: Sequence[Block],
+    actions: Sequence[Action],
+    tr: Transfers,
+    head: Head = Head(),
+    limit: int | None = None,
+) -> Outcome:
+    """One step under ``actions``. Saves come evenly through a block's forward (a block's
+    inputs at its start), one transfer after another at the channel's rate. Through a host
+    tier the store writes the oldest bytes out once three quarters of it are held, and a copy
+    waits for room. A source holds device memory until its bytes are out. In backward a
+    block's bytes come back as early as the device has room for them within ``limit`` (None:
+    the most the plan holds without them, and one block's more); spilled bytes are read
+    from NVMe first, after the writes. The backward waits for bytes that are late."""
+    n = len(blocks)
+    cap = tr.host
+    soft = cap - cap // 4
+    queue = tr.queue if tr.queue is not None else cap // 2
+    to_disk = tr.out is None and not cap  # CPU tensors written from their own pages
+    rate = tr.write if to_disk else tr.out  # the channel that empties device memory
+    t = link = disk = 0.0
+    saved = spill = 0
+    wait_f = hooks = 0.0
+    moved = [0] * n
+    spans: list[tuple[float, float, int, int]] = []  # (begin, end, bytes, block) of sources held
+    done = [0.0] * n
+    for i, (b, a) in enumerate(zip(blocks, actions, strict=True)):
+        start = t
+        t += b.forward_s
+        o = b.moved(a)
+        if not o:
+            continue
+        cost = b.offload_s + o * tr.per_byte_s
+        hooks += cost
+        t += cost
+        moved[i] = o
+        even = a is Action.OFFLOAD  # a recomputed block's inputs exist at its start
+        if to_disk:
+            begin = max(disk, start)
+            end = begin + o / tr.write
+            disk = end = max(end, t) if even else end
+            spill += o
+        else:
+            begin = max(link, start) if tr.out is not None else start
+            end = begin + o / tr.out if tr.out is not None else t
+            if even:
+                end = max(end, t)
+            saved += o
+            more = saved - soft - spill
+            if more > 0:  # written out from when this block's bytes pass three quarters of the arena
+                frac = min(1.0, max(0.0, (soft + spill - (saved - o)) / o))
+                disk = max(disk, begin + (end - begin) * frac) + more / tr.write
+                spill += more
+            over = saved - (spill - max(0.0, disk - end) * tr.write) - cap
+            if over > 0:  # the arena is full: the copy waits for the disk
+                end += over / tr.write
+            if tr.out is not None:
+                link = end
+        done[i] = end
+        if rate is not None and (tr.out is not None or to_disk):
+            spans.append((begin, end, o, i))
+            w = _wait_for_queue(end, t, rate, queue) if queue else 0.0
+            if w > 0:
+                t += w
+                wait_f += w
+    t_fwd = t + head.forward_s
+    late_spans = [x for x in spans if x[1] > t_fwd]  # sources still held when the forward ends
+
+    def leaving(t: float, skip: int = -1) -> int:
+        return int(
+            sum(o * min(1.0, (end - t) / max(end - b, EPS)) for b, end, o, i in late_spans if end > t and i != skip)
+        )
+
+    unfinished = leaving(t_fwd)
+    held = [b.held(a) for b, a in zip(blocks, actions, strict=True)]
+    peak = forward_peak = head.bytes + sum(held) + int(unfinished)
+    # Backward: the spilled bytes are the first ones saved. NVMe reads them into the host
+    # after the writes, in the order the backward needs them; copies back to the device (or,
+    # without a link, the reads) start as soon as the device has room under ``limit``.
+    on_disk = [0] * n
+    left = spill
+    for i in range(n):
+        on_disk[i] = min(moved[i], left)
+        left -= on_disk[i]
+    if limit is None:  # the most the plan holds anyway (at the forward's end, or a block made again), and a block ahead
+        below, limit = sum(held), peak
+        for j in range(n - 1, -1, -1):
+            below -= held[j]
+            limit = max(
+                limit, below + max(blocks[j].bytes, held[j]) + (blocks[j].inputs if actions[j].recomputes else 0)
+            )
+        limit += max(moved, default=0)
+    order = [i for i in range(n - 1, -1, -1) if moved[i]]
+    ready = [max(t_fwd, done[i]) for i in range(n)]
+    if tr.back is not None:
+        rd = t_fwd
+        for i in order:
+            if on_disk[i]:
+                rd = max(rd, disk) + on_disk[i] / tr.read
+                ready[i] = rd
+    begins, arrive = [0.0] * n, [0.0] * n
+    chan = t_fwd
+    q, ahead = 0, 0  # restores started, and their bytes on the device for blocks not reached
+
+    def start(i: int, at: float) -> None:
+        nonlocal chan, q, ahead
+        if done[i] > at:  # still leaving: its source serves, held until then (``leaving``)
+            begins[i] = arrive[i] = at
+            q += 1
+            return
+        if tr.back is not None:
+            begins[i] = max(chan, ready[i], at)
+            chan = arrive[i] = begins[i] + moved[i] / tr.back
+        else:  # from the arena at once, from NVMe at its rate
+            begins[i] = max(chan, (done[i] if to_disk else disk) if on_disk[i] else ready[i], at)
+            chan = arrive[i] = begins[i] + on_disk[i] / tr.read
+        q += 1
+        ahead += moved[i]
+
+    def fill(at: float, used: int) -> None:
+        while q < len(order) and used + ahead + moved[order[q]] <= limit:
+            start(order[q], at)
+
+    below = sum(held)
+    if n:  # during the head's backward, with room for the last block's
+        last = blocks[-1]
+        first = below - held[-1] + max(last.bytes, held[-1]) + (last.inputs if actions[-1].recomputes else 0)
+        fill(t_fwd, max(head.bytes + below, first))
+    t = t_fwd + head.backward_s
+    wait_b = rec = 0.0
+    late: list[int] = []
+    for j in range(n - 1, -1, -1):
+        b, a = blocks[j], actions[j]
+        below -= held[j]
+        if moved[j]:
+            if q < len(order) and order[q] == j:  # not started yet: now, room or not
+                start(j, t)
+            if done[j] <= begins[j]:
+                ahead -= moved[j]
+            if done[j] >= t:  # still leaving: its source serves, with no read
+                lateness = 0.0
+            elif a is Action.OFFLOAD:  # saves are needed through the backward, the last saved first
+                lateness = max(begins[j] - t, arrive[j] - (t + b.backward_s))
+            else:
+                lateness = arrive[j] - t  # the inputs, before the recomputation
+            if lateness > EPS:
+                late.append(b.index)
+                t += lateness
+                wait_b += lateness
+        working = max(b.bytes, held[j]) + (b.inputs if a.recomputes else 0)
+        gone = leaving(t, j) if late_spans else 0
+        fill(t, below + working + gone)
+        peak = max(peak, below + working + ahead + gone)
+        t += b.backward_s
+        if a.recomputes:
+            t += b.recompute_s
+            rec += b.recompute_s
+    total = sum(moved)
+    room = cap + (tr.nvme if tr.nvme is not None else total)
+    copy_end = max((x[1] for x in spans), default=0.0)
+    return Outcome(
+        peak=peak,
+        forward_peak=forward_peak,
+        extra_s=wait_f + hooks + wait_b + rec,
+        forward_wait_s=wait_f,
+        backward_wait_s=wait_b,
+        recompute_s=rec,
+        moved=total,
+        spill=spill,
+        copy_end_s=copy_end,
+        late=tuple(late),
+        fits_host=total <= room,
+    )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One block of a plan: its profile, its action and why."""
+
+    block: Block
+    action: Action
     reason: str
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The decision and why, per layer."""
+    """An action per block, what the model predicts for it, and why."""
 
-    keep_last: int
-    layers: tuple[LayerDecision, ...]
-    write_bytes_per_s: float
-    read_bytes_per_s: float
-    write_finish_s: float  # when the NVMe writes end (they may run into the backward with a host tier)
-    forward_s: float
-    stall_free: bool
+    decisions: tuple[Decision, ...]
+    outcome: Outcome
+    transfers: Transfers
+    head: Head
+    device_budget: int | None
+    step_s: float  # keep's step, as measured: the sum of the blocks' and the head's times
+    fits: bool  # the predicted peak is within the budget
     reason: str
-    host: HostTier | None = None
-    copy_finish_s: float = 0.0  # when the last copy to the host tier ends
-    spill_bytes: int = 0  # the offloaded bytes that go to NVMe
-    device_budget: int | None = None
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return tuple(d.action for d in self.decisions)
+
+    def count(self, action: Action) -> int:
+        return sum(1 for d in self.decisions if d.action is action)
+
+    @property
+    def keep_last(self) -> int:
+        """The kept blocks at the end (what the keep-or-offload plans of before reported)."""
+        k = 0
+        for d in reversed(self.decisions):
+            if d.action is not Action.KEEP:
+                break
+            k += 1
+        return k
+
+    @property
+    def slowdown(self) -> float:
+        """The predicted step over keep's."""
+        return 1.0 + self.outcome.extra_s / self.step_s if self.step_s > 0 else 1.0
+
+    def summary(self) -> str:
+        parts = [f"{self.count(a)} {a.value}" for a in Action if self.count(a)]
+        budget = "" if self.device_budget is None else f" within {format_size(self.device_budget)}"
+        return (
+            f"{', '.join(parts) or 'no blocks'}; predicted peak {format_size(self.outcome.peak)}{budget}, "
+            f"{self.slowdown:.3f}x keep's step"
+        )
 
     def table(self) -> str:
-        disk = f"write {self.write_bytes_per_s / 1e6:.0f} MB/s, read {self.read_bytes_per_s / 1e6:.0f} MB/s"
-        if self.host is None:
-            where = f"  disk: {disk}; writes done at {self.write_finish_s:.3f} s of a {self.forward_s:.3f} s forward"
-        else:
-            rate, fwd = self.host.copy_bytes_per_s, f"a {self.forward_s:.3f} s forward"
-            if rate:
-                fwd = f"copies at {rate / 1e9:.1f} GB/s done at {self.copy_finish_s:.3f} s of {fwd}"
-            nvme = f"nothing to NVMe ({disk})"
-            if self.spill_bytes:
-                nvme = f"{format_size(self.spill_bytes)} to NVMe ({disk}), written by {self.write_finish_s:.3f} s"
-            where = f"  host tier {format_size(self.host.capacity)}; {fwd}; {nvme}"
-        budget = "" if self.device_budget is None else f" (device budget {format_size(self.device_budget)})"
+        tr, o = self.transfers, self.outcome
+        link = f"copies {tr.out / 1e9:.1f} GB/s out, {tr.back / 1e9:.1f} back; " if tr.out and tr.back else ""
+        host = f"host tier {format_size(tr.host)}; " if tr.host else ""
         rows = [
-            f"ssdtier plan: keep the last {self.keep_last} of {len(self.layers)} layers{budget}; {self.reason}",
-            where,
-            "  layer      bytes   forward  backward  decision",
+            f"ssdtier plan: {self.summary()}; {self.reason}",
+            f"  {link}{host}NVMe write {tr.write / 1e6:.0f} MB/s, read {tr.read / 1e6:.0f} MB/s; "
+            f"moved {format_size(o.moved)} ({format_size(o.spill)} to NVMe); waits {o.forward_wait_s * 1e3:.1f} ms "
+            f"forward, {o.backward_wait_s * 1e3:.1f} ms backward; recompute {o.recompute_s * 1e3:.1f} ms",
+            "  block      bytes     inputs  forward  action",
         ]
-        for d in self.layers:
+        for d in self.decisions:
+            b = d.block
             rows.append(
-                f"  {d.index:5d} {format_size(d.bytes):>10s} {d.forward_s * 1e3:7.1f}ms {d.backward_s * 1e3:7.1f}ms"
-                f"  {'offload' if d.offload else 'keep'}: {d.reason}"
+                f"  {b.index:5d} {format_size(b.bytes):>10s} {format_size(b.inputs):>10s} {b.forward_s * 1e3:6.1f}ms"
+                f"  {d.action.value}: {d.reason}"
             )
         return "\n".join(rows)
 
 
-@dataclass(frozen=True)
-class _Run:
-    """One candidate's timeline: the offloaded layers' bytes through the tiers."""
-
-    forward_ok: bool  # nothing in the forward waits, and device memory is freed by its end
-    late: int  # the first layer (in backward order) whose bytes come back late, or -1
-    write_finish: float
-    copy_finish: float
-    spill: int
-
-    @property
-    def reads_ok(self) -> bool:
-        return self.late < 0
+SAME_PEAK = 0.01  # peaks this close are alike: fewer bytes moved decides
 
 
-EPS = 1e-9  # seconds: a transfer that ends as its window does fits (sums of floats round)
+def _better(a: Outcome, b: Outcome | None) -> bool:
+    """Faster, then lower, then fewer bytes moved."""
+    if b is None:
+        return True
+    if abs(a.extra_s - b.extra_s) > EPS:
+        return a.extra_s < b.extra_s
+    if abs(a.peak - b.peak) > SAME_PEAK * max(a.peak, b.peak):
+        return a.peak < b.peak
+    return a.moved < b.moved
 
 
-def _run(layers: list[LayerProfile], k: int, wbw: float, rbw: float, host: HostTier | None) -> _Run:
-    """A layer's bytes are saved evenly through its forward and needed evenly through its
-    backward; a transfer runs at its rate from when its first byte can go, and must start
-    by the layer's backward and end with it. Without a host tier every byte is written to
-    NVMe, its source held until then. With one, a copy lands in the arena and the store
-    writes the oldest bytes out once it is three quarters full (it keeps a quarter free or
-    leaving): the forward waits when a copy finds no room or the host tier's queue bound is
-    in flight, and the last bytes saved come back from memory."""
-    n = len(layers)
-    off = layers[: n - k]
-    forward = sum(x.forward_s for x in layers)
-    rate = host.copy_bytes_per_s if host is not None else None
-    cap = host.capacity if host is not None else 0
-    queue = cap // 2 if host is None or host.queue is None else host.queue
-    soft = cap - cap // 4
-    t = write_finish = copy_finish = 0.0
-    saved = spill = 0
-    room_ok = True
-    for x in off:
-        start, t = t, t + x.forward_s
-        saved += x.bytes
-        if host is None:
-            write_finish = max(max(write_finish, start) + x.bytes / wbw, t)
-            continue
-        copy_finish = max(max(copy_finish, start) + (x.bytes / rate if rate else 0.0), t)
-        if rate:
-            room_ok &= (copy_finish - t) * rate <= queue  # the transport's bound on copies in flight
-        more = saved - soft - spill
-        if more > 0:  # written out from when this layer's saves pass three quarters of the arena
-            begin = start + x.forward_s * (soft + spill - (saved - x.bytes)) / x.bytes
-            write_finish = max(max(write_finish, begin) + more / wbw, t)
-            spill += more
-        room_ok &= saved - (spill - max(0.0, write_finish - t) * wbw) <= cap  # held: saved less written
-    if host is None:
-        forward_ok, spill, copy_finish = write_finish <= forward + EPS, saved, write_finish
-    else:
-        forward_ok = room_ok and copy_finish <= forward + EPS
-    # Backward visits layers n-1 .. 0; the first `spill` bytes saved come from NVMe (after
-    # the writes still going), then every layer crosses back to the device.
-    needed = sum(x.backward_s for x in layers[n - k :])
-    read = max(0.0, write_finish - forward) if host is not None else 0.0
-    back = 0.0
-    late = -1
-    for x in reversed(off):
-        saved -= x.bytes
-        on_disk = min(x.bytes, max(0, spill - saved))
-        begin = end = 0.0
-        if on_disk:
-            begin, read = read, read + on_disk / rbw
-            end = read
-        if rate:  # the copy to the device follows the read, or starts when the last one is done
-            begin = max(begin, back)
-            back = end = max(begin + x.bytes / rate, end)
-        if (begin > needed + EPS or end > needed + x.backward_s + EPS) and late < 0:
-            late = x.index
-        needed += x.backward_s
-    return _Run(forward_ok, late, write_finish, copy_finish, spill)
+def _lower(a: Outcome, b: Outcome | None) -> bool:
+    """Lower, then faster, then fewer bytes moved."""
+    if b is None:
+        return True
+    if abs(a.peak - b.peak) > SAME_PEAK * max(a.peak, b.peak):
+        return a.peak < b.peak
+    if abs(a.extra_s - b.extra_s) > EPS:
+        return a.extra_s < b.extra_s
+    return a.moved < b.moved
 
 
-def make_plan(
-    layers: list[LayerProfile],
-    write_bytes_per_s: float,
-    read_bytes_per_s: float,
+def _assign(n: int, offload: int, recompute: Sequence[int], inputs_out: bool) -> list[Action]:
+    acts = [Action.OFFLOAD] * offload + [Action.KEEP] * (n - offload)
+    r = Action.RECOMPUTE_OFFLOAD if inputs_out else Action.RECOMPUTE
+    for i in recompute:
+        acts[i] = r
+    return acts
+
+
+def _search(
+    blocks: Sequence[Block],
+    tr: Transfers,
+    head: Head,
+    fits: Callable[[Outcome], bool],
+    allowed_extra: float | None,
+    limit: int | None = None,
+) -> tuple[list[Action], Outcome] | None:
+    """The fastest assignment that ``fits`` among: the first ``o`` blocks offloaded, then the
+    ``r`` blocks that free the most per second of recomputation recomputed (inputs kept or
+    offloaded), the rest kept. For each ``o`` the fewest ``r`` that fit (the peak falls as
+    ``r`` grows, the time does not). With ``allowed_extra``: the lowest peak within it,
+    offloading only."""
+    n = len(blocks)
+    best: tuple[list[Action], Outcome] | None = None
+    if allowed_extra is not None:
+        for o in range(n + 1):
+            acts = _assign(n, o, (), False)
+            got = simulate(blocks, acts, tr, head)
+            if got.fits_host and got.extra_s <= allowed_extra + EPS and _lower(got, best[1] if best else None):
+                best = (acts, got)
+        return best
+    for o in range(n + 1):
+        if best is not None:  # offloading more only adds waits once the link is full
+            plain = simulate(blocks, _assign(n, o, (), False), tr, head, limit)
+            if plain.forward_wait_s + plain.backward_wait_s > best[1].extra_s + EPS:
+                break
+        rest = sorted(range(o, n), key=lambda i: (-_frees_per_s(blocks[i]), i))
+        for inputs_out in (False, True):
+            lo, hi = 0, len(rest)
+            top = simulate(blocks, _assign(n, o, rest, inputs_out), tr, head, limit)
+            if not fits(top):
+                continue
+            found = top
+            while lo < hi:
+                mid = (lo + hi) // 2
+                got = simulate(blocks, _assign(n, o, rest[:mid], inputs_out), tr, head, limit)
+                if fits(got):
+                    hi, found = mid, got
+                else:
+                    lo = mid + 1
+            if hi == len(rest):
+                found = top
+            if _better(found, best[1] if best else None):
+                best = (_assign(n, o, rest[:hi], inputs_out), found)
+    return best
+
+
+def _frees_per_s(b: Block) -> float:
+    return (b.bytes - b.inputs) / max(b.recompute_s, EPS)
+
+
+def solve(
+    blocks: Sequence[Block],
+    tr: Transfers,
     device_budget: int | None = None,
-    min_keep: int = 0,
-    host: HostTier | None = None,
-    head: int = 0,
+    head: Head = Head(),
+    free: float = FREE,
 ) -> Plan:
-    """Choose how many last layers to keep.
+    """The plan: with a budget, the fastest assignment whose predicted peak is within it (else
+    the lowest-peak one, marked not fitting); without, the lowest peak that offloading alone
+    reaches while the step stays within ``free`` of keep's.
 
     Args:
-        layers: the profile of each block, in forward order.
-        write_bytes_per_s / read_bytes_per_s: the store's measured NVMe bandwidth.
-        device_budget: the most bytes of kept activations allowed, or None.
-        min_keep: keep at least this many (the re-planner raises it after stalls).
-        host: the host tier the bytes go through first, or None (straight to NVMe).
-        head: bytes kept with the last layers, ahead of them in the budget: what is saved
-            after the last block, which the backward needs first.
-
-    Returns:
-        The plan: the fewest kept last layers for which the forward never waits and the
-        reads are done before each layer's backward; within the budget, even if that stalls.
+        blocks: each block's profile, in forward order.
+        tr: the transfer rates and the host tier.
+        device_budget: the most activation bytes to hold on the device at once, or None.
+        head: what runs after the blocks.
+        free: without a budget, the share of keep's step that offloading may cost.
     """
-    n = len(layers)
-    wbw = max(write_bytes_per_s, 1.0)
-    rbw = max(read_bytes_per_s, 1.0)
-    max_keep = n
-    if device_budget is not None:
-        kept = head
-        max_keep = 0
-        for layer in reversed(layers):
-            if kept + layer.bytes > device_budget:
-                break
-            kept += layer.bytes
-            max_keep += 1
-    lo = min(min_keep, max_keep)
-    k = lo
-    r = _run(layers, k, wbw, rbw, host)
-    while not (r.forward_ok and r.reads_ok) and k < max_keep:
-        k += 1
-        r = _run(layers, k, wbw, rbw, host)
-    stall_free = r.forward_ok and r.reads_ok
-    # Keeping all always fits: only a device budget below that leaves stalls.
-    if not stall_free:
-        reason = f"the device budget ({format_size(device_budget or 0)}) allows keeping only {max_keep}; expect stalls"
-    elif k == n and n > 0:
-        too_slow = "the disk is too slow" if host is None else "the copies and the disk are too slow"
-        reason = f"{too_slow} to hide any layer's I/O: keeping all"
-    else:
-        reason = "writes fit in the forward and reads in the backward"
-        if host is not None:
-            reason = "the host tier and the disk keep up with the forward and the backward"
-        if k == lo and lo > 0:
-            reason += f" (at least {lo} kept after stalls)"
+    n = len(blocks)
+    step = sum(b.forward_s + b.backward_s for b in blocks) + head.forward_s + head.backward_s
+    keep = [Action.KEEP] * n
+    kept = simulate(blocks, keep, tr, head)
+    if device_budget is None:
+        found = _search(blocks, tr, head, lambda o: True, free * step)
+        acts, got = found if found is not None else (keep, kept)
+        reason = "no device budget: offloaded what the transfers hide"
+        return _plan(blocks, acts, got, tr, head, None, step, True, reason)
+    budget = device_budget
+    if kept.peak <= budget:
+        return _plan(blocks, keep, kept, tr, head, budget, step, True, "everything fits: kept")
+    found = _search(blocks, tr, head, lambda o: o.fits_host and o.peak <= budget, None, budget)
+    if found is None:
+        acts = [Action.RECOMPUTE_OFFLOAD] * n
+        found = (acts, simulate(blocks, acts, tr, head, budget))
+    acts, got = _improve(blocks, found[0], found[1], tr, head, budget)
+    if got.fits_host and got.peak <= budget:
+        return _plan(blocks, acts, got, tr, head, budget, step, True, "the fastest mix within the budget")
+    reason = f"nothing fits the budget: the least memory found ({format_size(got.peak)} predicted)"
+    return _plan(blocks, acts, got, tr, head, budget, step, False, reason)
+
+
+IMPROVE_MAX_BLOCKS = 64  # one round of single-block changes costs 4n simulations of n blocks
+
+
+def _improve(
+    blocks: Sequence[Block], acts: list[Action], got: Outcome, tr: Transfers, head: Head, budget: int
+) -> tuple[list[Action], Outcome]:
+    """Single-block changes while one helps: first toward the budget, then toward speed.
+    The structured search assumes alike blocks; unlike ones (a block that saves much for
+    little compute, a large head) leave it short of the best."""
+    if len(blocks) > IMPROVE_MAX_BLOCKS:
+        return acts, got
+
+    def over(o: Outcome) -> int:
+        return max(0, o.peak - budget) if o.fits_host else 1 << 62
+
+    def beats(o: Outcome, cur: Outcome) -> bool:
+        if over(o) != over(cur):
+            return over(o) < over(cur)
+        return _better(o, cur)
+
+    for _ in range(4 * len(blocks)):
+        step: tuple[Outcome, int, Action] | None = None
+        for i in range(len(blocks)):
+            for a in Action:
+                if a is acts[i]:
+                    continue
+                trial = acts.copy()
+                trial[i] = a
+                o = simulate(blocks, trial, tr, head, budget)
+                if beats(o, got) and (step is None or beats(o, step[0])):
+                    step = (o, i, a)
+        if step is None:
+            break
+        got, i, a = step
+        acts = acts.copy()
+        acts[i] = a
+    return acts, got
+
+
+def _plan(
+    blocks: Sequence[Block],
+    acts: Sequence[Action],
+    got: Outcome,
+    tr: Transfers,
+    head: Head,
+    budget: int | None,
+    step: float,
+    fits: bool,
+    reason: str,
+) -> Plan:
+    late = set(got.late)
     decisions = []
-    for layer in layers:
-        if layer.index >= n - k:
-            why = "its backward comes too soon to read it back" if k < n else "kept: I/O cannot be hidden"
-            if not stall_free:
-                why = "kept within the device budget"
-            decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, False, why))
+    for b, a in zip(blocks, acts, strict=True):
+        if a is Action.KEEP:
+            why = "within the budget" if budget is not None else "its transfers would not hide"
+        elif a is Action.OFFLOAD:
+            why = "back late: the backward waits" if b.index in late else "its transfers hide behind compute"
+        elif a is Action.RECOMPUTE:
+            why = f"frees {format_size(b.bytes - b.inputs)} for {b.recompute_s * 1e3:.1f} ms"
         else:
-            why = "saved during the forward, back as its backward needs it"
-            if not r.forward_ok or (not r.reads_ok and layer.index <= r.late):
-                why = "offloaded by budget: its I/O may stall"
-            decisions.append(LayerDecision(layer.index, layer.bytes, layer.forward_s, layer.backward_s, True, why))
-    forward = sum(x.forward_s for x in layers)
-    return Plan(
-        k,
-        tuple(decisions),
-        wbw,
-        rbw,
-        r.write_finish,
-        forward,
-        stall_free,
-        reason,
-        host,
-        r.copy_finish,
-        r.spill,
-        device_budget,
-    )
+            why = f"frees {format_size(b.bytes)} for {b.recompute_s * 1e3:.1f} ms, its inputs offloaded"
+        decisions.append(Decision(b, a, why))
+    return Plan(tuple(decisions), got, tr, head, budget, step, fits, reason)

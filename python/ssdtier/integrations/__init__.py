@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from ..plan import Action
+
 __all__ = ["summary", "unwrap"]
 
 
@@ -35,7 +37,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def summary(stats: Any) -> dict[str, float]:
     """What a loop logs of an offloader's :class:`~ssdtier.OffloadStats`, so far; with an
-    adaptive plan, the blocks it keeps and its device budget."""
+    adaptive plan, its blocks by action and its device budget."""
     out = {
         "ssdtier/offloaded_GiB": round(stats.bytes_offloaded / 2**30, 4),
         "ssdtier/peak_resident_GiB": round(stats.peak_resident_bytes / 2**30, 4),
@@ -45,7 +47,8 @@ def summary(stats: Any) -> dict[str, float]:
     }
     plan = stats.plan
     if plan is not None:
-        out["ssdtier/layers_kept"] = float(plan.keep_last)
+        for action in Action:
+            out[f"ssdtier/blocks_{action.name.lower()}"] = float(plan.count(action))
         if plan.device_budget is not None:
             out["ssdtier/device_budget_GiB"] = round(plan.device_budget / 2**30, 4)
     return out

@@ -1,6 +1,8 @@
-"""Adaptive mode: measure the store and each layer's forward, then keep the last layers
-whose activations the I/O could not move in time; keep measuring, keep fewer while the
-disk keeps up and more when it does not."""
+"""Adaptive mode: measure the blocks, the store and the link, plan keep, offload or recompute
+per block (plan.py), and keep measuring: the plan changes when the numbers say it pays, the
+waits the model did not predict are charged to the bytes moved, and a forward that grows
+past its plan recomputes the rest
+(docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -13,43 +15,46 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SsdtierWarning
-from ..plan import HostTier, LayerProfile, Plan, make_plan
+from ..plan import Action, Head, Plan, Transfers, simulate, solve
 from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Gpu
 from .control import StepControl
+from .profile import Profile
 
 if TYPE_CHECKING:
+    from .forward import Fwd
     from .offloader import Offloader
 
 log = logging.getLogger("ssdtier")
 
-GROWTH = 1.1  # a forward's first block saving this much more than the last forward's: a larger batch
+GROWTH = 1.1  # a first block taking this much more input than the last forward's: a larger batch
+SWITCH = 0.02  # a new plan replaces the one in force when it is predicted this share of a step faster
+STALL = 0.05  # waits past the predicted by this share of a step are charged to the bytes moved
+CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
 
 
 class Adaptive:
-    """The profile of the iteration in progress, the store's bandwidth, and the plan."""
+    """The plan in force, the measurements it comes from, and the device budget."""
 
     def __init__(self, off: Offloader) -> None:
         self.off = off
+        self.device = cuda_device(off.model)  # None: on the CPU
+        self.profile = Profile(off.n_layers, self.device, self._forward_waits, self.device is None)
         self.plan: Plan | None = None
         self.warm = False  # an iteration was profiled and not planned from (GPU only)
-        self.min_keep = 0
+        self.per_byte = 0.0  # seconds per byte moved that the model did not predict (halved when quiet)
         self.ctl = StepControl(patience=3)
-        self.fwd: dict[int, float] = {}  # layer tag -> forward seconds
-        self.bytes: dict[int, int] = {}  # layer tag -> bytes saved
-        self.t0: dict[int, tuple[float, float]] = {}  # layer tag -> (start, store wait then)
-        # On a GPU host clocks time kernel launches: CUDA events time the blocks, read at replan.
-        self.device = cuda_device(off.model)  # None: on the CPU
-        self.ev0: dict[int, tuple[torch.cuda.Event, float]] = {}  # layer tag -> (event at its start, waits then)
-        self.marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event, float]] = []  # (tag, start, end, waited)
         self.wait0 = 0.0
-        self.first_bytes = 0  # saved up to the end of the first block, in the last forward counted
-        self.counting = True  # self.bytes holds this forward's alone
+        self.inputs_last = 0  # the first block's input bytes in the last forward
+        self.growth = 1.0  # this forward's first block's inputs over the last one's (a larger batch)
+        # The guard's view of the plan: bytes held before each block, and at the peak.
+        self.before: list[int] | None = None
+        self.switched = 0  # blocks the guard recomputed in this forward
+        self.held_peak = 0  # the most held() seen since the last budget
         self.bw = self.calibrate()
-        self.host = self.host_tier()
-        # device_budget = "auto": the GPU's memory, read before each step (None: a fixed budget).
+        self.link = copy_bandwidth(self.device) if self.device is not None and off._gds is None else None
         self.gpu: Gpu | None = None
         if off.config.policy.device_budget == "auto":
             if self.device is not None:
@@ -62,10 +67,10 @@ class Adaptive:
         self.auto = AutoBudget()
 
     def calibrate(self) -> tuple[float, float]:
-        """The store's write and read bandwidth, measured at attach on a few blocks, through a
-        store of its own on the same directories: stats() counts activations only."""
+        """The store's write and read bandwidth, measured at attach through a store of its own
+        on the same directories: stats() counts activations only."""
         off = self.off
-        chunk, n = 8 << 20, 4
+        chunk, n = CALIBRATE
         cfg = off.config.replace(
             host__capacity=min(off.config.host.capacity, 2 * chunk),
             nvme=[{"path": path, "capacity": n * chunk} for path, _ in off.store.devices],
@@ -94,27 +99,22 @@ class Adaptive:
         log.info("ssdtier: measured the store: write %.0f MB/s, read %.0f MB/s", write / 1e6, read / 1e6)
         return write, read
 
-    def host_tier(self) -> HostTier | None:
-        """The arena, where activations pass through it: the CUDA transport's copies, or CPU
-        tensors with ``io.zero_copy`` off. cuFile and zero-copy writes go straight to NVMe."""
+    def transfers(self) -> Transfers:
+        """How offloaded bytes move here: over the link through the arena (CUDA), straight to
+        NVMe (cuFile, or CPU tensors written from their own pages), or through the arena on
+        the thread that saves (CPU tensors with ``io.zero_copy`` off)."""
         off = self.off
+        write, read = self.bw
+        nvme = sum(cap for _, cap in off.store.devices)
         arena = off.store.arena
-        if arena is None or not arena.numel():
-            return None
-        if self.device is not None:
-            if off._gds is not None:
-                return None
-            return HostTier(arena.numel(), copy_bandwidth(self.device), off.cuda.bound)
-        return None if off.config.io.zero_copy else HostTier(arena.numel(), None)
+        host = arena.numel() if arena is not None else 0
+        if self.link is not None:
+            return Transfers(write, read, self.link, self.link, host, off.cuda.bound or None, nvme)
+        if self.device is not None or off.config.io.zero_copy:
+            return Transfers(write, read, nvme=nvme)
+        return Transfers(write, read, host=host, nvme=nvme)
 
-    def block_enter(self, tag: int) -> None:
-        if self.device is not None:
-            if self._timing():
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record(torch.cuda.current_stream(self.device))
-                self.ev0[tag] = (ev, self._forward_waits())
-            return
-        self.t0[tag] = (time.perf_counter(), self.off.store_wait())
+    # ---------------------------------------------------------------- the forward, block by block
 
     def _forward_waits(self) -> float:
         """Seconds the host has waited for copies out and the store so far."""
@@ -125,39 +125,78 @@ class Adaptive:
         capturing = self.device is not None and torch.cuda.is_current_stream_capturing()
         return not torch.compiler.is_compiling() and not capturing
 
-    def block_exit(self, tag: int) -> None:
-        if tag == 1 and self.gpu is not None and self.counting and self._timing():  # not traced
-            self.counting = False
-            self.grew()
-        if self.device is not None:
-            start = self.ev0.pop(tag, None)
-            if start is not None and self._timing():
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(torch.cuda.current_stream(self.device))
-                self.marks.append((tag, start[0], end, self._forward_waits() - start[1]))
+    def block_enter(self, f: Fwd, tag: int, args: tuple) -> None:
+        if not self._timing():
             return
-        start = self.t0.pop(tag, None)
-        if start is not None:
-            # Compute time: the time blocked on the store (a full arena) is not the layer's.
-            spent = time.perf_counter() - start[0] - (self.off.store_wait() - start[1])
-            self.fwd[tag] = self.fwd.get(tag, 0.0) + max(spent, 0.0)
+        self.profile.block_enter(tag, args)
+        if tag == 1:
+            now = self.profile.inputs[0]
+            self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
+            if self.gpu is not None and self.growth > GROWTH:
+                self.grew()
+        self.guard(f, tag)
+        self.profile.recomputed[tag - 1] = f.acts is not None and f.acts[tag - 1].recomputes
 
-    def forward_times(self) -> dict[int, float]:
-        """Forward seconds per layer tag so far in this iteration (GPU events read now)."""
-        for tag, start_ev, end, waited in self.marks:
-            end.synchronize()  # the last forward's, done long ago unless the host ran far ahead
-            # While the host waited for copies out the GPU may have run dry: not the block's time.
-            secs = start_ev.elapsed_time(end) / 1e3 - waited
-            self.fwd[tag] = self.fwd.get(tag, 0.0) + max(secs, 0.0)
-        self.marks.clear()
-        return self.fwd
+    def block_exit(self, tag: int) -> None:
+        if not self._timing():
+            return
+        self.profile.block_exit(tag)
 
-    def saved(self, tag: int, nbytes: int) -> None:
-        self.bytes[tag] = self.bytes.get(tag, 0) + nbytes
+    def forward_end(self) -> None:
+        if self._timing():
+            self.profile.forward_end()
+
+    def saved(self, tag: int, nbytes: int, offloaded: bool) -> None:
+        self.profile.saved_bytes(tag, nbytes, offloaded)
+
+    def held(self) -> int:
+        """Activation bytes on the device now that the offloader knows of: kept, restored or
+        read ahead, and sources not yet copied out."""
+        res = self.off.res
+        return res.kept + res.sources + res.restored + self.off.cuda.inflight
+
+    def guard(self, f: Fwd, tag: int) -> None:
+        """Before block ``tag`` - 1 runs: if, scaled by what this forward saved so far against
+        the plan's, the rest would pass the budget, the block is recomputed with its inputs
+        offloaded (the least it can hold), never left to run the GPU out of memory."""
+        budget = self.off._budget
+        acts = f.acts
+        i = tag - 1
+        if budget is None or acts is None or acts[i] is Action.RECOMPUTE_OFFLOAD:
+            return
+        now = self.held()
+        if self.before is not None and self.plan is not None:
+            growth = max(1.0, self.growth)
+            out = self.plan.outcome
+            coming = growth * max(out.forward_peak - self.before[i], 0)
+            if growth > GROWTH:  # the backward's peak grows too
+                now = max(now, int(growth * out.peak) - int(coming))
+            if not self.plan.fits:  # the least it could: only growth is news
+                budget = max(budget, out.peak)
+        elif i > 0:  # no plan yet: the blocks to come saving what the ones so far did, kept
+            coming = self.profile.bytes_so_far(tag) / i * (len(acts) - i)
+        else:
+            return
+        if now + coming <= budget:
+            return
+        acts[i] = Action.RECOMPUTE_OFFLOAD
+        f.off_tag[tag] = True
+        self.switched += 1
+        if self.switched == 1:
+            log.info(
+                "ssdtier: this forward would pass the device budget (%s held, %s to come, budget %s): "
+                "recomputing from block %d on",
+                format_size(now),
+                format_size(int(coming)),
+                format_size(budget),
+                i,
+            )
+
+    # ---------------------------------------------------------------- device budget
 
     def budget(self) -> int | None:
         """The device budget for the step about to start: the configured one, or with "auto"
-        what the GPU has room for (None until the memory was read once)."""
+        what the GPU has room for (at the first step, half of what it has free)."""
         budget = self.off.config.policy.device_budget
         if budget != "auto":
             return budget
@@ -165,77 +204,99 @@ class Adaptive:
             return None
         if self.device is not None and not self._timing():  # a CUDA graph being captured: not now
             return self.off._budget
-        res, cuda = self.off.res, self.off.cuda
-        # The next step's highs are counted from what is kept and queued now.
-        kept, res.kept_peak = res.kept_peak, res.kept
+        cuda = self.off.cuda
+        # The next step's highs are counted from what is held and queued now.
+        held, self.held_peak = self.held_peak, self.held()
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
-        return self.auto.next(kept, queued, self.gpu.memory())
+        got = self.auto.next(held, queued, self.gpu.memory())
+        return self.auto.first() if got is None else got
 
     def grew(self) -> None:
-        """A forward that saved more by the end of its first block than the last one did (a
-        larger batch, longer sequences) makes more of the rest too: its budget shrinks now,
-        before the GPU runs full, rather than after the step."""
-        now = self.bytes.get(0, 0) + self.bytes.get(1, 0)
-        last, self.first_bytes = self.first_bytes, now
+        """A forward whose first block takes more input than the last one's (a larger batch,
+        longer sequences) makes more of everything: its budget shrinks now, before the GPU
+        runs full, rather than after the step."""
         budget = self.off._budget
-        if not last or now <= GROWTH * last or budget is None:
-            return
-        grown = self.auto.grown(now / last)
+        grown = self.auto.grown(self.growth) if budget is not None else None
         if grown is not None and grown < budget:
             log.info(
                 "ssdtier: this forward saves %.2fx the last one's: device budget %s for it, not %s",
-                now / last,
+                self.growth,
                 format_size(grown),
                 format_size(budget),
             )
             self.off.device_budget(grown)
 
     def sample(self) -> None:
-        """device_budget = "auto": what is allocated now and is not kept activations (at the
-        forward's end, and as the backward reaches each layer)."""
+        """device_budget = "auto": what is allocated now and is not activations the offloader
+        holds (at the forward's end, and as the backward reaches each layer)."""
         if self.gpu is not None and (self.device is None or self._timing()):
-            self.auto.sample(self.gpu.allocated(), self.off.res.kept)
+            held = self.held()
+            self.held_peak = max(self.held_peak, held)
+            self.auto.sample(self.gpu.allocated(), held)
 
-    def replan(self) -> None:
-        """At the start of an iteration: plan from the last one's profile, with stall feedback."""
+    # ---------------------------------------------------------------- the plan
+
+    def replan(self, f: Fwd) -> None:
+        """At the start of a forward: plan from the last one's measurements, with stall
+        feedback; then the actions of this forward (``f.acts``, ``f.off_tag``)."""
         budget = self.budget()
-        if not self.forward_times():
-            return
-        off = self.off
-        if self.device is not None and not self.warm:
+        self.off.device_budget(budget)
+        measured = self.profile.blocks() if self.profile.ended else None
+        if measured is not None and self.device is not None and not self.warm:
             # A GPU's first iteration loads kernels and tunes cuBLAS: its times would plan the
             # next steps wrong (on an H200, 12 of 24 blocks kept, then 17, 19, 22).
             self.warm = True
-            off.device_budget(budget)
-            self._next_iteration()
-            return
-        n = off.n_layers
-        stall = off.io_wait() - self.wait0
-        if self.plan is not None:
-            if stall > 0.05 * 3 * sum(self.fwd.values()):
-                # Backward (about 2x forward) or forward waited on I/O: keep one more layer.
-                self.ctl.stall()
-                self.min_keep = min(n, self.plan.keep_last + 1)
-            elif self.ctl.quiet(can_lower=self.min_keep > 0):
-                self.min_keep -= 1  # the disk kept up for a while: try offloading one more layer
-        fwd, saved = self.fwd, self.bytes
-        layers = [LayerProfile(i, saved.get(i + 1, 0), fwd.get(i + 1, 0.0), 2 * fwd.get(i + 1, 0.0)) for i in range(n)]
-        if layers:  # what is saved before the first block goes whenever a block does: with block 0
-            layers[0] = dataclasses.replace(layers[0], bytes=layers[0].bytes + saved.get(0, 0))
-        head = saved.get(n + 1, 0)  # what follows the blocks is kept with them, and needed first
-        plan = make_plan(layers, self.bw[0], self.bw[1], budget, self.min_keep, self.host, head)
-        off.device_budget(budget)
-        if self.plan is None or plan.keep_last != self.plan.keep_last:
-            log.info("%s", plan.table())
-        self.plan = plan
-        off.keep_last(plan.keep_last)
-        self._next_iteration()
-
-    def _next_iteration(self) -> None:
-        self.fwd.clear()
-        self.bytes.clear()
-        self.counting = True
+            measured = None
+        if measured is not None:
+            self._adopt(measured[0], measured[1], budget)
+        if self.profile.ended and self.profile.inputs:
+            self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()
+        self.profile.begin_forward()
+        self.growth = 1.0
+        self.switched = 0
+        f.acts = list(self.off.actions)
+        f.off_tag = list(self.off._off_tag)
+
+    def _adopt(self, blocks: list, head: Head, budget: int | None) -> None:
+        off = self.off
+        step = sum(b.forward_s + b.backward_s for b in blocks) + head.forward_s + head.backward_s
+        if self.plan is not None:
+            waited = off.io_wait() - self.wait0
+            predicted = self.plan.outcome.forward_wait_s + self.plan.outcome.backward_wait_s
+            moved = self.plan.outcome.moved
+            if waited > predicted + STALL * step and moved:
+                self.ctl.stall()
+                self.per_byte += (waited - predicted) / moved
+            elif self.ctl.quiet(can_lower=self.per_byte > 0):
+                self.per_byte /= 2
+        tr = dataclasses.replace(self.transfers(), per_byte_s=self.per_byte)
+        new = solve(blocks, tr, budget, head)
+        if self.plan is not None and len(self.plan.decisions) == len(blocks):
+            acts = self.plan.actions
+            now = simulate(blocks, acts, tr, head, budget)
+            fits = budget is None or now.peak <= budget
+            better = new.outcome.extra_s < now.extra_s - SWITCH * step
+            lower = budget is None and new.outcome.peak < now.peak * (1 - SWITCH) and new.outcome.extra_s <= now.extra_s
+            if fits and not better and not lower:
+                new = Plan(
+                    tuple(
+                        d.__class__(b, a, d.reason) for d, b, a in zip(self.plan.decisions, blocks, acts, strict=True)
+                    ),
+                    now,
+                    tr,
+                    head,
+                    budget,
+                    step,
+                    True,
+                    self.plan.reason,
+                )
+        if self.plan is None or new.actions != self.plan.actions:
+            log.info("%s", new.table())
+        self.plan = new
+        held = [d.block.held(d.action) for d in new.decisions]
+        self.before = [sum(held[:i]) for i in range(len(held))]
+        off.set_actions(new.actions)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:

@@ -1,5 +1,5 @@
 """``policy.device_budget = "auto"``: how many bytes of activations the GPU has room to keep,
-measured before each step (docs/offloader.md#the-device-budget)."""
+measured before each step (docs/planner.md#the-device-budget)."""
 
 from __future__ import annotations
 
@@ -55,56 +55,71 @@ def _stat(st: dict, name: str, which: str) -> int:
 
 class AutoBudget:
     """Before each step: the memory this process can have (free and its allocator's cache),
-    less a margin, less the most that was not kept activations at one time in the last step,
-    less the sources whose copies out were queued at once (freed, yet reserved until copied).
+    less a margin, less the most that was not activations the offloader held at one time in
+    the last step, less the sources whose copies out were queued at once (freed, yet reserved
+    until copied).
 
-    What is not kept activations is sampled (allocated less kept) at the forward's end and as
-    the backward reaches each layer, robust to a training loop that resets the peak counters;
-    a step that raised ``max_memory_allocated`` also counts (its peak less the most kept), for
-    what happens between samples. A budget of B keeps every moment of a step within that part
-    plus B. After a retried allocation (the GPU ran full), less than the last step kept; not
-    less again while allocations are retried at what a cut left: keeping less did not help.
-    A step found to save r times more than the last (a larger batch) gets ``grown(r)``."""
+    What is not held activations is sampled (allocated less what the offloader holds: kept,
+    restored, read ahead, sources in flight) at the forward's end and as the backward reaches
+    each layer: the same whatever the plan keeps, offloads or recomputes, and robust to a loop
+    that resets the peak counters. A step that raised ``max_memory_allocated`` also counts
+    (its peak less the most held), for what happens between samples. After a retried
+    allocation (the GPU ran full), less than the last step held, and a margin more until
+    ``QUIET`` steps pass without one; not less again while allocations are retried at what a
+    cut left. A step found to save r times more than the last (a larger batch) gets
+    ``grown(r)``."""
+
+    QUIET = 8
 
     def __init__(self) -> None:
         self.peak = -1  # the allocator's peak counter at the last look
-        self.other: int | None = None  # the most bytes at one time that were not kept activations
+        self.other: int | None = None  # the most bytes at one time that were not held activations
         self.sampled: int | None = None  # ... in the step under way, from the samples
         self.retries: int | None = None
-        self.cut: int | None = None  # what the last step kept when a retry cut the budget
-        self.extra = 0  # a margin more per cut: the GPU ran full with what was seen
+        self.cut: int | None = None  # what the last step held when a retry cut the budget
+        self.extra = 0  # a margin more after a retry: the GPU ran full with what was seen
+        self.quiet = 0  # steps since the last retry
         self.room: int | None = None  # at the last look: the memory for activations and the rest
         self.base = 0  # at the last look: allocated before the step
 
-    def sample(self, allocated: int, kept: int) -> None:
-        other = allocated - kept
+    def sample(self, allocated: int, held: int) -> None:
+        other = allocated - held
         if self.sampled is None or other > self.sampled:
             self.sampled = other
 
-    def next(self, kept: int, queued: int, mem: Memory) -> int | None:
-        """The budget for the step about to start, after a step that kept at most ``kept``
-        bytes with at most ``queued`` bytes of copies out queued; None at the first look,
-        before any step was seen."""
+    def first(self) -> int | None:
+        """Before any step was measured: half of what is neither in use nor the margin."""
+        if self.room is None:
+            return None
+        return max(0, self.room - self.base) // 2
+
+    def next(self, held: int, queued: int, mem: Memory) -> int | None:
+        """The budget for the step about to start, after a step that held at most ``held``
+        bytes of activations with at most ``queued`` bytes of copies out queued; None at the
+        first look, before any step was seen."""
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
         seen = [] if self.sampled is None else [self.sampled]
         if not first and mem.allocated_peak > self.peak:  # a new peak: in the last step
-            seen.append(mem.allocated_peak - kept)
+            seen.append(mem.allocated_peak - held)
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
             self.other = max(0, *seen)
         margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
+        self.quiet = 0 if retried else self.quiet + 1
+        if self.quiet >= self.QUIET:
+            self.extra, self.cut = 0, None
         self.room, self.base = mem.free + mem.reserved - margin - self.extra - queued, mem.allocated
         if self.other is None or first:
             return None
         budget = max(0, self.room - self.other)
         if retried:
-            if self.cut is not None and kept <= self.cut:
-                return min(budget, kept)  # retried after a cut too: keeping less is not the cure
-            self.extra += margin
-            self.cut = kept
-            budget = min(budget, int(kept * RETRY_CUT))
+            if self.cut is not None and held <= self.cut:
+                return min(budget, held)  # retried after a cut too: keeping less is not the cure
+            self.extra = margin
+            self.cut = held
+            budget = min(budget, int(held * RETRY_CUT))
         return budget
 
     def grown(self, ratio: float) -> int | None:

@@ -18,6 +18,7 @@ from ._util import eager, warn
 from .readahead import Backward
 
 if TYPE_CHECKING:
+    from ..plan import Action
     from .offloader import Offloader
 
 
@@ -65,7 +66,7 @@ class BlockEnter(Hook):
         if not torch.compiler.is_compiling() and off.cpu.writing:
             off.cpu.poll()  # writes done since the last block let their sources go (not traced)
         if off.adaptive is not None and f.pushed and f.pushed[0]:
-            off.adaptive.block_enter(self.tag)
+            off.adaptive.block_enter(f, self.tag, args)
 
 
 class BlockExit(BlockEnter):
@@ -100,10 +101,24 @@ class Fwd:
     A plain object: autograd's engine threads get a copy of the hooks (not of this state)
     and pack with the state of the last forward that pushed them."""
 
-    __slots__ = ("autocast", "backward", "excluded", "forward", "off", "pushed", "scopes", "tag", "wait0")
+    __slots__ = (
+        "acts",
+        "autocast",
+        "backward",
+        "excluded",
+        "forward",
+        "off",
+        "off_tag",
+        "pushed",
+        "scopes",
+        "tag",
+        "wait0",
+    )
 
     def __init__(self, off: Offloader) -> None:
         self.off = off
+        self.acts: list[Action] | None = None  # adaptive mode: each block's action in this forward
+        self.off_tag: list[bool] = off._off_tag  # by tag: whether what is saved there is offloaded
         self.backward = Backward()  # a new one per forward: its graph's backwards
         self.pushed: list[bool] = []  # calls of the model under way on this thread: hooks pushed?
         self.forward = 0  # the number of this thread's outermost forward
@@ -112,6 +127,10 @@ class Fwd:
         self.scopes = 0  # Offloader.scope() blocks under way (each counts as a call of the model)
         self.autocast = False  # autocast, with its cache, was on when the forward or its block began
         self.wait0 = 0.0  # the store's wait seconds when that forward began
+
+    def recompute(self, tag: int) -> bool:
+        acts = self.acts
+        return acts is not None and acts[tag - 1].recomputes
 
 
 class PerThread(threading.local):

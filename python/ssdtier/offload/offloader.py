@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import Config, resolve_config
 from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
-from ..plan import Plan
+from ..plan import Action, Plan
 from ..ram import available
 from ..sizes import format_size
 from ..store import ByteStore
@@ -46,6 +46,7 @@ from .forward import (
 )
 from .layers import excluded_modules, find_stacks
 from .readahead import Backward, ReadAhead
+from .recompute import Recompute
 from .registry import Entries, Params, StorageKey
 from .stats import COUNTS, FirstForward, OffloadStats, Resident, WaitShare
 
@@ -128,9 +129,16 @@ class Offloader:
         # forward's end with the sources of the writes still in flight, so on the CPU none is.
         auto_keep = 0 if pol.prefetch_layers == "auto" and _on_cpu(model) else 1
         keep = auto_keep if pol.keep_last_layers == "auto" else int(pol.keep_last_layers)
+        self.actions: tuple[Action, ...] = ()
+        self._off_tag: list[bool] = []
         self.keep_last(self.n_layers if pol.mode == "none" else min(self.n_layers, keep))
         if pol.mode == "none":
-            self._keep_from = 0
+            self._off_tag[:] = [False] * len(self._off_tag)
+        elif pol.mode == "adaptive" and self.n_layers:
+            # Until measured: within a budget kept (the guard recomputes what would pass it),
+            # else offloaded but the last blocks.
+            first = 0 if pol.device_budget is not None else self.n_layers - self.layers_kept
+            self.set_actions((Action.OFFLOAD,) * first + (Action.KEEP,) * (self.n_layers - first))
         self._tls = PerThread(self)
         self._last_fwd = Fwd(self)  # the forward that pushed the hooks last, on any thread
         self._forward = 0  # forwards begun, on any thread
@@ -151,10 +159,11 @@ class Offloader:
         self.cuda = CudaTransport(self)
         self.ahead = ReadAhead(self, pol.prefetch_layers)
         # What the first forward held in memory, to say why if it offloaded nothing.
-        self._first: FirstForward | None = None if pol.mode == "none" else FirstForward()
+        self._first: FirstForward | None = None if pol.mode in ("none", "adaptive") else FirstForward()
         # Adaptive mode keeps what the I/O cannot hide by itself; with "all" a user is told.
         self._pace: WaitShare | None = WaitShare() if pol.mode == "all" else None
         self._handles: list[Any] = []
+        self._recompute: list[Recompute] = []
         self.adaptive: Adaptive | None = None
         self._sample: Callable[[], None] | None = None  # device_budget = "auto": GPU memory now
         try:
@@ -168,6 +177,10 @@ class Offloader:
                 model.register_forward_pre_hook(ModelHook(self._enter)),
                 model.register_forward_hook(ModelHook(self._exit), always_call=True),
             ]
+            if self.adaptive is not None:
+                self._recompute = [Recompute(self, block, i + 1) for i, block in enumerate(blocks)]
+                for r in self._recompute:
+                    r.install()
             for i, block in enumerate(blocks):
                 self._handles.append(block.register_forward_pre_hook(BlockEnter(self, i + 1)))
                 # A block's exit changes the tag only after the last block; elsewhere it is
@@ -181,9 +194,7 @@ class Offloader:
             _LIVE.add(self)
         except BaseException:
             # Nothing left behind: no hook on the model, and the store closed.
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
+            self._unhook()
             self._closed = True
             self.cuda.close()
             if self._gds is not None:
@@ -200,15 +211,33 @@ class Offloader:
         )
 
     def keep_last(self, keep: int) -> None:
-        """Keep the last ``keep`` blocks in memory. Tags: 0 before the blocks, i + 1 in block i,
-        n + 1 after them; tags from ``_keep_from`` on are kept: the last blocks and what follows."""
+        """Keep the last ``keep`` blocks in memory, and what follows them; offload the rest.
+        Tags: 0 before the blocks, i + 1 in block i, n + 1 after them."""
         n = self.n_layers
         self.layers_kept = keep
-        self._keep_from = n - keep + 1 if keep else n + 2
+        first_kept = n - keep + 1 if keep else n + 2
+        self._set_tags([t < first_kept for t in range(n + 2)])
+
+    def set_actions(self, actions: tuple[Action, ...]) -> None:
+        """Each block's action from the next forward on (adaptive mode). What is saved before
+        the first block goes with it; what follows the last block is kept."""
+        self.actions = tuple(actions)
+        self.layers_kept = sum(1 for a in actions if a is Action.KEEP)
+        offloads = [a.offloads for a in actions]
+        self._set_tags([offloads[0] if offloads else False, *offloads, False])
+
+    def _set_tags(self, tags: list[bool]) -> None:
+        self._off_tag[:] = tags  # in place: forwards of "all" and "none" share the list
 
     def device_budget(self, budget: int | None) -> None:
         """The most bytes of activations kept from now on (adaptive mode's, with "auto")."""
         self._budget = budget
+
+    def read_room(self) -> int | None:
+        """Bytes the read-ahead may still bring to the device within the budget (adaptive mode)."""
+        if self.adaptive is None or self._budget is None:
+            return None
+        return max(self._budget - self.adaptive.held(), 0)
 
     def store_wait(self) -> float:
         """Seconds the store has waited on transfers so far."""
@@ -281,7 +310,9 @@ class Offloader:
                 self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             return
         if self.adaptive is not None:
-            self.adaptive.replan()
+            self.adaptive.replan(f)
+        else:
+            f.acts, f.off_tag = None, self._off_tag
         if self.ahead.auto and self.ahead.sweep is not None:
             self.ahead.tune()
         with self._lock:
@@ -311,6 +342,8 @@ class Offloader:
             self._hooks.__exit__(None, None, None)
             unpush(f)
             self.res.forward_wait += self._native.wait_seconds - f.wait0
+            if self.adaptive is not None:
+                self.adaptive.forward_end()
             if self._sample is not None:
                 self._sample()
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
@@ -399,10 +432,8 @@ class Offloader:
         nbytes = st.nbytes()
         tag = f.tag
         small = nbytes < self._min_bytes
-        if self.adaptive is not None and not small:
-            self.adaptive.saved(tag, nbytes)
         excluded = f.excluded or NO_OFFLOAD.depth  # asked for: the budget does not overrule it
-        keep = small or tag >= self._keep_from
+        keep = small or not f.off_tag[tag]
         if keep and self._budget is not None and self.res.kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         if keep or excluded:
@@ -420,6 +451,8 @@ class Offloader:
             if hit is not None:
                 c["dedup_hits"] += 1
                 return Saved(self, hit, t, hit.first)
+            if self.adaptive is not None:
+                self.adaptive.saved(tag, nbytes, True)  # each storage once
             try:
                 if dev.type in self._streamed and (self._gds is None or not nbytes):
                     whole = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)
@@ -451,6 +484,8 @@ class Offloader:
         return saved
 
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
+        if self.adaptive is not None and nbytes >= self._min_bytes and key not in self._kept_st:
+            self.adaptive.saved(f.tag, nbytes, False)  # each storage once
         self.c["tensors_kept"] += 1
         self.c["bytes_kept"] += nbytes
         kept = Kept(self, t, nbytes, f, key)
@@ -683,12 +718,14 @@ class Offloader:
         return self._gds is not None
 
     def plan(self) -> Plan | None:
-        """The adaptive plan in force (per layer: bytes, time, decision and why); None before one is made."""
+        """The adaptive plan in force (per block: bytes, inputs, time, action and why;
+        ``table()`` prints it); None before one is made."""
         return self.adaptive.plan if self.adaptive is not None else None
 
     def stats(self) -> OffloadStats:
         """Counters so far; see :class:`OffloadStats`."""
         st = self.store.stats()
+        recomputed = sum(1 for a in self.actions if a.recomputes)
         return OffloadStats(
             bytes_written_nvme=st.nvme_bytes_written,
             bytes_read_nvme=st.nvme_bytes_read,
@@ -696,7 +733,8 @@ class Offloader:
             stall_seconds=self.res.stall,
             forward_wait_seconds=self.res.forward_wait,
             gpu_wait_seconds=self.gpu_wait(),
-            layers_offloaded=self.n_layers - self.layers_kept,
+            layers_offloaded=self.n_layers - self.layers_kept - recomputed,
+            layers_recomputed=recomputed,
             layers_kept=self.layers_kept,
             prefetch_layers=self.ahead.depth,
             prefetch_bytes=self.ahead.window or 0,
@@ -729,9 +767,7 @@ class Offloader:
         """Remove every hook and restore the module; the store closes once no graph holds an entry."""
         if self._closed:
             return
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._unhook()
         if attached(self.model) is self:
             del _ATTACHED[self.model]
         if any(self._tls.fwd.pushed):
@@ -748,12 +784,18 @@ class Offloader:
         self._lock = threading.RLock()  # a thread of the parent may have held it
         self._closed = True
         self._release = _let_go_of_nothing
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._unhook()
         if attached(self.model) is self:
             del _ATTACHED[self.model]
         self.cuda.forget_pin()
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for r in self._recompute:
+            r.remove()
+        self._recompute.clear()
 
     def _close_store(self) -> None:
         self.cuda.close()

@@ -191,6 +191,9 @@ class ReadAhead:
         window = self.window if self.window is not None else self._first_window(s)
         if s.arena_cap:
             window = min(window, s.arena_cap)
+        room = self.off.read_room()
+        if room is not None:  # the plan's device budget holds what is read ahead too
+            window = min(window, room)
         order, cum, nxt = s.order, s.cum, s.at + 1
         j = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -71,6 +72,7 @@ class OffloadStats:
     forward_wait_seconds: float
     gpu_wait_seconds: float
     layers_offloaded: int
+    layers_recomputed: int
     layers_kept: int
     prefetch_layers: int
     prefetch_bytes: int
@@ -82,8 +84,9 @@ class OffloadStats:
     store: StoreStats
 
     def as_dict(self) -> dict[str, Any]:
-        """Every field as plain data: dicts, lists, tuples, numbers (``json.dumps`` takes it)."""
-        return asdict(self)
+        """Every field as plain data: dicts, lists, tuples, numbers, strings (``json.dumps``
+        takes it; the plan's actions by their value)."""
+        return asdict(self, dict_factory=lambda items: {k: _plain(v) for k, v in items})
 
     def __str__(self) -> str:
         lines = [
@@ -95,7 +98,9 @@ class OffloadStats:
             f"peak resident {format_size(self.peak_resident_bytes)}; backward stalled {self.stall_seconds:.3f} s, "
             f"forward waited {self.forward_wait_seconds:.3f} s; "
             + (f"the GPU waited {self.gpu_wait_seconds:.3f} s for copies back; " if self.gpu_wait_seconds else "")
-            + f"layers {self.layers_offloaded} offloaded, {self.layers_kept} kept, read ahead: "
+            + f"layers {self.layers_offloaded} offloaded, "
+            + (f"{self.layers_recomputed} recomputed, " if self.layers_recomputed else "")
+            + f"{self.layers_kept} kept, read ahead: "
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
         if self.writes_skipped:
@@ -103,10 +108,16 @@ class OffloadStats:
         if self.failed_writes or self.failed_reads:
             lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
         if self.plan is not None:
-            b = self.plan.device_budget
-            within = "" if b is None else f" (device budget {format_size(b)})"
-            lines.append(f"adaptive plan: keep the last {self.plan.keep_last}{within}: {self.plan.reason}")
+            lines.append(f"adaptive plan: {self.plan.summary()}: {self.plan.reason}")
         return "\n".join(lines)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    return v
 
 
 class Resident:
@@ -127,7 +138,7 @@ class Resident:
 
     def __init__(self) -> None:
         self.kept = 0  # kept tensors, each storage once
-        self.kept_peak = 0  # the most kept since adaptive mode last looked (device_budget = "auto")
+        self.kept_peak = 0  # the most kept at once (who reads it may reset it)
         self.sources = 0  # sources held: writes from their own memory in flight, or serving unpacks
         self.restored = 0  # restored or read-ahead storages still alive
         self.peak = 0

@@ -1,0 +1,170 @@
+"""What each block does in a forward, measured for the plan: its saved bytes (each storage
+once), its inputs, its forward time and, when recomputed, its recomputation's time. On a
+GPU, CUDA events time the blocks (read at the next plan); on the CPU, the clock less the
+time the forward waited on the store."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..plan import Block, Head
+
+BACKWARD = 2.0  # a block's backward against its forward, as measured by SSDTrain and others
+OFFLOAD_TENSOR_S = 15e-6  # the hooks' time per offloaded tensor on the CPU (benches/hook_profile.py)
+
+
+def input_bytes(args: tuple) -> int:
+    """Bytes of the positional tensor arguments, each storage once: what a recomputation of
+    the block holds (checkpointing saves them)."""
+    seen: set[int] = set()
+    total = 0
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
+            st = a.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+class _Clock:
+    """Times spans on the host's clock, or with CUDA events on a GPU (read later)."""
+
+    def __init__(self, device: torch.device | None, waited: Callable[[], float]) -> None:
+        self.device = device
+        self.waited = waited  # seconds the host has waited on transfers so far
+
+    def start(self) -> Any:
+        if self.device is None:
+            return (time.perf_counter(), self.waited())
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return (ev, self.waited())
+
+    def stop(self, token: Any) -> Any:
+        """A span: seconds now on the CPU, or (start, end, waited) events to read later."""
+        if self.device is None:
+            t0, w0 = token
+            return max(time.perf_counter() - t0 - (self.waited() - w0), 0.0)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        return (token[0], end, self.waited() - token[1])
+
+    @staticmethod
+    def seconds(span: Any) -> float:
+        if isinstance(span, float):
+            return span
+        start, end, waited = span
+        end.synchronize()  # the last forward's, done long ago unless the host ran far ahead
+        # While the host waited for copies out the GPU may have run dry: not the block's time.
+        return max(start.elapsed_time(end) / 1e3 - waited, 0.0)
+
+
+class Profile:
+    """The blocks' numbers: this forward's as they come, and each block's last measured."""
+
+    def __init__(self, n: int, device: torch.device | None, waited: Callable[[], float], cpu_hooks: bool) -> None:
+        self.n = n
+        self.clock = _Clock(device, waited)
+        self.cpu_hooks = cpu_hooks  # the hooks run on the thread that computes: their time counts
+        self.open: dict[int, Any] = {}  # tag -> token of the span under way
+        self.head_open: Any = None
+        self.begin_forward()
+        # Each block's last measurement (None: never): saved bytes when it was not recomputed,
+        # and its inputs then, to scale it by.
+        self.full: list[tuple[int, int] | None] = [None] * n
+        self.recompute_s: list[float | None] = [None] * n
+        self.rec_spans: list[tuple[int, Any]] = []
+
+    def begin_forward(self) -> None:
+        n = self.n
+        self.saved = [0] * (n + 2)  # bytes per tag, each storage once
+        self.kept = [0] * (n + 2)  # kept tensors per tag: offloading them would cost the hooks' time
+        self.inputs = [0] * n
+        self.spans: list[tuple[int, Any]] = []
+        self.head_span: Any = None
+        self.recomputed = [False] * n
+        self.ended = False
+
+    # ---------------------------------------------------------------- forward
+
+    def block_enter(self, tag: int, args: tuple) -> None:
+        self.inputs[tag - 1] = input_bytes(args)
+        self.open[tag] = self.clock.start()
+
+    def block_exit(self, tag: int) -> None:
+        token = self.open.pop(tag, None)
+        if token is not None:
+            self.spans.append((tag, self.clock.stop(token)))
+        if tag == self.n:
+            self.head_open = self.clock.start()
+
+    def forward_end(self) -> None:
+        if self.head_open is not None:
+            self.head_span = self.clock.stop(self.head_open)
+            self.head_open = None
+        self.ended = True
+
+    def saved_bytes(self, tag: int, nbytes: int, offloaded: bool) -> None:
+        self.saved[tag] += nbytes
+        if not offloaded:
+            self.kept[tag] += 1
+
+    def bytes_so_far(self, tag: int) -> int:
+        """Saved by this forward before block ``tag`` - 1."""
+        return sum(self.saved[:tag])
+
+    # ---------------------------------------------------------------- backward
+
+    def recompute_begins(self, tag: int) -> Any:
+        return self.clock.start()
+
+    def recompute_ends(self, tag: int, token: Any, host_s: float) -> None:
+        self.rec_spans.append((tag, self.clock.stop(token)))
+
+    # ---------------------------------------------------------------- at the next plan
+
+    def blocks(self) -> tuple[list[Block], Head] | None:
+        """The blocks as the last forward measured them, with each recomputed block's bytes
+        estimated from its last measurement (or the others' bytes per input byte); None if the
+        forward saw no block."""
+        n = self.n
+        fwd = [0.0] * (n + 2)
+        for tag, span in self.spans:
+            fwd[tag] += self.clock.seconds(span)
+        for tag, span in self.rec_spans:
+            self.recompute_s[tag - 1] = self.clock.seconds(span)
+        self.rec_spans.clear()
+        if not self.ended or not any(fwd[1 : n + 1]):
+            return None
+        for i in range(n):
+            if not self.recomputed[i]:
+                self.full[i] = (self.saved[i + 1], self.inputs[i])
+        ratios = [b / x for b, x in (f for f in self.full if f is not None) if x > 0]
+        per_input = statistics.median(ratios) if ratios else 1.0
+        rec = [r / fwd[i + 1] for i, r in enumerate(self.recompute_s) if r is not None and fwd[i + 1] > 0]
+        rec_share = statistics.median(rec) if rec else 1.0
+        blocks = []
+        for i in range(n):
+            inputs = self.inputs[i]
+            known = self.full[i]
+            if known is None:
+                nbytes = int(per_input * inputs)
+            elif self.recomputed[i] and known[1] > 0:
+                nbytes = int(known[0] * inputs / known[1])  # measured at another batch, say
+            else:
+                nbytes = known[0]
+            if i == 0:
+                nbytes += self.saved[0]  # what is saved before the first block goes with it
+            f = fwd[i + 1]
+            # An offloaded block's forward time has the hooks' in it already.
+            hooks = self.kept[i + 1] * OFFLOAD_TENSOR_S if self.cpu_hooks else 0.0
+            r = self.recompute_s[i] if self.recompute_s[i] is not None else f * rec_share
+            blocks.append(Block(i, nbytes, min(inputs, nbytes), f, BACKWARD * f, r, hooks))
+        head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
+        return blocks, Head(self.saved[n + 1], head_s, BACKWARD * head_s)

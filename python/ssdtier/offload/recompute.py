@@ -1,0 +1,86 @@
+"""Recomputing a block in backward (docs/planner.md#recompute). Each block's forward is
+wrapped once at attach; a call that the plan recomputes runs through non-reentrant
+``torch.utils.checkpoint``, which keeps the block's saved tensors for itself and hands its
+inputs to the offloader's hooks, so those are kept or offloaded like any saved tensor."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .forward import top_hooks
+
+if TYPE_CHECKING:
+    from .offloader import Offloader
+
+
+class Recompute:
+    """A block's ``forward`` while ssdtier is attached. Outside what the plan recomputes (and
+    under torch.compile, with no grad, or inside someone else's saved-tensor hooks, such as
+    the user's own checkpointing) it calls the block's forward as it was."""
+
+    __slots__ = ("__wrapped__", "block", "fn", "off", "own", "tag")
+
+    def __init__(self, off: Offloader, block: nn.Module, tag: int) -> None:
+        self.off, self.block, self.tag = off, block, tag
+        self.own = block.__dict__.get("forward")  # an instance forward of the user's, put back at detach
+        self.fn = block.forward
+        self.__wrapped__ = self.fn  # inspect.signature (transformers reads it) sees the block's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        off = self.off
+        f = off._tls.fwd
+        if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off):
+            return self.fn(*args, **kwargs)
+        return checkpoint(_Timed(self.fn, off, self.tag), *args, use_reentrant=False, **kwargs)
+
+    def install(self) -> None:
+        self.block.forward = self  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Put the block's forward back as it was."""
+        if self.block.__dict__.get("forward") is self:
+            if self.own is not None:
+                self.block.forward = self.own  # type: ignore[method-assign]
+            else:
+                del self.block.forward
+
+    def __reduce__(self) -> tuple:
+        # A copy of the model (deepcopy, torch.save) gets the block's own forward, not ssdtier.
+        return (
+            (functools.partial, (type(self.block).forward, self.block)) if self.own is None else self.own.__reduce__()
+        )
+
+
+def _may_checkpoint(off: Offloader) -> bool:
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    top = top_hooks()
+    return top is not None and top[0] == off._pack  # inside the user's checkpoint: theirs serves
+
+
+class _Timed:
+    """The block's forward as checkpoint calls it: the first call is the forward, the second
+    the recomputation, timed for the plan."""
+
+    __slots__ = ("calls", "fn", "off", "tag")
+
+    def __init__(self, fn: Any, off: Offloader, tag: int) -> None:
+        self.fn, self.off, self.tag, self.calls = fn, off, tag, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        ad = self.off.adaptive
+        if self.calls == 1 or ad is None:
+            return self.fn(*args, **kwargs)
+        token = ad.profile.recompute_begins(self.tag)
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            ad.profile.recompute_ends(self.tag, token, time.perf_counter() - t0)

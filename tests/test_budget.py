@@ -1,0 +1,81 @@
+"""device_budget = "auto": the GPU memory read and the budget made of it (no GPU needed)."""
+
+from __future__ import annotations
+
+
+def test_an_auto_device_budget_leaves_what_is_not_held_activations_and_a_margin():
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    assert ab.next(0, 0, Memory(50 * g, 100 * g, 10 * g, 12 * g, 0)) is None  # no step seen yet
+    # Step 1, sampled: 14 and 18 GiB allocated beside what was kept; its peak of 20 less the
+    # most kept (2) says 18 too. Free and cached 60 GiB, less 5% of the GPU: 37 GiB to keep.
+    ab.sample(15 * g, 1 * g)
+    ab.sample(20 * g, 2 * g)
+    assert ab.next(2 * g, 0, Memory(50 * g, 100 * g, 10 * g, 20 * g, 0)) == 37 * g
+    # The loop resets the peak counters each step: the samples alone tell (15 GiB).
+    ab.sample(40 * g, 25 * g)
+    assert ab.next(25 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 0)) == 40 * g
+    # Nothing new seen: as it was. Copies out queued at once hold 4 GiB more.
+    assert ab.next(25 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 0)) == 40 * g
+    assert ab.next(25 * g, 4 * g, Memory(20 * g, 100 * g, 40 * g, 11 * g, 0)) == 36 * g
+    # An allocation was retried: 0.9 of what the last step kept, and the margin added to the rest.
+    assert ab.next(30 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 1)) == 27 * g
+    assert ab.next(27 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 1)) == 35 * g
+    # Retried again after the cut: held where it is, not cut down to nothing step by step.
+    assert ab.next(27 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 2)) == 27 * g
+    # Retried after keeping more again: cut again.
+    assert ab.next(33 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == int(33 * g * 0.9)
+    # The retry's margin stays while retries come: 60 - 5 - 15 - 5 ...
+    ab.sample(40 * g, 25 * g)
+    assert ab.next(25 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == 35 * g
+    # ... and goes after eight steps without one.
+    for _ in range(AutoBudget.QUIET - 2):
+        ab.sample(40 * g, 25 * g)
+        assert ab.next(25 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == 35 * g
+    ab.sample(40 * g, 25 * g)
+    assert ab.next(25 * g, 0, Memory(20 * g, 100 * g, 40 * g, 11 * g, 3)) == 40 * g
+    # A small GPU's margin is 1 GiB at least, and no room at all keeps nothing.
+    small = AutoBudget()
+    small.next(0, 0, Memory(4 * g, 8 * g, 1 * g, 1 * g, 0))
+    small.sample(2 * g, 1 * g)
+    assert small.next(1 * g, 0, Memory(4 * g, 8 * g, 2 * g, 2 * g, 0)) == 4 * g
+    small.sample(9 * g, 1 * g)
+    assert small.next(1 * g, 0, Memory(0, 8 * g, 2 * g, 9 * g, 0)) == 0
+
+
+def test_an_auto_budget_shrinks_for_a_step_that_saves_more():
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    assert ab.grown(2.0) is None  # nothing seen yet
+    ab.next(0, 0, Memory(50 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(30 * g, 14 * g)  # 16 GiB beside the kept activations, 10 of them before the step
+    assert ab.next(14 * g, 0, Memory(50 * g, 100 * g, 10 * g, 30 * g, 0, 10 * g)) == 39 * g
+    # Twice the activations: the 6 GiB made during the step double, the 10 before it do not.
+    assert ab.grown(2.0) == 33 * g
+    assert ab.grown(1.0) == 39 * g
+    assert ab.grown(20.0) == 0
+
+
+def test_the_gpu_memory_is_read_within_a_per_process_fraction(monkeypatch):
+    import torch
+
+    from ssdtier.offload.budget import Gpu, Memory
+
+    gib = 1 << 30
+    stats = {
+        "reserved_bytes": {"all": {"current": 6 * gib}},
+        "allocated_bytes": {"all": {"current": 3 * gib, "peak": 8 * gib}},
+        "num_alloc_retries": 2,
+    }
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda d: stats)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    gpu = Gpu(torch.device("cuda", 0))
+    assert gpu.memory() == Memory(60 * gib, 80 * gib, 6 * gib, 8 * gib, 2, 3 * gib) and gpu.allocated() == 3 * gib
+    # set_per_process_memory_fraction(0.25): 20 GiB allowed, 6 of them reserved already.
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 0.25)
+    assert gpu.memory() == Memory(14 * gib, 20 * gib, 6 * gib, 8 * gib, 2, 3 * gib)

@@ -1,0 +1,338 @@
+"""Adaptive mode at run time: each block kept, offloaded or recomputed as planned, gradients
+bit-identical to a run without ssdtier for every action, the device budget honoured from the
+first forward and measured apart from what the plan holds (CPU; a fake GPU where needed)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import ssdtier
+from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.offload.adaptive import Adaptive
+from ssdtier.offload.budget import Memory
+from ssdtier.offload.recompute import Recompute
+from ssdtier.plan import Action
+
+from .test_attach import CONFIGS, TINY, assert_same, offload_config, train
+
+K, OF, R, RO = Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD
+GPT = GPTConfig(n_layers=4, **TINY)  # dropout 0.1: a recomputation must draw the same masks
+
+
+def adaptive(store_dir, **policy):
+    return offload_config(store_dir, mode="adaptive", **policy)
+
+
+def forced(monkeypatch, acts):
+    """Adaptive mode with ``acts`` in force from the first forward on, whatever it measures."""
+    init = Adaptive.__init__
+
+    def start(self, off):
+        init(self, off)
+        off.set_actions(tuple(acts))
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "_adopt", lambda self, blocks, head, budget: None)
+
+
+def steps(cfg, ssd=None, batches=(2, 2, 2), on_step=None):
+    """The GPT from seed 0 trained on batches of the given sizes (seed 2), dropout from seed 1."""
+    return train(cfg, ssd, sizes=batches, on_step=on_step)
+
+
+# ------------------------------------------------------------------ each action, exactly
+
+
+@pytest.mark.parametrize(
+    "acts",
+    [(K, K, K, K), (OF, OF, OF, OF), (R, R, R, R), (RO, RO, RO, RO), (OF, RO, R, K), (RO, OF, K, R)],
+    ids=lambda a: "-".join(x.value for x in a),
+)
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
+def test_every_action_is_exact(store_dir, monkeypatch, acts, zero_copy):
+    forced(monkeypatch, acts)
+    got = steps(GPT, offload_config(store_dir, zero_copy=zero_copy, mode="adaptive"))
+    assert_same(steps(GPT), got)
+    s = got[2]
+    assert s.layers_recomputed == sum(a.recomputes for a in acts)
+    assert s.layers_kept == acts.count(K)
+    if any(a.offloads for a in acts):
+        assert s.tensors_offloaded > 0
+
+
+def test_a_recomputed_block_hands_only_its_inputs_to_the_offloader(store_dir, monkeypatch):
+    seen = {}
+
+    def count(off):
+        seen.setdefault("saved", list(off.adaptive.profile.saved))
+
+    forced(monkeypatch, (K, R, K, K))
+    steps(GPT, adaptive(store_dir), batches=(2,), on_step=count)
+    saved = seen["saved"]  # by tag: 0 before the blocks, i + 1 in block i
+    x = 2 * GPT.seq_len * GPT.d_model * 4  # a block's input: the fp32 residual stream
+    assert saved[2] == x and saved[1] > 4 * x and saved[3] == saved[1]
+
+
+def test_the_users_own_checkpointing_is_not_wrapped_again(store_dir, monkeypatch):
+    import ssdtier.offload.recompute as rc
+
+    calls = []
+    real = rc.checkpoint
+    monkeypatch.setattr(rc, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = dataclasses.replace(GPT, checkpoint=True)  # every block under torch.utils.checkpoint
+    forced(monkeypatch, (RO,) * 4)
+    assert_same(steps(cfg), steps(cfg, adaptive(store_dir)))
+    assert calls == []  # inside the user's checkpoint, its hooks serve: ours never ran
+    forced(monkeypatch, (R,) * 4)
+    assert_same(steps(GPT), steps(GPT, adaptive(store_dir)))
+    assert len(calls) == 4 * 3
+
+
+def test_bytes_are_counted_once_per_storage(store_dir, monkeypatch):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h.sin() + h.cos()  # sin and cos both save h: one storage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    forced(monkeypatch, (K, K))
+    with ssdtier.attach(model, adaptive(store_dir)) as off:
+        model(torch.randn(64, 256, requires_grad=True)).sum().backward()
+        saved = off.adaptive.profile.saved
+    h = 64 * 256 * 4
+    # Block 0: its input (saved by the Linear) and h; block 1: h (its input is block 0's output).
+    assert saved[1] == 2 * h and saved[2] == 2 * h
+
+
+# ------------------------------------------------------------------ attach, detach, copies
+
+
+def test_detach_puts_each_blocks_forward_back(store_dir):
+    model = build_model(GPT)
+    own = model.blocks[2].forward
+    model.blocks[2].forward = own  # an instance forward of the user's: kept as it was
+    before = [set(b.__dict__) for b in model.blocks]
+    off = ssdtier.attach(model, adaptive(store_dir))
+    assert all(isinstance(b.forward, Recompute) for b in model.blocks)
+    off.detach()
+    assert [set(b.__dict__) for b in model.blocks] == before and model.blocks[2].forward is own
+    # Modes that never recompute leave the forwards alone.
+    with ssdtier.attach(model, offload_config(store_dir)):
+        assert not any(isinstance(b.forward, Recompute) for b in model.blocks)
+
+
+def test_a_copy_of_a_model_that_recomputes_is_a_plain_model(store_dir, monkeypatch):
+    forced(monkeypatch, (R, RO, K, OF))
+    torch.manual_seed(0)
+    model = build_model(GPT)
+    batch = make_batch(GPT, 2, torch.Generator().manual_seed(2))
+    with ssdtier.attach(model, adaptive(store_dir)) as off:
+        twin = copy.deepcopy(model)
+        assert not any(isinstance(b.__dict__.get("forward"), Recompute) for b in twin.blocks)
+        packs = off.stats().packs
+        torch.manual_seed(1)
+        batch_loss(twin, batch).backward()
+        assert off.stats().packs == packs  # the copy does not go through the offloader
+    torch.manual_seed(0)
+    plain = build_model(GPT)
+    torch.manual_seed(1)
+    batch_loss(plain, batch).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), twin.parameters(), strict=True))
+
+
+# ------------------------------------------------------------------ plans made at run time
+
+
+def test_adaptive_mode_plans_from_what_it_measured_and_stays_exact(store_dir):
+    cfg = adaptive(store_dir)
+    cfg["io"]["throttle"] = "200MB"
+    ref = train(CONFIGS["gpt"], micro=4)
+    got = train(CONFIGS["gpt"], cfg, micro=4)
+    assert_same(ref, got)
+    p = got[2].plan
+    assert p is not None and len(p.decisions) == 3 and p.device_budget is None
+    assert p.table().startswith("ssdtier plan: ") and got[2].layers_kept == p.count(K)
+    # Block 0 carries what is saved before it (the embeddings' indices): it goes with block 0.
+    b = [d.block for d in p.decisions]
+    assert b[0].bytes > b[1].bytes == b[2].bytes > b[1].inputs > 0
+    assert all(x.forward_s > 0 and x.recompute_s > 0 for x in b)
+
+
+def test_a_budget_below_what_offloading_hides_is_met_by_recomputing(store_dir, monkeypatch):
+    # 1 kB/s: no block's bytes leave in time. With room for half of keep's peak, the plan
+    # recomputes (with the inputs kept: they could not leave in time either).
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e3, 1e3))
+    keep = steps(GPT, adaptive(store_dir, device_budget="1GiB"))[2].plan
+    assert keep.actions == (K,) * 4
+    budget = keep.outcome.peak // 2
+    got = steps(GPT, adaptive(store_dir, device_budget=budget), batches=(2,) * 5)
+    assert_same(steps(GPT, batches=(2,) * 5), got)
+    p = got[2].plan
+    assert p.fits and p.outcome.peak <= budget and p.count(OF) == p.count(RO) == 0
+    assert p.count(R) >= 2 and got[2].layers_recomputed == p.count(R)
+
+
+def test_the_first_forward_honours_the_budget_by_recomputing(store_dir):
+    # Nothing is measured before the first forward: blocks are kept until the ones to come
+    # would pass the budget, then recomputed with their inputs offloaded.
+    # At batch 4 a block saves about 200 KB and keeping all takes about 830 KB.
+    seen = []
+    budget = 512 << 10
+    ssd = adaptive(store_dir, device_budget=budget)
+    got = steps(GPT, ssd, batches=(4,), on_step=lambda off: seen.append((off.adaptive.switched, off.res.kept_peak)))
+    assert_same(steps(GPT, batches=(4,)), got)
+    switched, kept = seen[0]
+    assert switched >= 2 and kept <= budget
+
+
+def test_a_growing_batch_falls_back_to_recomputing_not_out_of_memory(store_dir, caplog):
+    # Planned at batch 2 with everything kept (about 420 KB); batch 8 saves four times as
+    # much: the guard recomputes the blocks that would pass the budget in that very forward.
+    switched, kept = [], []
+
+    def look(off):
+        switched.append(off.adaptive.switched)
+        kept.append(off.res.kept_peak)
+        off.res.kept_peak = off.res.kept
+
+    budget = 1 << 20
+    with caplog.at_level("INFO", logger="ssdtier"):
+        got = steps(GPT, adaptive(store_dir, device_budget=budget), batches=(2, 2, 2, 8, 8), on_step=look)
+    assert_same(steps(GPT, batches=(2, 2, 2, 8, 8)), got)
+    assert switched[:3] == [0, 0, 0] and switched[3] > 0, switched
+    assert max(kept) <= budget
+    assert "would pass the device budget" in caplog.text
+
+
+def test_stats_name_the_plan(store_dir):
+    s = train(CONFIGS["gpt"], adaptive(store_dir))[2]
+    text = str(s)
+    assert len(text.splitlines()) == 4, text  # with the plan's line
+    assert f"adaptive plan: {s.plan.summary()}: " in text
+    d = s.as_dict()
+    assert json.loads(json.dumps(d))["store"] == dataclasses.asdict(s.store)
+    assert [x["action"] for x in d["plan"]["decisions"]] == [a.value for a in s.plan.actions]
+
+
+def test_what_a_loop_logs_has_the_blocks_by_action(store_dir):
+    from ssdtier.integrations import summary
+
+    plain = summary(train(CONFIGS["gpt"], offload_config(store_dir))[2])
+    assert "ssdtier/blocks_keep" not in plain and plain["ssdtier/offloaded_GiB"] > 0
+    s = train(CONFIGS["gpt"], adaptive(store_dir, device_budget="3GiB"))[2]
+    logged = summary(s)
+    assert logged["ssdtier/blocks_keep"] == s.plan.count(K) == 3 and logged["ssdtier/device_budget_GiB"] == 3.0
+    assert logged["ssdtier/blocks_recompute_offload"] == 0
+
+
+def test_adaptive_calibration_is_not_counted_as_activation_traffic(store_dir):
+    model = build_model(CONFIGS["gpt"])
+    with ssdtier.attach(model, adaptive(store_dir)) as off:
+        s = off.stats()
+        assert min(off.adaptive.bw) > 0  # measured
+        assert s.bytes_written_nvme == s.bytes_read_nvme == s.store.host_peak == s.store.nvme_peak == 0
+
+
+def test_device_budget_caps_what_is_kept_in_other_modes(store_dir):
+    # mode "none" would keep everything; a zero budget forces all of it out.
+    got = train(CONFIGS["gpt"], offload_config(store_dir, mode="none", device_budget=0))
+    assert_same(train(CONFIGS["gpt"]), got)
+    assert got[2].tensors_kept == 0 and got[2].tensors_offloaded > 0
+
+
+def test_an_auto_device_budget_is_for_adaptive_mode_on_a_gpu(store_dir, warned):
+    with pytest.raises(ssdtier.ConfigError, match="set policy.mode = 'adaptive' \\(it is 'all'\\)"):
+        ssdtier.attach(build_model(CONFIGS["gpt"]), offload_config(store_dir, device_budget="auto"))
+    got = train(CONFIGS["gpt"], adaptive(store_dir, device_budget="auto"), micro=4)
+    assert_same(train(CONFIGS["gpt"], micro=4), got)
+    assert warned("sizes the budget from GPU memory, and this GPT is not on a GPU: no budget")
+    assert got[2].plan.device_budget is None
+
+
+# ------------------------------------------------------------------ device_budget = "auto" on a fake GPU
+
+GiB = 1 << 30
+
+
+def fake_gpu(monkeypatch, memory, beside):
+    """Adaptive mode on a stand-in GPU: ``memory()`` gives its Memory; what is allocated is
+    ``beside`` (a function of the offloader) plus the activations the offloader holds."""
+    init = Adaptive.__init__
+
+    class FakeGpu:
+        def __init__(self, off):
+            self.off = off
+
+        def memory(self):
+            return memory()
+
+        def allocated(self):
+            return beside(self.off) + self.off.adaptive.held()
+
+    def start(self, off):
+        init(self, off)
+        self.gpu = FakeGpu(off)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e3, 1e3))  # 1 kB/s: no block's I/O hides
+
+
+def test_an_auto_device_budget_does_not_depend_on_the_plan(store_dir, monkeypatch):
+    # 3 GiB beside the activations whatever the plan holds: every plan sees the same budget.
+    budgets = {}
+    for acts in ((K,) * 4, (OF, OF, R, K), (RO,) * 4):
+        seen = []
+        with monkeypatch.context() as m:
+            fake_gpu(m, lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, 1 * GiB, 0), lambda off: 3 * GiB)
+            forced(m, acts)
+            ssd = adaptive(store_dir, device_budget="auto")
+            got = steps(GPT, ssd, batches=(2,) * 4, on_step=lambda off, seen=seen: seen.append(off._budget))
+        assert_same(steps(GPT, batches=(2,) * 4), got)
+        budgets[acts] = seen[1:]
+    # 58 GiB free and cached, less 5 (5%), less the 3 beside: 50 GiB, for every plan.
+    assert all(b == [50 * GiB] * 3 for b in budgets.values()), budgets
+
+
+def test_an_auto_device_budget_follows_the_memory_left(store_dir, monkeypatch):
+    gpu = {"free": 0, "retries": 0}
+    fake_gpu(monkeypatch, lambda: Memory(gpu["free"], 100 * GiB, 8 * GiB, 1 * GiB, gpu["retries"]), lambda off: 3 * GiB)
+    budgets, kept = [], []
+
+    def look(off):
+        budgets.append(off._budget)
+        kept.append(off.layers_kept)
+        if len(budgets) == 3:
+            gpu["free"] = 50 * GiB  # 50 GiB more
+
+    got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=(2,) * 6, on_step=look)
+    assert_same(steps(GPT, batches=(2,) * 6), got)
+    # The first step: half of the 3 GiB of room (8 cached, less a margin of 5). Then 3 GiB
+    # beside the activations leave nothing: every block recomputed, its inputs offloaded.
+    assert budgets[:3] == [3 * GiB // 2, 0, 0] and kept[1:3] == [0, 0]
+    assert budgets[3] == 50 * GiB and kept[3:] == [4, 4, 4]  # room for all: kept
+
+
+def test_an_auto_device_budget_shrinks_at_once_for_a_larger_batch(store_dir, monkeypatch, caplog):
+    # 3 GiB allocated beside the activations, 2 of them before each step. A forward of twice
+    # the batch makes twice the 1 GiB of the step's own: 1 GiB less to keep.
+    fake_gpu(monkeypatch, lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, 1 * GiB, 0, 2 * GiB), lambda off: 3 * GiB)
+    budgets = []
+    with caplog.at_level("INFO", logger="ssdtier"):
+        ssd = adaptive(store_dir, device_budget="auto")
+        got = steps(GPT, ssd, batches=(2, 2, 2, 4, 4), on_step=lambda off: budgets.append(off._budget))
+    assert_same(steps(GPT, batches=(2, 2, 2, 4, 4)), got)
+    # 53 GiB of room (58 free and cached, less 5), less 3: 50 GiB; for batch 4, 53 - 2 - 2 x 1
+    # from its first block on; the same batch again: as measured.
+    assert budgets[1:3] == [50 * GiB] * 2 and 48.9 * GiB < budgets[3] < 49.1 * GiB and budgets[4] == 50 * GiB
+    assert caplog.text.count("this forward saves 2.00x the last one's: device budget 49") == 1
