@@ -15,7 +15,10 @@
 #                                                     #   (>= 300; 570 for both)
 #   SESSION_S=... bash benches/gpu_session.sh call2   # install bench_1b (every mode), then with the time
 #                                                     #   left bench_cpool, bench_expandable (>= 300; 600 for all)
-# A session (15 device-minutes, the start included) fits call1 and one of the others.
+#   SESSION_S=... bash benches/gpu_session.sh call4   # install test_cuda rok: the planner's session, alone
+#                                                     #   (the device time left less 20 s; >= 400, 700 for all)
+# A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
+# alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
 #
 # Out: $OUT/summary.txt and $OUT/gpu_session.tgz (every log, JSON and Markdown), rewritten after
@@ -33,7 +36,9 @@
 # open without and with host.huge_pages),
 # bench_cpool (bench_1b's keep, adaptive and host modes with copies ahead into the compute
 # stream's pool), bench_expandable (its keep, adaptive and checkpoint with the allocator's
-# expandable segments: the reserved memory a second stream's pool adds); on request only: bench_wide
+# expandable segments: the reserved memory a second stream's pool adds), rok (`ssdtier bench rok`, the judge,
+# on the 1.3B GPT: every mode side by side, the dominance table, then --fit; rok.csv, rok.png and
+# rok.json in the archive's rok/); on request only: bench_wide
 # (8 blocks of width 4096: how much adaptive mode offloads with more compute per byte),
 # train_step_cuda, train_step_cuda_big,
 # cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
@@ -42,20 +47,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
     call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe pin_rate) ;;
     call2) parts+=(install bench_1b bench_cpool bench_expandable) ;;
     call3) parts+=(install fit fit_cpool) ;;
+    call4) parts+=(install import test_cuda rok) ;;
     *) parts+=("$a") ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
     if [[ "$KNOWN" != *" $p "* ]]; then
-        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3" >&2
+        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4" >&2
         exit 2
     fi
 done
@@ -189,6 +195,18 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         [ "$p" = bench_expandable ] && env=(env "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         part "$p" "$secs" ${env[@]+"${env[@]}"} "$PY" benches/gpu_step.py ${args[@]+"${args[@]}"} --budget-s $((secs > margin + 10 ? secs - margin : 10)) \
             --json "$LOGS/gpu_step_$p.json" --md "$LOGS/gpu_step_$p.md"
+        ;;
+    rok)
+        # gpu_step's 1.3B GPT (bf16 autocast, fused attention, batch 8). The bench stops starting
+        # settings at --budget-s (half of it for the side-by-side run, half for --fit); the rest of
+        # the limit is for the last one. --fit searches the modes that may fit more at keep's speed.
+        # --fit searches keep, checkpointing and ssdtier: compile's cold builds would take a probe each.
+        secs=$(limit 540)
+        part rok "$secs" "$PY" -m ssdtier bench rok --device cuda --layers 24 --d-model 2048 --heads 16 --seq 2048 \
+            --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 \
+            --warmup 2 --fractions 0.8,0.6,0.4,0.25 --dir benches/out/rok-nvme --out "$LOGS/rok" \
+            --fit --fit-max-batch 160 --fit-modes keep,checkpoint,ssdtier \
+            --budget-s $((secs > 80 ? secs - 70 : 10))
         ;;
     train_step_cuda)
         part train_step_cuda "$(limit 240)" "$PY" benches/train_step.py --device cuda --skip-per-tensor \

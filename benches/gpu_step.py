@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import enum
-import gc
 import itertools
 import json
 import logging
@@ -62,13 +60,17 @@ import statistics
 import sys
 import time
 import traceback
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from _machine import cpu_model, hostname, kernel, mem_total, mount_of, nproc
 from train_step import gpt_config, md_table
+
+from ssdtier.bench.fit import Probe, rok, search, search_batches, search_rok  # noqa: F401 (the tests use them here)
+from ssdtier.bench.memory import free_cuda
+from ssdtier.bench.peers import torchtune_maker
+from ssdtier.bench.train import is_oom
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "benches" / "out" / "gpu_step-nvme"  # benches/out is git-ignored
@@ -356,65 +358,6 @@ def copy_rate() -> dict[str, Any]:
         return {"status": f"failed: {type(e).__name__}: {str(e)[:300]}"}
 
 
-def torchtune_maker() -> tuple[Callable[[Any], Any] | None, str]:
-    """A function model -> torchtune's offloading context, and what it is; (None, why) when
-    torchtune does not import (it needs torchao, and more)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ver = version("torchtune")
-    except PackageNotFoundError:
-        ver = "?"
-    try:
-        from torchtune import training
-
-        how = ""
-    except Exception as whole:  # any import-time failure of torchtune or its dependencies
-        try:
-            training = _torchtune_offloading_alone()
-            how = " (its offloading module alone: the package imports datasets, pandas, pyarrow)"
-        except Exception as e:
-            why = whole if isinstance(e, ImportError) and "not installed" in str(e) else e
-            return None, f"{type(why).__name__}: {(str(why).splitlines() or [''])[0][:200]}"
-    make = getattr(training, "get_act_offloading_ctx_manager", None)
-    if make is not None:
-        # Its output head stays on the GPU, as torchtune's recipes have it: it looks for
-        # ``model.output``, which our GPT calls ``lm_head``.
-        what = f"torchtune {ver}: get_act_offloading_ctx_manager(model, True), lm_head as its output{how}"
-        return (lambda model: make(types.SimpleNamespace(output=model.lm_head), True)), what
-    return (lambda model: training.OffloadActivations()), f"torchtune {ver}: OffloadActivations(){how}"
-
-
-def _torchtune_offloading_alone() -> Any:
-    """torchtune's ``training/_activation_offloading.py`` run by itself, with stand-ins for the
-    two names it takes from torchtune (``modules.TiedLinear``, ``utils.get_logger``): the
-    package's ``__init__`` imports its datasets, whose dependencies are too big to carry."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torchtune")  # finds it without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("torchtune is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "training" / "_activation_offloading.py"
-    stubs = {name: types.ModuleType(name) for name in ("torchtune", "torchtune.modules", "torchtune.utils")}
-    stubs["torchtune.modules"].TiedLinear = type("TiedLinear", (), {})  # our GPT has none
-    stubs["torchtune.utils"].get_logger = lambda level=None: logging.getLogger("torchtune")
-    saved = {name: sys.modules.get(name) for name in stubs}
-    sys.modules.update(stubs)
-    try:
-        mspec = importlib.util.spec_from_file_location("torchtune_activation_offloading", path)
-        if mspec is None or mspec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        mod = importlib.util.module_from_spec(mspec)
-        mspec.loader.exec_module(mod)
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
-    return mod
-
-
 def ssdtier_config(args: argparse.Namespace, host: int, nvme: int) -> dict[str, Any]:
     policy: dict[str, Any] = {"mode": "all"}  # not the default "auto" (adaptive on a GPU): ssdtier_adaptive is that
     for key in ("mode", "keep_last_layers", "prefetch_layers", "min_tensor_bytes"):
@@ -455,22 +398,11 @@ def nvme_capacity(args: argparse.Namespace) -> int:
     return max(int(0.8 * shutil.disk_usage(args.dir).free) >> 20 << 20, GiB)
 
 
-def is_oom(e: BaseException) -> bool:
-    import torch
-
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
 def free_memory() -> None:
     """Between modes and after an OOM: Python garbage, the caching allocators (device and pinned host)."""
     import torch
 
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks save_on_cpu and torchtune left
-    if host_empty is not None:
-        host_empty()
+    free_cuda()
     torch.cuda.reset_peak_memory_stats()
 
 
@@ -825,56 +757,6 @@ def measure(mode: str, args: argparse.Namespace, batch_size: int, ssd: Any, tt: 
 # ---------------------------------------------------------------- --fit and --batch auto
 
 
-class Probe(enum.Enum):
-    """What one --fit probe found."""
-
-    FITS = "fits"
-    FAILS = "fails"  # out of memory
-    SLOW = "slow"  # fits, past --fit-slow: larger batches are not tried
-    STOP = "stop"  # out of time: not run
-
-
-def search_batches(fits: Callable[[int], Probe], max_batch: int) -> dict[str, Any]:
-    """Largest b in 1..max_batch that ``fits(b)``: doubling from 1, then bisection. Returns
-    the largest that fit (0: none), the smallest that did not (None: none failed), whether
-    the search was cut by time and whether the doubling stopped at a slow batch."""
-    lo, hi, b = 0, None, 1
-    while True:
-        got = fits(b)
-        if got is Probe.STOP:
-            return {"largest": lo, "failed": hi, "cut": True, "slow": False}
-        if got is Probe.FAILS:
-            hi = b
-            break
-        lo = b
-        if got is Probe.SLOW:
-            return {"largest": lo, "failed": hi, "cut": False, "slow": True}
-        if b >= max_batch:
-            break
-        b = min(2 * b, max_batch)
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        got = fits(mid)
-        if got is Probe.STOP:
-            return {"largest": lo, "failed": hi, "cut": True, "slow": False}
-        lo, hi = (lo, mid) if got is Probe.FAILS else (mid, hi)
-    return {"largest": lo, "failed": hi, "cut": False, "slow": False}
-
-
-def search_rok(probe: Callable[[int], dict[str, Any] | None], probes: list[dict[str, Any]], limit_s: float) -> bool:
-    """Bisects between the largest probe at <= ``limit_s`` per sample and the next larger one
-    (slower or out of memory); ``probe`` runs one more (None: out of time). False if cut."""
-    within = max((p["batch"] for p in probes if p.get("fits") and p["s_per_sample"] <= limit_s), default=0)
-    above = min((p["batch"] for p in probes if p["batch"] > within), default=None)
-    while above is not None and above - within > 1:
-        mid = (within + above) // 2
-        p = probe(mid)
-        if p is None:
-            return False
-        within, above = (mid, above) if p.get("fits") and p["s_per_sample"] <= limit_s else (within, mid)
-    return True
-
-
 def fit_mode(
     mode: str,
     args: argparse.Namespace,
@@ -952,7 +834,6 @@ def fit_mode(
             finally:
                 batch = None
                 free_memory()
-            r["probes"].append(probe)
             if probe["fits"]:
                 log(
                     f"fit [{mode}] batch {b}: {probe['step_s']:.3f} s/step, "
@@ -963,17 +844,9 @@ def fit_mode(
                 s.reset_hooks()
             return probe
 
-        def fits(b: int) -> Probe:
-            p = probe_at(b)
-            if p is None:
-                return Probe.STOP
-            if not p["fits"]:
-                return Probe.FAILS
-            return Probe.SLOW if p["slow"] else Probe.FITS
-
-        r.update(search_batches(fits, max_batch))
-        if ref is not None and mode != "keep" and not r["cut"]:
-            r["cut"] = not search_rok(probe_at, r["probes"], args.rok_time * ref)
+        # search() appends each probe to r["probes"] after probe_at returns it.
+        limits = [args.rok_time * ref] if ref is not None and mode != "keep" else []
+        r.update(search(probe_at, max_batch, limits, r["probes"]))
     except Exception as e:
         r.update(status="error", error=f"{type(e).__name__}: {str(e)[:500]}")
         traceback.print_exc()
@@ -984,23 +857,6 @@ def fit_mode(
     r["at_largest"] = best[-1] if best else None
     r["wall_s"] = time.monotonic() - t_start
     return r
-
-
-def rok(fit: dict[str, dict[str, Any]], limit: float) -> float | None:
-    """Adds to each mode the largest batch whose time per sample is <= ``limit`` x keep's at
-    keep's largest batch; returns keep's time per sample (None if keep fit nothing)."""
-    ref_probe = (fit.get("keep") or {}).get("at_largest")
-    ref = ref_probe["s_per_sample"] if ref_probe else None
-    for r in fit.values():
-        ok = [p for p in r.get("probes", []) if p.get("fits")]
-        if ref is None or r.get("status") != "ok":
-            r["rok_batch"] = None
-            continue
-        within = [p for p in ok if p["s_per_sample"] <= limit * ref]
-        top = max(within, key=lambda p: p["batch"]) if within else None
-        r["rok_batch"] = top["batch"] if top else 0
-        r["rok_s_per_sample"] = top["s_per_sample"] if top else None
-    return ref
 
 
 def auto_batch(args: argparse.Namespace, until: float) -> dict[str, Any]:

@@ -20,7 +20,7 @@ def session(tmp_path: Path, *parts: str, **env: str) -> subprocess.CompletedProc
 def test_an_unknown_part_is_refused_before_anything_runs(tmp_path):
     r = session(tmp_path, "import", "bench_2b")
     assert r.returncode == 2
-    assert "unknown part 'bench_2b'" in r.stderr and "call1" in r.stderr
+    assert "unknown part 'bench_2b'" in r.stderr and "call1" in r.stderr and "call4" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -43,6 +43,16 @@ def test_parts_past_the_session_time_are_skipped_not_started(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert summary.count("skipped: ") == 2 and "SESSION_S=15" in summary
     assert not (tmp_path / "logs" / "import.log").exists()
+
+
+def test_the_rok_part_is_known_and_sized_by_the_session(tmp_path):
+    # call4 runs it; here only its name and its limit (too little time left: not started).
+    r = session(tmp_path, "rok", SESSION_S="15")
+    assert r.returncode == 0, r.stderr
+    assert "rok" in (tmp_path / "out" / "summary.txt").read_text() and "skipped" in r.stdout
+    assert not (tmp_path / "logs" / "rok.log").exists()
+    script = SCRIPT.read_text()
+    assert "call4) parts+=(install import test_cuda rok)" in script and "-m ssdtier bench rok --device cuda" in script
 
 
 def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):

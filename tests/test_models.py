@@ -149,6 +149,58 @@ def test_checkpoint_saves_fewer_tensors(family: str) -> None:
     assert 0 < ckpt < plain
 
 
+CHECKPOINTING = {
+    "every 2": {"checkpoint_every": 2},
+    "selective": {"checkpoint_every": 1, "selective": True},
+    "selective every 2": {"checkpoint_every": 2, "selective": True},
+}
+
+
+@pytest.mark.parametrize("how", CHECKPOINTING)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_kth_and_selective_checkpointing_match_plain(family: str, how: str) -> None:
+    plain, ckpt = build(family), build(family, **CHECKPOINTING[how])
+    batch = batch_for(plain)
+    loss_p, grads_p = run_step(plain, batch)
+    loss_c, grads_c = run_step(ckpt, batch)
+    assert torch.equal(loss_p, loss_c)
+    assert_grads_equal(grads_p, grads_c)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_kth_block_checkpointed_saves_between_none_and_all(family: str) -> None:
+    def count_saved(model: nn.Module) -> int:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+            loss = batch_loss(model, batch_for(model))
+        loss.backward()
+        return len(saved)
+
+    every = [count_saved(build(family, checkpoint_every=k)) for k in (0, 2, 1)]
+    assert every[0] > every[1] > every[2] > 0
+    assert count_saved(build(family, checkpoint=True)) == every[2]  # checkpoint=True: every block
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        tiny_config(family, checkpoint_every=-1)
+
+
+def test_selective_checkpointing_keeps_matmuls_and_recomputes_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    seen: dict[str, set[str]] = {"save": set(), "recompute": set()}
+    policy = models._sac_policy
+
+    def spy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+        got = policy(ctx, op, *args, **kwargs)
+        seen["save" if got is CheckpointPolicy.MUST_SAVE else "recompute"].add(str(op))
+        return got
+
+    monkeypatch.setattr(models, "_sac_policy", spy)
+    model = build("gpt", checkpoint_every=1, selective=True)
+    batch_loss(model, batch_for(model)).backward()
+    assert {"aten.mm.default", "aten.bmm.default"} & seen["save"], seen
+    assert any("gelu" in op for op in seen["recompute"]) and not any("mm" in op for op in seen["recompute"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dropout_is_active_in_train_mode(family: str) -> None:
     model = build(family, dropout=0.1)
@@ -192,6 +244,7 @@ def test_gpt_with_sdpa_matches_plain_attention() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
         fused(idx, tgt)
     assert not any(s[-2:] == (t, t) for s in saved)
+    assert not hasattr(fused.blocks[0].attn, "causal_mask")  # is_causal needs no T x T mask
     logits = fused(idx[:, :5])[0]
     idx2 = idx[:, :5].clone()
     idx2[:, 4] = (idx2[:, 4] + 1) % plain.config.vocab_size

@@ -11,9 +11,12 @@ many ordinary tensors (views and transposes included):
 
 Construction is deterministic given ``torch.manual_seed``. Dropout masks come from
 the global RNG, and every op used is deterministic on CPU, so a forward and backward
-pass repeated with the same seeds is bit-identical. With ``checkpoint=True`` every
-block is run through non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which
-restores the RNG state on recomputation, so gradients equal those without it.
+pass repeated with the same seeds is bit-identical. With ``checkpoint=True`` (or
+``checkpoint_every=1``) every block is run through non-reentrant
+:func:`torch.utils.checkpoint.checkpoint`, which restores the RNG state on recomputation,
+so gradients equal those without it; ``checkpoint_every=k`` checkpoints blocks 0, k, 2k...
+With ``selective=True`` a checkpointed block keeps its matmul and attention outputs and
+recomputes only the cheap ops between them (:func:`selective_checkpoint_context`).
 
 ``gpt_batch``, ``bert_batch`` and ``t5_batch`` (or :func:`make_batch`) make random
 batches whose tuples unpack straight into the model's ``forward``.
@@ -21,6 +24,7 @@ batches whose tuples unpack straight into the model's ``forward``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -49,6 +53,7 @@ __all__ = [
     "build_model",
     "gpt_batch",
     "make_batch",
+    "selective_checkpoint_context",
     "t5_batch",
 ]
 
@@ -66,6 +71,11 @@ def _check_common(vocab_size: int, seq_len: int, d_model: int, n_heads: int, dro
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
+def _check_checkpoint_every(every: int) -> None:
+    if every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0 (0: none, 1: every block), got {every}")
+
+
 @dataclass
 class _StackConfig:
     """Fields shared by the single-stack models (GPT, BERT). ``d_ff=None`` means ``4 * d_model``."""
@@ -78,10 +88,13 @@ class _StackConfig:
     d_ff: int | None = None
     dropout: float = 0.1
     tie_embeddings: bool = True
-    checkpoint: bool = False
+    checkpoint: bool = False  # the same as checkpoint_every=1
+    checkpoint_every: int = 0  # 0: no block checkpointed; k: blocks 0, k, 2k...
+    selective: bool = False  # checkpointed blocks keep matmul and attention outputs
 
     def __post_init__(self) -> None:
         _check_common(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.dropout)
+        _check_checkpoint_every(self.checkpoint_every)
         if self.n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {self.n_layers}")
         if self.d_ff is None:
@@ -129,10 +142,13 @@ class T5Config:
     d_ff: int | None = None
     dropout: float = 0.1
     tie_embeddings: bool = True
-    checkpoint: bool = False
+    checkpoint: bool = False  # the same as checkpoint_every=1
+    checkpoint_every: int = 0  # 0: no block checkpointed; k: blocks 0, k, 2k... of each stack
+    selective: bool = False  # checkpointed blocks keep matmul and attention outputs
 
     def __post_init__(self) -> None:
         _check_common(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.dropout)
+        _check_checkpoint_every(self.checkpoint_every)
         if self.n_encoder_layers < 1 or self.n_decoder_layers < 1:
             raise ValueError("n_encoder_layers and n_decoder_layers must be >= 1")
         if self.tgt_len is None:
@@ -203,7 +219,7 @@ class MultiHeadAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.attn_drop = nn.Dropout(dropout)
         self.resid_drop = nn.Dropout(dropout)
-        if causal:
+        if causal and not sdpa:  # SDPA's is_causal needs none (at 16k tokens it would be 256 MiB a block)
             mask = torch.ones(max_len, max_len, dtype=torch.bool).tril()
             self.register_buffer("causal_mask", mask, persistent=False)
 
@@ -261,8 +277,41 @@ def _init_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.zeros_(module.bias)
 
 
-def _run_block(block: nn.Module, use_checkpoint: bool, *args: Tensor) -> Tensor:
-    if use_checkpoint and torch.is_grad_enabled():
+# What selective checkpointing keeps: the outputs of the ops that cost the most FLOPs per
+# byte saved (matmuls, fused attention). The pointwise ops between them are recomputed.
+_SAVED_OPS = (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+)  # fmt: skip
+
+
+@functools.cache
+def _saved_ops() -> frozenset[object]:
+    return frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_OPS if hasattr(torch.ops.aten, name))
+
+
+def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context() -> tuple[object, object]:
+    """``context_fn`` of a non-reentrant :func:`torch.utils.checkpoint.checkpoint` that keeps
+    the outputs of matmuls and attention and recomputes the rest (selective activation
+    checkpointing, as torchtitan's op-level policy does)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_sac_policy)
+
+
+def _run_block(config: ModelConfig, i: int, block: nn.Module, *args: Tensor) -> Tensor:
+    """Block ``i`` of its stack, checkpointed as ``config`` says."""
+    every = 1 if config.checkpoint else config.checkpoint_every
+    if every and i % every == 0 and torch.is_grad_enabled():
+        if config.selective:
+            return _checkpoint(block, *args, use_reentrant=False, context_fn=selective_checkpoint_context)
         return _checkpoint(block, *args, use_reentrant=False)
     return block(*args)
 
@@ -304,7 +353,6 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.checkpoint = config.checkpoint
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
@@ -321,8 +369,8 @@ class GPT(nn.Module):
         _check_len("sequence", t, self.config.seq_len)
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = _run_block(block, self.checkpoint, x)
+        for i, block in enumerate(self.blocks):
+            x = _run_block(self.config, i, block, x)
         logits = self.lm_head(self.ln_f(x))
         loss = _lm_loss(logits, targets) if targets is not None else None
         return logits, loss
@@ -363,7 +411,6 @@ class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
-        self.checkpoint = config.checkpoint
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.seg_emb = nn.Embedding(config.n_segments, config.d_model)
@@ -391,8 +438,8 @@ class BertEncoder(nn.Module):
             segment_ids = torch.where(pos < (t + 1) // 2, 0, self.config.n_segments - 1)
         x = self.tok_emb(idx) + self.pos_emb(pos) + self.seg_emb(segment_ids)
         x = self.drop(self.emb_ln(x))
-        for layer in self.layers:
-            x = _run_block(layer, self.checkpoint, x)
+        for i, layer in enumerate(self.layers):
+            x = _run_block(self.config, i, layer, x)
         h = self.mlm_ln(self.mlm_act(self.mlm_dense(x)))
         return _lm_loss(self.lm_head(h), labels)
 
@@ -454,7 +501,6 @@ class T5Model(nn.Module):
         super().__init__()
         assert config.tgt_len is not None
         self.config = config
-        self.checkpoint = config.checkpoint
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.enc_pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.dec_pos_emb = nn.Embedding(config.tgt_len, config.d_model)
@@ -473,8 +519,8 @@ class T5Model(nn.Module):
         _, s = src.shape
         _check_len("source", s, self.config.seq_len)
         x = self.drop(self.shared(src) + self.enc_pos_emb(torch.arange(s, device=src.device)))
-        for block in self.encoder_blocks:
-            x = _run_block(block, self.checkpoint, x)
+        for i, block in enumerate(self.encoder_blocks):
+            x = _run_block(self.config, i, block, x)
         return self.drop(self.enc_norm(x))
 
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
@@ -484,8 +530,8 @@ class T5Model(nn.Module):
         assert self.config.tgt_len is not None
         _check_len("target", t, self.config.tgt_len)
         x = self.drop(self.shared(tgt_in) + self.dec_pos_emb(torch.arange(t, device=tgt_in.device)))
-        for block in self.decoder_blocks:
-            x = _run_block(block, self.checkpoint, x, enc)
+        for i, block in enumerate(self.decoder_blocks):
+            x = _run_block(self.config, i, block, x, enc)
         x = self.drop(self.dec_norm(x))
         if self.config.tie_embeddings:
             x = x * (self.config.d_model**-0.5)

@@ -2,7 +2,9 @@
 
 - ``disk [DIR]``: the store's NVMe bandwidth against fio's on the same directory.
 - ``train``: keep, ssdtier, checkpoint and save_on_cpu side by side on one model.
-- ``rok``: the recompute-offload-keep curve, as ``rok.csv`` and ``rok.png``.
+- ``rok``: the judge: every way to save activation memory on one model, the ROK curve
+  (``rok.csv``, ``rok.png``), who is fastest at each memory level, and with ``--fit`` the
+  largest micro-batch of each.
 
 Each shows progress on stderr (tqdm's bar where it is installed), then a table, or JSON
 with ``--json``. Speed is only ever compared within one run, on one machine.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._cli import Help
+from .._cli import Help, positive
 
 __all__ = ["add_parser"]
 
@@ -60,8 +62,69 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-fio", action="store_true", help="the store only")
     p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
     p = command("train", _train, "keep, ssdtier, checkpoint and save_on_cpu side by side on one model")
-    add_workload_arguments(p, "a small model (4 blocks, width 128): about a minute on a laptop's CPU")
-    p = command("rok", _rok, "the recompute-offload-keep curve: rok.csv and rok.png")
-    add_workload_arguments(p, "a small model (4 blocks, width 128): about a minute on a laptop's CPU")
-    p.add_argument("--budget", action="append", metavar="SIZE", help="also ssdtier at this device_budget (repeat it)")
-    p.add_argument("--out", default="ssdtier-rok", help="directory for rok.csv and rok.png")
+    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256): a minute or less on a laptop's CPU")
+    p = command("rok", _rok, "every way to save activation memory side by side: the ROK curve and who dominates")
+    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256): a minute or two on a laptop's CPU")
+    _rok_arguments(p)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        got = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not got or any(x <= 0 for x in got):
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
+    return got
+
+
+def _ints(text: str) -> list[int]:
+    got = _floats(text)
+    if any(x != int(x) for x in got):
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}")
+    return [int(x) for x in got]
+
+
+def _modes(text: str) -> list[str]:
+    from .rok import FAMILIES
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in FAMILIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(FAMILIES)}"
+        )
+    return names
+
+
+def _rok_arguments(p: argparse.ArgumentParser) -> None:
+    from .rok import FAMILIES, FRACTIONS
+
+    g = p.add_argument_group("modes")
+    g.add_argument("--modes", type=_modes, default=list(FAMILIES),
+                   help=f"comma-separated subset of {','.join(FAMILIES)} (keep always runs, first)")  # fmt: skip
+    g.add_argument("--fractions", type=_floats, default=list(FRACTIONS),
+                   help="ssdtier's policy.device_budget, as shares of keep's measured peak")  # fmt: skip
+    g.add_argument("--budget", action="append", metavar="SIZE", help="also ssdtier at this device_budget (repeat it)")
+    g.add_argument("--keep-last", type=int, action="append", metavar="N",
+                   help="also ssdtier at policy.keep_last_layers = N (repeat it)")  # fmt: skip
+    g.add_argument("--checkpoint-every", type=_ints, default=[2, 4],
+                   help="also checkpoint every k-th block, for each k below the block count")  # fmt: skip
+    g.add_argument("--compile-budgets", type=_floats, default=[0.5],
+                   help="torch.compile's activation_memory_budget, one setting each")  # fmt: skip
+    g.add_argument("--out", default="ssdtier-rok", help="directory for rok.csv, rok.png and rok.json")
+    g.add_argument("--repeats", type=positive, default=1, help="rounds of every setting, interleaved; each "
+                   "setting's time and peak are the medians of its rounds")  # fmt: skip
+    g.add_argument("--budget-s", type=float, help="settings not started within this many seconds are skipped "
+                   "(with --fit, the side-by-side run gets half)")  # fmt: skip
+    g = p.add_argument_group("--fit: the largest micro-batch of each mode")
+    g.add_argument("--fit", action="store_true", help="search each mode's largest micro-batch, and its largest at "
+                   "<= --fit-limits x keep's time per sample")  # fmt: skip
+    g.add_argument("--fit-modes", type=_modes, help="the modes searched (default: --modes)")
+    g.add_argument("--memory-cap", metavar="SIZE", help="a probe fits when its peak activation memory is <= SIZE "
+                   "(needed on the CPU, where nothing runs out of memory)")  # fmt: skip
+    g.add_argument("--fit-max-batch", type=positive, default=64, help="largest batch tried")
+    g.add_argument("--fit-steps", type=positive, default=2, help="measured steps per probe (after one warmup)")
+    g.add_argument("--fit-limits", type=_floats, default=[1.05, 1.10], help="time per sample allowed, x keep's")
+    g.add_argument("--fit-slow", type=float, default=8.0, help="a mode past this x keep's time per sample tries no "
+                   "larger batch")  # fmt: skip

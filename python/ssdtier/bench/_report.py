@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 from typing import Any
 
-__all__ = ["Progress", "emit", "table"]
+__all__ = ["Progress", "emit", "jsonable", "table"]
 
 
 class Progress:
@@ -63,6 +64,11 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def jsonable(o: Any) -> Any:
+    """JSON for what ``off.stats()`` may hold beside numbers: an enum by its value, else its text."""
+    return o.value if isinstance(o, enum.Enum) else str(o)
+
+
 def emit(result: dict[str, Any], text: str, as_json: bool) -> None:
     """Print the result: its JSON (``--json``) or the text made for people."""
-    print(json.dumps(result, indent=2) if as_json else text)
+    print(json.dumps(result, indent=2, default=jsonable) if as_json else text)

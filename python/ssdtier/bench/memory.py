@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["CpuPeak", "CudaPeak", "mapping_rss", "malloc_trim", "proc_status"]
+__all__ = ["CpuPeak", "CudaPeak", "free_cuda", "mapping_rss", "malloc_trim", "proc_status"]
 
 
 def proc_status(*keys: str) -> dict[str, int]:
@@ -42,6 +42,20 @@ def malloc_trim() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def free_cuda() -> None:
+    """Between runs in one process, and after an out of memory: Python's garbage, then the
+    caching allocators' blocks (the device's, and the pinned host blocks that save_on_cpu and
+    torchtune leave)."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty is not None:
+        host_empty()
 
 
 class CpuPeak:

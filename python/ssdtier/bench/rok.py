@@ -1,56 +1,198 @@
-"""``ssdtier bench rok``: the ROK curve (recompute, offload, keep), as SSDTrain draws it.
+"""``ssdtier bench rok``: the judge. The ROK curve (recompute, offload, keep: activation
+memory against time per sample) of every way to save activation memory, side by side in
+one run on one model:
 
-One point per setting: how much ssdtier keeps in memory is swept (``keep_last_layers``
-from none to all but one block, and any ``--budget``), next to keeping everything, full
-recomputation (``checkpoint``) and ``save_on_cpu``. ``rok.csv`` and ``rok.png``
-(activation memory against step time) go to ``--out``.
+- keep; checkpointing every block and every k-th (``--checkpoint-every``); selective
+  checkpointing (``sac``: matmul and attention outputs kept, the rest recomputed);
+  ``save_on_cpu``; torchtune's ``OffloadActivations`` (CUDA, where it imports);
+  ``torch.compile`` per block under torch's activation memory budget (``--compile-budgets``);
+- ssdtier at device budgets of ``--fractions`` x keep's measured peak (and any ``--budget``),
+  its default policy otherwise.
+
+``rok.csv``, ``rok.png`` and ``rok.json`` go to ``--out``. The dominance table says, at each
+share of keep's memory, the fastest other mode that fits there and how ssdtier's fastest
+point that fits compares (the target: within 1.03x). ``--fit`` adds the largest micro-batch
+of each mode at <= 1.05x and 1.10x keep's time per sample (``ssdtier.bench.fit``).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
+import statistics
+import sys
 import textwrap
-from dataclasses import asdict
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ._report import emit
-from .train import Mode, Setting, Workload, ratios, render, run, workload_of
+from .._cli import CLI
+from ..errors import ConfigError
+from ..sizes import format_size, parse_size
+from ._report import emit, jsonable, table
+from .fit import fit_all
+from .train import (
+    Mode,
+    Setting,
+    Skipped,
+    Workload,
+    auto_arena,
+    describe,
+    failed,
+    losses_compared,
+    ratios,
+    render,
+    resolve,
+    run,
+    run_one,
+    skip_reason,
+    workload_of,
+)
 
-__all__ = ["cmd_rok", "settings_of"]
+__all__ = ["DOMINANCE_FRACTIONS", "FRACTIONS", "TARGET", "cmd_rok", "dominance", "fit_settings", "settings_of"]
+
+FRACTIONS = (1.0, 0.8, 0.6, 0.4, 0.25)  # ssdtier's device budgets, x keep's peak
+DOMINANCE_FRACTIONS = (0.8, 0.6, 0.4, 0.25)
+TARGET = 1.03  # ssdtier's time over the fastest other mode that fits as little memory
+FAMILIES = tuple(m.value for m in Mode)
 
 COLUMNS = [
-    "setting",
-    "mode",
-    "keep_last",
-    "budget",
-    "peak_bytes",
-    "memory_vs_keep",
-    "median_step_s",
-    "time_vs_keep",
-    "tokens_per_s",
-    "losses_equal_keep",
-]
+    "setting", "mode", "status", "error", "batch", "every", "memory_budget", "keep_last", "fraction", "budget",
+    "peak_bytes", "memory_vs_keep", "reserved_bytes", "median_step_s", "s_per_sample", "time_vs_keep",
+    "tokens_per_s", "losses_equal_keep", "plan_keep", "plan_offload", "plan_recompute", "plan_recompute_offload",
+]  # fmt: skip
 
 
-def settings_of(w: Workload, budgets: list[str]) -> list[Setting]:
-    n = w.layers
-    keeps = sorted({0, n // 4, n // 2, 3 * n // 4, n - 1})
-    return [
-        Setting(Mode.KEEP),
-        Setting(Mode.CHECKPOINT),
-        Setting(Mode.SAVE_ON_CPU),
-        *(Setting(Mode.SSDTIER, keep_last=k) for k in keeps),
-        *(Setting(Mode.SSDTIER, budget=b) for b in budgets),
-    ]
+def settings_of(
+    w: Workload,
+    modes: tuple[str, ...] = FAMILIES,
+    fractions: tuple[float, ...] = FRACTIONS,
+    budgets: tuple[str, ...] = (),
+    every: tuple[int, ...] = (2, 4),
+    compile_budgets: tuple[float, ...] = (0.5,),
+    keep_last: tuple[int, ...] = (),
+) -> list[Setting]:
+    """The run's settings: keep first (every ratio is to keep's, and the budgets are shares of
+    its peak), then ssdtier's (what the run is for, should --budget-s cut it short), then the rest."""
+    out = [Setting(Mode.KEEP)]
+    if "ssdtier" in modes:
+        out += [Setting(Mode.SSDTIER, fraction=f) for f in fractions]
+        out += [Setting(Mode.SSDTIER, budget=b) for b in budgets]
+        out += [Setting(Mode.SSDTIER, keep_last=k) for k in keep_last]
+    if "checkpoint" in modes:
+        out += [Setting(Mode.CHECKPOINT), *(Setting(Mode.CHECKPOINT, every=k) for k in every if 1 < k < w.layers)]
+    if "sac" in modes:
+        out.append(Setting(Mode.SAC))
+    if "save_on_cpu" in modes:
+        out.append(Setting(Mode.SAVE_ON_CPU))
+    if "torchtune" in modes:
+        out.append(Setting(Mode.TORCHTUNE))
+    if "compile" in modes:
+        out += [Setting(Mode.COMPILE, memory_budget=b) for b in compile_budgets]
+    return out
+
+
+def dominance(
+    results: list[dict[str, Any]], fractions: tuple[float, ...] = DOMINANCE_FRACTIONS, target: float = TARGET
+) -> list[dict[str, Any]]:
+    """At each share of keep's peak: the fastest non-ssdtier setting whose peak fits in it, the
+    fastest ssdtier setting that does, and ssdtier's time per sample over the other's.
+
+    ``met``: ssdtier is within ``target`` of the other (or fits where no other does); False
+    where another fits and ssdtier does not; None where nothing fits."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
+    if keep is None:
+        return []
+    rows = []
+    for f in fractions:
+        limit = f * keep["peak_bytes"]
+        fits = [r for r in ok if r["peak_bytes"] <= limit]
+        other = min((r for r in fits if r["mode"] != Mode.SSDTIER.value), key=lambda r: r["s_per_sample"], default=None)
+        ours = min((r for r in fits if r["mode"] == Mode.SSDTIER.value), key=lambda r: r["s_per_sample"], default=None)
+        row: dict[str, Any] = {"fraction": f, "limit_bytes": int(limit), "other": None, "ssdtier": None, "ratio": None}
+        for key, r in (("other", other), ("ssdtier", ours)):
+            if r is not None:
+                row[key] = r["setting"]
+                row[f"{key}_time_vs_keep"] = r["s_per_sample"] / keep["s_per_sample"]
+                row[f"{key}_memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
+        if other is not None and ours is not None:
+            row["ratio"] = ours["s_per_sample"] / other["s_per_sample"]
+            row["met"] = row["ratio"] <= target
+        else:
+            row["met"] = None if ours is None and other is None else ours is not None
+        rows.append(row)
+    return rows
+
+
+def combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per setting from rounds of the same settings: the median of the rounds'
+    median steps and of their peaks; not ok if any round was not. On a shared machine a
+    setting's speed drifts between minutes: medians of interleaved rounds compare fairly."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = []
+    for runs in zip(*rounds, strict=True):
+        r = dict(runs[0])
+        bad = next((x for x in runs if x.get("status") != "ok"), None)
+        if bad is not None:
+            out.append(dict(bad))
+            continue
+        r["round_step_s"] = [x["median_step_s"] for x in runs]
+        r["round_peak_bytes"] = [x["peak_bytes"] for x in runs]
+        r["median_step_s"] = statistics.median(r["round_step_s"])
+        r["peak_bytes"] = int(statistics.median(r["round_peak_bytes"]))
+        r["s_per_sample"] = r["median_step_s"] / r["batch"]
+        r["tokens_per_s"] = r["tokens_per_s"] * runs[0]["median_step_s"] / r["median_step_s"]
+        r["losses_equal_rounds"] = all(x.get("losses") == runs[0].get("losses") for x in runs)
+        out.append(r)
+    return out
+
+
+def render_dominance(rows: list[dict[str, Any]], target: float = TARGET) -> str:
+    if not rows:
+        return "dominance: keep did not run, so there is nothing to compare with"
+    head = ["memory <= x keep", "fastest other", "time x keep", "ssdtier's fastest", "time x keep", "ssdtier / other"]
+    head.append(f"<= {target:g}")
+    body = []
+    for d in rows:
+        met = {None: "-", True: "yes", False: "NO"}[d["met"]]
+        body.append(
+            [
+                f"{d['fraction']:.2f}",
+                d["other"] or "(none fits)",
+                f"{d['other_time_vs_keep']:.2f}" if d["other"] else "-",
+                d["ssdtier"] or "(none fits)",
+                f"{d['ssdtier_time_vs_keep']:.2f}" if d["ssdtier"] else "-",
+                f"{d['ratio']:.3f}" if d["ratio"] is not None else "-",
+                met,
+            ]
+        )
+    return "dominance: at each share of keep's peak, the fastest setting that fits in it\n" + table(head, body)
+
+
+def csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in results:
+        row = dict(r)
+        for k, v in (r.get("plan") or {}).items():
+            row["plan_" + k.replace("+", "_")] = v
+        rows.append(row)
+    return rows
 
 
 def write_csv(path: Path, results: list[dict[str, Any]]) -> None:
     with open(path, "w", newline="") as f:
         out = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
         out.writeheader()
-        out.writerows(results)
+        out.writerows(csv_rows(results))
+
+
+MARKERS = {"keep": "s", "checkpoint": "^", "sac": "v", "save_on_cpu": "D", "torchtune": "P", "compile": "X",
+           "ssdtier": "o"}  # fmt: skip
 
 
 def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
@@ -59,42 +201,181 @@ def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
     matplotlib.use("Agg")  # a file, no display
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    mib = [r["peak_bytes"] / 2**20 for r in results]
-    sweep = [(m, r) for m, r in zip(mib, results, strict=True) if r["mode"] == Mode.SSDTIER.value]
-    ax.plot([m for m, _ in sweep], [r["median_step_s"] for _, r in sweep], "o-", label="ssdtier")
-    for m, r in sweep:
-        ax.annotate(r["setting"].removeprefix("ssdtier "), (m, r["median_step_s"]), fontsize=8, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
-    for mode, marker in ((Mode.KEEP, "s"), (Mode.CHECKPOINT, "^"), (Mode.SAVE_ON_CPU, "D")):
-        for m, r in zip(mib, results, strict=True):
-            if r["mode"] == mode.value:
-                ax.plot([m], [r["median_step_s"]], marker, markersize=9, label=mode.value)
+    ok = [r for r in results if r.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for family, marker in MARKERS.items():
+        pts = sorted(((r["peak_bytes"] / 2**20, r["s_per_sample"] * 1e3, r) for r in ok if r["mode"] == family),
+                     key=lambda p: p[:2])  # fmt: skip
+        if not pts:
+            continue
+        style = marker + ("-" if len(pts) > 1 else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=8, label=family)
+        for x, y, r in pts:
+            if len(pts) > 1:
+                ax.annotate(r["setting"].removeprefix(family).strip() or "all", (x, y), fontsize=7, xytext=(4, 4),
+                            textcoords="offset points")  # fmt: skip
+    keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
+    if keep is not None:
+        for f in DOMINANCE_FRACTIONS:
+            ax.axvline(f * keep["peak_bytes"] / 2**20, color="grey", alpha=0.25, linestyle=":")
     ax.set_xlabel("peak activation memory (MiB)")
-    ax.set_ylabel("median step time (s)")
-    ax.set_title(textwrap.fill(title, 80), fontsize=9)
+    ax.set_ylabel("time per sample (ms)")
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def fit_settings(settings: list[Setting], cap: int | None, families: tuple[str, ...] = FAMILIES) -> dict[str, Setting]:
+    """The modes ``--fit`` searches, by name: the run's of ``families`` (keep always), but
+    ssdtier once, at a device budget of the memory cap (none: its default, on a GPU what the
+    GPU has room for)."""
+    out: dict[str, Setting] = {}
+    for s in settings:
+        if s.mode is not Mode.KEEP and s.mode.value not in families:
+            continue
+        if s.mode is Mode.SSDTIER:
+            s = Setting(Mode.SSDTIER, budget=cap)
+        out.setdefault(s.label, s)
+    return out
+
+
+def run_fit(
+    settings: list[Setting],
+    w: Workload,
+    args: argparse.Namespace,
+    results: list[dict[str, Any]],
+    deadline: float | None,
+    on_mode: Callable[[dict[str, Any]], None] = lambda fit: None,
+) -> dict[str, Any]:
+    """``--fit``: each mode's probes (on the CPU each in a fresh process); ``on_mode`` gets
+    the answer so far as each mode ends."""
+    cap = parse_size(args.memory_cap, key="--memory-cap", source=CLI) if args.memory_cap else None
+    modes = fit_settings(settings, cap, tuple(args.fit_modes or args.modes))
+    keep = next((r for r in results if r["mode"] == Mode.KEEP.value and r["status"] == "ok"), None)
+    per_sample = keep["peak_bytes"] / keep["batch"] if keep else None
+    probe_w = replace(w, warmup=max(w.warmup, 1), steps=args.fit_steps)
+
+    def run_at(label: str, b: int) -> dict[str, Any]:
+        s, wb = modes[label], replace(probe_w, batch=b)
+        try:
+            reason = skip_reason(s, wb)
+            if reason is not None:
+                raise Skipped(reason)
+            if s.mode is Mode.SSDTIER and w.arena == "auto":
+                wb = replace(wb, arena=auto_arena(wb, int(per_sample * b) if per_sample else None))
+            s, wb = resolve(s, wb, [])
+            r = run_one(s, wb, lambda: None)
+        except Skipped as e:
+            r = failed(s, wb, "skipped", str(e))
+        peak = format_size(max(r.get("peak_bytes", 0), 0))
+        said = f"peak {peak}, {r['median_step_s']:.3f} s a step" if r["status"] == "ok" else r["status"]
+        print(f"bench rok --fit: {label} at batch {b}: {said}", file=sys.stderr, flush=True)
+        return r
+
+    # A mode that did not run beside keep (not here, or it failed) is not searched.
+    said = {r["setting"]: r for r in results if r["status"] != "ok" and r["mode"] != Mode.SSDTIER.value}
+    searched = [m for m in modes if m not in said]
+    out: dict[str, Any] = {"cap": cap, "limits": list(args.fit_limits), "steps": args.fit_steps, "modes": {}}
+
+    def done(mode: str, r: dict[str, Any]) -> None:
+        out["modes"][mode] = r
+        on_mode(out)
+
+    fit_all(searched, run_at, args.fit_max_batch, args.fit_limits, cap, args.fit_slow, deadline, on_mode=done)
+    for m, r in said.items():
+        out["modes"][m] = {"mode": m, "status": r["status"], "error": f"in the side-by-side run: {r.get('error', '')}"}
+    return out
+
+
+def render_fit(fit: dict[str, Any]) -> str:
+    modes, limits = fit["modes"], fit["limits"]
+    keep = next(iter(modes.values()), {})
+    ref = (keep.get("at_largest") or {}).get("s_per_sample")
+    bound = f"peak activation memory <= {format_size(fit['cap'])}" if fit["cap"] else "no out of memory"
+    lines = [
+        f"fit: the largest micro-batch of each mode ({bound}): 1, 2, 4... then bisection, {fit['steps']} "
+        f"measured step(s) a probe; keep's time per sample at its largest batch: "
+        + (f"{ref * 1e3:.2f} ms" if ref else "none (keep fit no batch)")
+    ]
+    head = ["mode", "largest batch", "ms/sample", "x keep", "peak MiB", *(f"<= {x:g}x keep" for x in limits)]
+    rows = []
+    for mode, r in modes.items():
+        if r["status"] != "ok":
+            rows.append([mode, r["status"], *["-"] * (len(head) - 2)])
+            continue
+        p = r.get("at_largest")
+        more = " (cut)" if r.get("cut") else " (slow)" if r.get("slow") else "+" if r.get("failed") is None else ""
+        within = [r["within"].get(f"{x:g}") for x in limits]
+        rows.append(
+            [
+                mode,
+                f"{r['largest']}{more}",
+                f"{p['s_per_sample'] * 1e3:.2f}" if p else "-",
+                f"{p['s_per_sample'] / ref:.2f}" if p and ref else "-",
+                f"{p['peak_bytes'] / 2**20:.1f}" if p else "-",
+                *("-" if b is None else str(b) for b in within),
+            ]
+        )
+    lines += [table(head, rows)]
+    lines += [f"{m}: {r['status']}: {r.get('error', '')}" for m, r in modes.items() if r["status"] != "ok"]
+    best = []
+    for name, key in [("at any speed", None), *((f"at <= {x:g}x keep", f"{x:g}") for x in limits)]:
+        got = {
+            m: (r["largest"] if key is None else r["within"].get(key)) for m, r in modes.items() if r["status"] == "ok"
+        }
+        got = {m: b for m, b in got.items() if b}
+        if got:
+            top = max(got.values())
+            best.append(f"{name}: {top} ({', '.join(m for m, b in got.items() if b == top)})")
+    if best:
+        lines.append("largest overall: " + "; ".join(best))
+    lines.append("'+': no batch failed up to --fit-max-batch; '(cut)': out of time; '(slow)': past --fit-slow x keep")
+    return "\n".join(lines)
+
+
+def _write(out: Path, doc: dict[str, Any]) -> None:
+    (out / "rok.json").write_text(json.dumps(doc, indent=2, default=jsonable) + "\n")
+
+
 def cmd_rok(args: argparse.Namespace) -> int:
-    """Sweep what ssdtier keeps; write rok.csv and rok.png."""
+    """Every mode side by side; write rok.csv, rok.png and rok.json; the dominance table; --fit."""
     w = workload_of(args)
+    if args.fit and w.device != "cuda" and not args.memory_cap:
+        raise ConfigError(f"{CLI}: --fit on the CPU needs --memory-cap SIZE (nothing runs out of memory there)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = run(settings_of(w, args.budget or []), w, "bench rok")
-    ratios(results)
+    t0 = time.monotonic()
+    deadline = t0 + args.budget_s if args.budget_s else None
+    # With --fit, the side-by-side run leaves half the time to it.
+    sweep_deadline = t0 + args.budget_s / 2 if args.budget_s and args.fit else deadline
+    settings = settings_of(
+        w, tuple(args.modes), tuple(args.fractions), tuple(args.budget or ()), tuple(args.checkpoint_every),
+        tuple(args.compile_budgets), tuple(args.keep_last or ()),
+    )  # fmt: skip
+    rounds = [run(settings, w, "bench rok", sweep_deadline)]
+    for k in range(1, args.repeats):  # interleaved: every setting once per round
+        rounds.append(run(settings, w, f"bench rok (round {k + 1} of {args.repeats})", sweep_deadline))
+    results = combine(rounds)
+    ratios(results, losses_compared(w))
+    doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
+    files = [out / "rok.csv", out / "rok.json"]
     write_csv(out / "rok.csv", results)
-    text = render(results, w)
-    files = [out / "rok.csv"]
+    _write(out, doc)
+    text = render(results, w) + "\n\n" + render_dominance(doc["dominance"])
     try:
-        plot(out / "rok.png", results, text.splitlines()[0])
-        files.append(out / "rok.png")
+        plot(out / "rok.png", results, describe(w))
+        files.insert(1, out / "rok.png")
     except ImportError:
         text += "\n(no rok.png: matplotlib is not installed; pip install 'ssdtier[plot]')"
+    if args.fit:
+        doc["fit"] = run_fit(settings, w, args, results, deadline, lambda fit: _write(out, {**doc, "fit": fit}))
+        _write(out, doc)
+        text += "\n\n" + render_fit(doc["fit"])
     text += "\nwrote " + ", ".join(map(str, files))
-    emit({"workload": asdict(w), "results": results, "files": list(map(str, files))}, text, args.json)
-    return 0
+    doc["files"] = list(map(str, files))
+    emit(doc, text, args.json)
+    wrong = [r for r in results if r["mode"] == Mode.SSDTIER.value and r.get("losses_equal_keep") is False]
+    return 1 if wrong else 0

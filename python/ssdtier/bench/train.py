@@ -1,5 +1,6 @@
 """``ssdtier bench train``: one model trained several ways side by side (keep, ssdtier,
-checkpoint, save_on_cpu), each setting's peak activation memory and step time.
+checkpoint, save_on_cpu), each setting's peak activation memory and step time; the
+machinery ``bench rok`` runs its modes with.
 
 On the CPU each setting runs in a fresh process (``python -m ssdtier.bench.train``) with
 glibc's ``MALLOC_MMAP_THRESHOLD_`` at 64 KiB, so that freed activations leave the RSS: the
@@ -7,6 +8,9 @@ peak is the RSS high-water mark of the measured steps above the RSS at their sta
 the host arena's pages resident then). On CUDA they run in this process and the peak is
 ``torch.cuda.max_memory_allocated`` above the allocation at the start; ``reserved`` is
 ``max_memory_reserved`` above it, which also counts blocks still being copied out.
+
+A setting that fails (out of memory, a mode that does not run here) is a row with its
+status and why; the others still run.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .._cli import CLI, positive
@@ -29,9 +35,22 @@ from ..config import Config
 from ..errors import ConfigError
 from ..paths import check_paths
 from ..sizes import format_size
-from ._report import Progress, emit, table
+from ._report import Progress, emit, jsonable, table
 
-__all__ = ["Mode", "Setting", "Workload", "add_workload_arguments", "cmd_train", "run", "workload_of"]
+__all__ = [
+    "Mode",
+    "Setting",
+    "Workload",
+    "add_workload_arguments",
+    "cmd_train",
+    "is_oom",
+    "measure_safely",
+    "plan_counts",
+    "plan_text",
+    "render",
+    "run",
+    "workload_of",
+]
 
 _TAG = "@@ssdtier-bench "  # the worker's lines to its parent: a step done, or the result
 MMAP_THRESHOLD = 64 << 10
@@ -40,27 +59,54 @@ MMAP_THRESHOLD = 64 << 10
 class Mode(enum.Enum):
     KEEP = "keep"  # autograd keeps every saved activation in memory
     SSDTIER = "ssdtier"  # ssdtier.attach
-    CHECKPOINT = "checkpoint"  # every block recomputed in backward (torch.utils.checkpoint)
+    CHECKPOINT = "checkpoint"  # blocks recomputed in backward (torch.utils.checkpoint), every k-th
+    SAC = "sac"  # selective checkpointing: matmul and attention outputs kept, the rest recomputed
     SAVE_ON_CPU = "save_on_cpu"  # torch.autograd.graph.save_on_cpu around the forward
+    TORCHTUNE = "torchtune"  # torchtune's OffloadActivations around the forward (CUDA)
+    COMPILE = "compile"  # torch.compile per block, under torch's activation memory budget
+
+
+class Skipped(Exception):
+    """A setting that does not run here (its row says why)."""
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One way to train the workload; ``keep_last`` and ``budget`` are ssdtier's
-    ``policy.keep_last_layers`` and ``policy.device_budget`` (None: the default)."""
+    """One way to train the workload. ``keep_last`` and ``budget`` are ssdtier's
+    ``policy.keep_last_layers`` and ``policy.device_budget`` (None: the default); with
+    ``fraction`` the budget is that share of keep's peak, set once keep has run. ``every``:
+    checkpoint (or sac) every k-th block. ``memory_budget``: compile's
+    ``torch._functorch.config.activation_memory_budget``."""
 
     mode: Mode
     keep_last: int | None = None
-    budget: str | None = None
+    budget: str | int | None = None
+    fraction: float | None = None
+    every: int = 1
+    memory_budget: float | None = None
 
     @property
     def label(self) -> str:
         parts = [self.mode.value]
+        if self.every != 1:
+            parts.append(f"1/{self.every}")
+        if self.memory_budget is not None:
+            parts.append(f"budget {self.memory_budget:g}")
         if self.keep_last is not None:
             parts.append(f"keep {self.keep_last}")
-        if self.budget is not None:
-            parts.append(f"budget {self.budget}")
+        if self.fraction is not None:
+            parts.append(f"{self.fraction:g}x keep")
+        elif self.budget is not None:
+            parts.append(f"budget {self.budget if isinstance(self.budget, str) else format_size(self.budget)}")
         return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mode": self.mode.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Setting:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: (Mode(v) if k == "mode" else v) for k, v in d.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -78,9 +124,13 @@ class Workload:
     warmup: int
     device: str  # "cpu" or "cuda"
     dir: str | None  # NVMe directory (None: the default one)
-    arena: str
+    arena: str  # ssdtier's host.capacity; "auto": 64MiB on the CPU, keep's activations on CUDA
     min_tensor_bytes: str
     threads: int | None
+    sdpa: bool = False  # the GPT attends with scaled_dot_product_attention (fused on a GPU)
+    dtype: str = "fp32"  # or "bf16": the forward under bf16 autocast
+    dropout: float = 0.1
+    throttle: str | None = None  # ssdtier's io.throttle: a slower disk, as a GPU's link is slower
 
     def store_config(self, s: Setting) -> Config:
         policy: dict[str, Any] = {"min_tensor_bytes": self.min_tensor_bytes}
@@ -88,7 +138,11 @@ class Workload:
             policy["keep_last_layers"] = s.keep_last
         if s.budget is not None:
             policy["device_budget"] = s.budget
-        cfg: dict[str, Any] = {"host": {"capacity": self.arena}, "policy": policy}
+        cfg: dict[str, Any] = {"policy": policy}
+        if self.throttle:
+            cfg["io"] = {"throttle": self.throttle}
+        if self.arena != "auto":
+            cfg["host"] = {"capacity": self.arena}
         if self.dir:
             cfg["nvme"] = [{"path": self.dir, "capacity": "64GiB"}]
         return Config.from_dict(cfg, source=CLI)
@@ -128,14 +182,16 @@ def _ids(w: Workload, device: Any) -> Any:
     return torch.randint(0, w.vocab, (w.batch, w.seq), generator=torch.Generator().manual_seed(1)).to(device)
 
 
-def _model(w: Workload, checkpoint: bool, device: Any) -> tuple[Any, Callable[[], Any]]:
-    """The model (seeded) and its loss on a fixed batch."""
+def _model(w: Workload, s: Setting, device: Any) -> tuple[Any, Callable[[], Any]]:
+    """The model (seeded), checkpointed as ``s`` says, and its loss on a fixed batch."""
+    recompute = s.mode in (Mode.CHECKPOINT, Mode.SAC)
     if w.hf is not None:
         model, loss = _hf_model(w, device)
-        if checkpoint:
+        if recompute:
             from ..integrations.hf import checkpointing
+            from ..models import selective_checkpoint_context
 
-            checkpointing(model)
+            checkpointing(model, context_fn=selective_checkpoint_context if s.mode is Mode.SAC else None)
         model.train()
         return model, loss
     import torch
@@ -143,64 +199,160 @@ def _model(w: Workload, checkpoint: bool, device: Any) -> tuple[Any, Callable[[]
     from ..models import GPTConfig, batch_loss, build_model, make_batch
 
     cfg = GPTConfig(
-        vocab_size=w.vocab, seq_len=w.seq, d_model=w.d_model, n_layers=w.layers, n_heads=w.heads, checkpoint=checkpoint
+        vocab_size=w.vocab,
+        seq_len=w.seq,
+        d_model=w.d_model,
+        n_layers=w.layers,
+        n_heads=w.heads,
+        dropout=w.dropout,
+        sdpa=w.sdpa,
+        checkpoint_every=s.every if recompute else 0,
+        selective=s.mode is Mode.SAC,
     )
-    model = build_model(cfg).to(device)
+    with torch.device(device):  # built where it trains: a 1B model's init on the CPU takes long
+        model = build_model(cfg)
     batch = make_batch(cfg, w.batch, torch.Generator().manual_seed(1), device=device)
     return model, lambda: batch_loss(model, batch)
+
+
+def blocks(model: Any) -> list[Any]:
+    """The model's repeated blocks: the GPT's ``blocks``, else its longest ModuleList."""
+    import torch
+
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def skip_reason(s: Setting, w: Workload) -> str | None:
+    """Why ``s`` cannot run on ``w`` here (None: it can), said before any work."""
+    if s.mode is Mode.TORCHTUNE:
+        if w.device != "cuda":
+            return "torchtune's OffloadActivations moves CUDA tensors only"
+        from .peers import torchtune_maker
+
+        maker, what = torchtune_maker()
+        if maker is None:
+            return f"torchtune does not import ({what})"
+    if s.mode in (Mode.CHECKPOINT, Mode.SAC) and s.every != 1 and w.hf is not None:
+        return "every k-th block: built-in GPT only (transformers checkpoints every layer)"
+    return None
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+
+
+def plan_counts(off: Any, stats: Any = None) -> dict[str, int]:
+    """How many blocks ssdtier's plan keeps, offloads and recomputes. Read defensively: a plan
+    with ``actions`` (enum members whose values are "keep", "offload", "recompute" and
+    "recompute+offload") is counted; else its ``keep_last``; with no plan, the stats' layers."""
+    try:
+        plan = off.plan()
+    except Exception:
+        plan = None
+    actions = getattr(plan, "actions", None)
+    if actions is not None:
+        got = Counter(str(getattr(a, "value", a)) for a in actions)
+        return {k: got.get(k, 0) for k in ("keep", "offload", "recompute", "recompute+offload")} | dict(got)
+    if plan is not None and getattr(plan, "keep_last", None) is not None:
+        n = len(getattr(plan, "layers", ()))
+        return {"keep": plan.keep_last, "offload": max(n - plan.keep_last, 0), "recompute": 0}
+    if stats is not None:
+        return {"keep": stats.layers_kept, "offload": stats.layers_offloaded, "recompute": 0}
+    return {}
+
+
+@contextlib.contextmanager
+def _compiled(s: Setting, model: Any) -> Iterator[None]:
+    """Each block compiled (regional compilation) with torch's activation memory budget: its
+    partitioner recomputes the cheapest ops until the saved bytes fit that share."""
+    import torch
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=s.memory_budget if s.memory_budget is not None else 1.0):
+        for block in blocks(model):
+            block.compile()
+        try:
+            yield
+        finally:
+            torch._dynamo.reset()  # the next setting in this process compiles afresh
 
 
 def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
     """Train ``w`` the ``s`` way in this process: warmup steps, then the measured ones."""
     import torch
 
-    from ..offload import attach
     from .memory import CpuPeak, CudaPeak, mapping_rss
 
+    reason = skip_reason(s, w)
+    if reason is not None:
+        raise Skipped(reason)
     device = torch.device(w.device)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
-    model, loss_of = _model(w, s.mode is Mode.CHECKPOINT, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    off = attach(model, w.store_config(s)) if s.mode is Mode.SSDTIER else None
-    around = (
-        (lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda))
-        if s.mode is Mode.SAVE_ON_CPU
-        else contextlib.nullcontext
-    )
+    model, loss_of = _model(w, s, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if cuda else {}))
+    off = None
+    if s.mode is Mode.SSDTIER:
+        from ..offload import attach  # only here: the other modes run without ssdtier's runtime
+
+        off = attach(model, w.store_config(s))
+    around: Callable[[], Any] = contextlib.nullcontext
+    if s.mode is Mode.SAVE_ON_CPU:
+        around = lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)  # noqa: E731
+    elif s.mode is Mode.TORCHTUNE:
+        from .peers import torchtune_maker
+
+        maker, _ = torchtune_maker()
+        assert maker is not None  # skip_reason said so otherwise
+        ctx = maker(model)
+        around = lambda: ctx  # noqa: E731
     torch.manual_seed(1)  # dropout, the same in every setting
 
     def step() -> float:
         opt.zero_grad(set_to_none=False)  # gradients stay allocated: in the baseline, not the peak
-        with around():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=w.dtype == "bf16"), around():
             loss = loss_of()
         loss.backward()
         opt.step()
         if cuda:
             torch.cuda.synchronize(device)
         on_step()
-        return float(loss)
+        return float(loss.detach())
 
-    losses = [step() for _ in range(w.warmup)]
-    probe: Any = CudaPeak(device) if cuda else CpuPeak()
-    probe.start()
-    # On the CPU, the arena's pages resident now are hidden by the baseline: added back.
-    arena = off.store.arena if off is not None and not cuda else None
-    hidden = mapping_rss(arena.data_ptr()) if arena is not None else 0
-    times = []
-    for _ in range(w.steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    peak, baseline = probe.stop()
+    with _compiled(s, model) if s.mode is Mode.COMPILE else contextlib.nullcontext():
+        try:
+            losses = [step() for _ in range(w.warmup)]
+            probe: Any = CudaPeak(device) if cuda else CpuPeak()
+            probe.start()
+            # On the CPU, the arena's pages resident now are hidden by the baseline: added back.
+            arena = getattr(off.store, "arena", None) if off is not None and not cuda else None
+            hidden = mapping_rss(arena.data_ptr()) if arena is not None else 0
+            times = []
+            for _ in range(w.steps):
+                t0 = time.perf_counter()
+                losses.append(step())
+                times.append(time.perf_counter() - t0)
+            peak, baseline = probe.stop()
+        finally:
+            if off is not None:
+                stats = off.stats()
+                plan = plan_counts(off, stats)
+                off.detach()
     median = statistics.median(times)
     result: dict[str, Any] = {
         "setting": s.label,
-        **asdict(s),
-        "mode": s.mode.value,
+        **s.to_dict(),
+        "status": "ok",
+        "batch": w.batch,
         "peak_bytes": peak - baseline + hidden,
         "memory_method": probe.method,
         "median_step_s": median,
+        "s_per_sample": median / w.batch,
         "step_seconds": times,
         "tokens_per_s": w.batch * w.seq / median,
         "losses": [x.hex() for x in losses],
@@ -208,28 +360,47 @@ def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, A
     if cuda:
         result["reserved_bytes"] = probe.reserved - baseline
     if off is not None:
-        stats = off.stats()
-        off.detach()
         result["layers_kept"] = stats.layers_kept
+        result["plan"] = plan
         result["offload"] = stats.as_dict()
     return result
+
+
+def failed(s: Setting, w: Workload, status: str, error: str) -> dict[str, Any]:
+    """The row of a setting that did not run to the end."""
+    return {"setting": s.label, **s.to_dict(), "status": status, "batch": w.batch, "error": error}
+
+
+def measure_safely(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
+    """``measure``, with a failure as a result (out of memory, skipped, or an error) rather
+    than an exception: one setting failing must not end a run."""
+    try:
+        return measure(s, w, on_step)
+    except Skipped as e:
+        return failed(s, w, "skipped", str(e))
+    except Exception as e:
+        if is_oom(e):
+            return failed(s, w, "OOM", (str(e).splitlines() or [""])[0][:300])
+        traceback.print_exc()
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        return failed(s, w, "error", f"{type(e).__name__}: {(lines or [''])[0][:300]}")
 
 
 def _worker() -> None:
     """``python -m ssdtier.bench.train '<json>'``: one setting, its result on stdout."""
     job = json.loads(sys.argv[1])
     w = Workload(**job["workload"])
-    s = Setting(Mode(job["setting"]["mode"]), job["setting"]["keep_last"], job["setting"]["budget"])
+    s = Setting.from_dict(job["setting"])
     if w.threads:
         import torch
 
         torch.set_num_threads(w.threads)
-    result = measure(s, w, lambda: print(_TAG + "step", file=sys.stderr, flush=True))
-    print(_TAG + json.dumps(result), flush=True)
+    result = measure_safely(s, w, lambda: print(_TAG + "step", file=sys.stderr, flush=True))
+    print(_TAG + json.dumps(result, default=jsonable), flush=True)
 
 
-def _in_subprocess(s: Setting, w: Workload, bar: Progress) -> dict[str, Any]:
-    job = json.dumps({"setting": {**asdict(s), "mode": s.mode.value}, "workload": asdict(w)})
+def _in_subprocess(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
+    job = json.dumps({"setting": s.to_dict(), "workload": asdict(w)})
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     cmd = [sys.executable, "-m", "ssdtier.bench.train", job]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -237,95 +408,219 @@ def _in_subprocess(s: Setting, w: Workload, bar: Progress) -> dict[str, Any]:
     said = []
     for line in proc.stderr:
         if line.startswith(_TAG):
-            bar.update(1, s.label)
+            on_step()
         else:
             said.append(line)
     out = proc.stdout.read()
-    if proc.wait() != 0:
-        raise RuntimeError(f"the {s.label} run failed:\n{''.join(said[-30:])}")
+    rc = proc.wait()
     for line in out.splitlines():
         if line.startswith(_TAG):
             return json.loads(line[len(_TAG) :])
-    raise RuntimeError(f"the {s.label} run gave no result:\n{''.join(said[-30:])}")
+    last = next((line.strip() for line in reversed(said) if line.strip()), "nothing on stderr")
+    status = "OOM" if rc == -9 else "error"  # SIGKILL: most likely the kernel's OOM killer
+    return failed(s, w, status, f"the process ended ({rc}) with no result: {last[:300]}")
 
 
-def run(settings: list[Setting], w: Workload, desc: str) -> list[dict[str, Any]]:
-    """Every setting, one after the other (CPU: each in a fresh process), with a progress bar."""
+def run_one(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
+    """One setting: on CUDA in this process, on the CPU in a fresh one."""
+    if w.device != "cuda":
+        return _in_subprocess(s, w, on_step)
+    from .memory import free_cuda
+
+    try:
+        return measure_safely(s, w, on_step)
+    finally:
+        free_cuda()
+
+
+def resolve(s: Setting, w: Workload, results: list[dict[str, Any]]) -> tuple[Setting, Workload]:
+    """What depends on keep's run: a budget given as a share of keep's peak; on CUDA the
+    arena ``auto`` (keep's activation bytes, within what this machine can pin)."""
+    keep = next((r for r in results if r["mode"] == Mode.KEEP.value and r["status"] == "ok"), None)
+    if s.fraction is not None and s.budget is None:
+        if keep is None:
+            raise Skipped("its budget is a share of keep's peak, and keep did not run")
+        s = replace(s, budget=max(int(s.fraction * keep["peak_bytes"]), 0))
+    if s.mode is Mode.SSDTIER and w.arena == "auto":
+        w = replace(w, arena=auto_arena(w, keep["peak_bytes"] if keep else None))
+    return s, w
+
+
+def auto_arena(w: Workload, keep_peak: int | None) -> str:
+    """``--arena auto``: on the CPU a small one (64 MiB, so that the bytes reach NVMe); on CUDA
+    room for keep's activations (at least 1 GiB), within what ssdtier would pin here."""
+    if w.device != "cuda":
+        return "64MiB"
+    from ..ram import available, pinnable
+
+    want = max(int(1.1 * (keep_peak or 0)), 1 << 30)
+    got = available()
+    if got is not None:
+        want = min(want, pinnable(got.bytes))
+    return str(max(want >> 20, 64) << 20)
+
+
+def run(settings: list[Setting], w: Workload, desc: str, deadline: float | None = None) -> list[dict[str, Any]]:
+    """Every setting, one after the other (CPU: each in a fresh process), with a progress bar.
+    A setting not started by ``deadline`` (time.monotonic) is skipped."""
     for s in settings:
         if s.mode is Mode.SSDTIER:
             check_paths(w.store_config(s))  # a bad directory is said before any work
-    results = []
-    with Progress(len(settings) * (w.warmup + w.steps), desc, unit="step") as bar:
+    results: list[dict[str, Any]] = []
+    per = w.warmup + w.steps
+    with Progress(len(settings) * per, desc, unit="step") as bar:
         for s in settings:
-            if w.device == "cuda":
-                import torch
-
-                results.append(measure(s, w, lambda s=s: bar.update(1, s.label)))
-                torch.cuda.empty_cache()
+            done = bar.done
+            try:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise Skipped("out of time (--budget-s)")
+                reason = skip_reason(s, w)
+                if reason is not None:
+                    raise Skipped(reason)
+                s, sw = resolve(s, w, results)
+                r = run_one(s, sw, lambda s=s: bar.update(1, s.label))
+            except Skipped as e:
+                r = failed(s, w, "skipped", str(e))
+            results.append(r)
+            if done + per > bar.done:  # a setting that stopped early: the bar moves on
+                bar.update(done + per - bar.done)
+            if r["status"] == "ok":
+                peak = format_size(max(r["peak_bytes"], 0))
+                bar.write(f"{desc}: {r['setting']}: peak {peak}, {r['median_step_s']:.3f} s a step")
             else:
-                results.append(_in_subprocess(s, w, bar))
-            r = results[-1]
-            peak = format_size(max(r["peak_bytes"], 0))
-            bar.write(f"{desc}: {r['setting']}: peak {peak}, {r['median_step_s']:.3f} s a step")
+                bar.write(f"{desc}: {r['setting']}: {r['status']}: {r.get('error', '')}")
     return results
 
 
-def ratios(results: list[dict[str, Any]]) -> None:
-    """Adds to each result its memory and time against keep's, and whether its losses equal keep's."""
-    keep = next(r for r in results if r["mode"] == Mode.KEEP.value)
+def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
+    """Adds to each result its memory and time (per sample) against keep's, and whether its
+    first ``compare`` losses (None: all) equal keep's (None: not compared: compiled kernels
+    round otherwise)."""
+    keep = next((r for r in results if r["mode"] == Mode.KEEP.value and r.get("status") == "ok"), None)
     for r in results:
+        if r.get("status") != "ok" or keep is None:
+            continue
         r["memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
-        if "reserved_bytes" in r:
+        if "reserved_bytes" in r and "reserved_bytes" in keep:
             r["reserved_vs_keep"] = r["reserved_bytes"] / max(keep["reserved_bytes"], 1)
-        r["time_vs_keep"] = r["median_step_s"] / keep["median_step_s"]
-        r["losses_equal_keep"] = r["losses"] == keep["losses"]
+        r["time_vs_keep"] = r["s_per_sample"] / keep["s_per_sample"]
+        same = r["mode"] != Mode.COMPILE.value and r["batch"] == keep["batch"]
+        r["losses_equal_keep"] = r["losses"][:compare] == keep["losses"][:compare] if same else None
 
 
-def render(results: list[dict[str, Any]], w: Workload) -> str:
-    model = f"{w.hf} (random weights)" if w.hf else "GPT (ssdtier.models)"
-    reserved = all("reserved_bytes" in r for r in results)
-    rows = [
-        [
-            r["setting"],
-            f"{r['peak_bytes'] / 2**20:.1f}",
-            f"{r['memory_vs_keep']:.2f}",
-            *([f"{r['reserved_bytes'] / 2**20:.1f}", f"{r['reserved_vs_keep']:.2f}"] if reserved else []),
-            f"{r['median_step_s']:.3f}",
-            f"{r['time_vs_keep']:.2f}",
-            f"{r['tokens_per_s']:.0f}",
-            "yes" if r["losses_equal_keep"] else "NO",
-        ]
-        for r in results
-    ]
-    head = ["setting", "peak MiB", "x keep", *(["reserved MiB", "x keep"] if reserved else [])]
-    head += ["step s", "x keep", "tokens/s", "losses = keep"]
-    return "\n".join(
-        [
-            f"{model}: {w.layers} layers, width {w.d_model}, seq {w.seq}, batch {w.batch}, on {w.device}; "
-            f"{w.warmup} warmup + {w.steps} measured steps",
-            f"peak: activation memory of a step ({results[0]['memory_method']})",
-            "",
-            table(head, rows),
-        ]
+def losses_compared(w: Workload) -> int | None:
+    """How many losses must equal keep's: all, but with fused attention on a GPU only the
+    first (its backward is not bitwise reproducible, so the weights differ after a step)."""
+    return 1 if w.device == "cuda" and (w.sdpa or w.hf) else None
+
+
+def describe(w: Workload) -> str:
+    model = f"{w.hf} (random weights)" if w.hf else f"GPT (ssdtier.models, {'sdpa' if w.sdpa else 'plain'} attention)"
+    dtype = ", bf16 autocast" if w.dtype == "bf16" else ""
+    threads = f" ({w.threads} thread{'s' if w.threads != 1 else ''})" if w.threads else ""
+    throttle = f"; ssdtier's disk throttled to {w.throttle}/s" if w.throttle else ""
+    return (
+        f"{model}: {w.layers} layers, width {w.d_model}, seq {w.seq}, batch {w.batch}, on {w.device}{threads}"
+        f"{dtype}; {w.warmup} warmup + {w.steps} measured steps{throttle}"
     )
 
 
+def plan_text(plan: dict[str, int] | None) -> str:
+    """A plan's blocks kept / offloaded / recomputed (and recomputed with their inputs offloaded)."""
+    if not plan:
+        return "-"
+    text = f"{plan.get('keep', 0)}/{plan.get('offload', 0)}/{plan.get('recompute', 0)}"
+    return text + (f" +{plan['recompute+offload']} r+o" if plan.get("recompute+offload") else "")
+
+
+def render(results: list[dict[str, Any]], w: Workload) -> str:
+    """Memory and time per sample as ratios to keep's, losses against keep's, ssdtier's plan;
+    then why each setting that did not run to the end did not."""
+    ok = [r for r in results if r.get("status") == "ok" and "memory_vs_keep" in r]
+    reserved = bool(ok) and all("reserved_vs_keep" in r for r in ok)
+    plans = any(r.get("plan") for r in ok)
+    head = ["setting", "peak MiB", "x keep", *(["reserved MiB", "x keep"] if reserved else [])]
+    head += ["ms/sample", "x keep", "tokens/s", "losses = keep", *(["plan keep/offload/recompute"] if plans else [])]
+    rows = []
+    for r in results:
+        if r not in ok:
+            rows.append([r["setting"], r.get("status", "?"), *["-"] * (len(head) - 2)])
+            continue
+        eq = r.get("losses_equal_keep")
+        rows.append(
+            [
+                r["setting"],
+                f"{r['peak_bytes'] / 2**20:.1f}",
+                f"{r['memory_vs_keep']:.2f}",
+                *([f"{r['reserved_bytes'] / 2**20:.1f}", f"{r['reserved_vs_keep']:.2f}"] if reserved else []),
+                f"{r['s_per_sample'] * 1e3:.2f}",
+                f"{r['time_vs_keep']:.2f}",
+                f"{r['tokens_per_s']:.0f}",
+                "-" if eq is None else "yes" if eq else "NO",
+                *([plan_text(r.get("plan"))] if plans else []),
+            ]
+        )
+    method = next((r["memory_method"] for r in results if "memory_method" in r), "not measured")
+    lines = [describe(w), f"peak: activation memory of a step ({method}); ms/sample: median step / batch", ""]
+    lines.append(table(head, rows))
+    lines += [f"{r['setting']}: {r['status']}: {r.get('error', '')}" for r in results if r.get("status") != "ok"]
+    if any(r.get("losses_equal_keep") is None for r in ok):
+        lines.append("losses '-': not compared (compiled kernels round otherwise)")
+    n = losses_compared(w)
+    if n is not None:
+        lines.append(f"losses: the first {n} compared (fused attention's backward is not bitwise reproducible)")
+    return "\n".join(lines)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # What a run is without a preset; an option given on the command line wins over any.
+    "default": {
+        "layers": 8, "d_model": 256, "heads": 8, "seq": 256, "batch": 8, "vocab": 1024, "steps": 5, "warmup": 2,
+        "attention": "plain", "dtype": "fp32", "dropout": 0.1, "min_tensor_bytes": "64KiB",
+    },
+    # Small, yet its activations (~180 MiB) are well above what a process's RSS moves by
+    # itself, so that memory saved shows on a CPU: a minute or two there.
+    "quick": {"layers": 4, "d_model": 128, "heads": 4, "seq": 256, "batch": 8, "vocab": 512, "steps": 3, "warmup": 1},
+    # For a GPU: wide blocks (more FLOPs per byte saved), and long sequences (SDPA: no T x T
+    # scores); too slow for a CPU.
+    "wide": {
+        "layers": 8, "d_model": 4096, "heads": 32, "seq": 2048, "batch": 8, "vocab": 32000,
+        "attention": "sdpa", "dtype": "bf16", "dropout": 0.0, "min_tensor_bytes": "1MiB",
+    },
+    "long": {
+        "layers": 8, "d_model": 2048, "heads": 16, "seq": 16384, "batch": 1, "vocab": 32000,
+        "attention": "sdpa", "dtype": "bf16", "dropout": 0.0, "min_tensor_bytes": "1MiB",
+    },
+}  # fmt: skip
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
+    d = PRESETS["default"]
     p.add_argument("--hf", metavar="MODEL_TYPE", help="a transformers model type (llama, gpt2, t5...), random weights")
-    p.add_argument("--layers", type=positive, default=8, help="blocks")
-    p.add_argument("--d-model", type=positive, default=256, help="model width")
-    p.add_argument("--heads", type=positive, default=8, help="attention heads")
-    p.add_argument("--seq", type=positive, default=256, help="sequence length")
-    p.add_argument("--batch", type=positive, default=8, help="batch size")
-    p.add_argument("--vocab", type=positive, default=1024, help="vocabulary size")
-    p.add_argument("--steps", type=positive, default=5, help="measured steps per setting")
-    p.add_argument("--warmup", type=int, default=2, help="steps per setting before the measured ones")
+    p.add_argument("--layers", type=positive, help=f"blocks (default {d['layers']})")
+    p.add_argument("--d-model", type=positive, help=f"model width (default {d['d_model']})")
+    p.add_argument("--heads", type=positive, help=f"attention heads (default {d['heads']})")
+    p.add_argument("--seq", type=positive, help=f"sequence length (default {d['seq']})")
+    p.add_argument("--batch", type=positive, help=f"batch size (default {d['batch']})")
+    p.add_argument("--vocab", type=positive, help=f"vocabulary size (default {d['vocab']})")
+    p.add_argument("--steps", type=positive, help=f"measured steps per setting (default {d['steps']})")
+    p.add_argument("--warmup", type=int, help=f"steps per setting before the measured ones (default {d['warmup']})")
+    p.add_argument("--attention", choices=("plain", "sdpa"), help="the GPT's attention: plain ops (saves T x T "
+                   "scores) or scaled_dot_product_attention (default plain)")  # fmt: skip
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="fp32, or the forward under bf16 autocast (default fp32)")
+    p.add_argument("--dropout", type=float, help=f"dropout (default {d['dropout']})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
     p.add_argument("--threads", type=positive, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR, else ~/.cache/ssdtier)")
-    p.add_argument("--arena", default="64MiB", help="ssdtier's host arena (host.capacity)")
-    p.add_argument("--min-tensor-bytes", default="64KiB", help="ssdtier's policy.min_tensor_bytes")
-    p.add_argument("--quick", action="store_true", help=quick_note)
+    p.add_argument("--arena", default="auto", help="ssdtier's host arena (host.capacity); auto: 64MiB on the CPU, "
+                   "room for keep's activations on CUDA")  # fmt: skip
+    p.add_argument("--min-tensor-bytes", help=f"ssdtier's policy.min_tensor_bytes (default {d['min_tensor_bytes']})")
+    p.add_argument("--throttle", metavar="RATE", help="ssdtier's io.throttle (bytes/s per directory): a disk that "
+                   "hides only part of the activations, as a GPU's link does")  # fmt: skip
+    presets = p.add_mutually_exclusive_group()
+    presets.add_argument("--quick", action="store_true", help=quick_note)
+    presets.add_argument("--wide", action="store_true", help="8 blocks of width 4096, seq 2048, bf16, SDPA (a GPU's)")
+    presets.add_argument("--long", action="store_true", help="8 blocks of width 2048, seq 16384, bf16, SDPA (a GPU's)")
     p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
 
 
@@ -335,37 +630,46 @@ def workload_of(args: argparse.Namespace) -> Workload:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{CLI}: --device cuda, but torch sees no CUDA device")
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if args.d_model % args.heads:
-        raise ConfigError(f"{CLI}: --d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
-    w = Workload(
+    preset = next((name for name in ("quick", "wide", "long") if getattr(args, name, False)), None)
+    v = {**PRESETS["default"], **PRESETS.get(preset or "", {})}
+    for key in v:
+        if getattr(args, key, None) is not None:
+            v[key] = getattr(args, key)
+    if v["d_model"] % v["heads"]:
+        raise ConfigError(f"{CLI}: --d-model ({v['d_model']}) must be a multiple of --heads ({v['heads']})")
+    return Workload(
         args.hf,
-        args.layers,
-        args.d_model,
-        args.heads,
-        args.seq,
-        args.batch,
-        args.vocab,
-        args.steps,
-        max(args.warmup, 0),
+        v["layers"],
+        v["d_model"],
+        v["heads"],
+        v["seq"],
+        v["batch"],
+        v["vocab"],
+        v["steps"],
+        max(v["warmup"], 0),
         device,
         args.dir,
         args.arena,
-        args.min_tensor_bytes,
+        v["min_tensor_bytes"],
         args.threads,
+        sdpa=v["attention"] == "sdpa",
+        dtype=v["dtype"],
+        dropout=v["dropout"],
+        throttle=getattr(args, "throttle", None),
     )
-    if args.quick:  # a small model: a minute on a laptop's CPU
-        w = replace(w, layers=4, d_model=128, heads=4, seq=64, batch=4, vocab=512, steps=3, warmup=1)
-    return w
+
+
+TRAIN_MODES = (Mode.KEEP, Mode.SSDTIER, Mode.CHECKPOINT, Mode.SAVE_ON_CPU)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Keep, ssdtier, checkpoint and save_on_cpu on one model, side by side."""
     w = workload_of(args)
-    settings = [Setting(m) for m in Mode]
-    results = run(settings, w, "bench train")
-    ratios(results)
+    results = run([Setting(m) for m in TRAIN_MODES], w, "bench train")
+    ratios(results, losses_compared(w))
     emit({"workload": asdict(w), "results": results}, render(results, w), args.json)
-    return 0 if all(r["losses_equal_keep"] for r in results if r["mode"] == Mode.SSDTIER.value) else 1
+    ssd = [r for r in results if r["mode"] == Mode.SSDTIER.value]
+    return 0 if all(r.get("losses_equal_keep") is not False and r["status"] == "ok" for r in ssd) else 1
 
 
 if __name__ == "__main__":

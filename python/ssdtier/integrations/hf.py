@@ -62,10 +62,13 @@ class SsdtierCallback(TrainerCallback):
             log.info("ssdtier: training ended:\n%s", self.stats)
 
 
-def checkpointing(model: Any) -> None:
+def checkpointing(model: Any, context_fn: Any = None) -> None:
     """Recompute the model's layers in backward (non-reentrant ``torch.utils.checkpoint``),
-    by the name this transformers version has for it."""
-    kwargs = {"use_reentrant": False}
+    by the name this transformers version has for it; ``context_fn`` is checkpoint's (a
+    selective policy: ``ssdtier.models.selective_checkpoint_context``)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
