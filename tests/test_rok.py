@@ -336,3 +336,78 @@ def test_an_auto_device_budget_shrinks_at_once_for_a_larger_batch(store_dir, mon
     # from its first block on; the same batch again: as measured.
     assert budgets[1:3] == [50 * GiB] * 2 and 48.9 * GiB < budgets[3] < 49.1 * GiB and budgets[4] == 50 * GiB
     assert caplog.text.count("this forward saves 2.00x the last one's: device budget 49") == 1
+
+
+class _FakeTime:
+    """The profile's clock in the test below: advanced by the blocks themselves."""
+
+    t = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.t
+
+
+class _Tick(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        _FakeTime.t += fwd
+        ctx.bwd = bwd
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _FakeTime.t += ctx.bwd
+        return g, None, None
+
+
+class _TickBlock(nn.Module):
+    def __init__(self, bwd):
+        super().__init__()
+        self.fc, self.bwd = nn.Linear(64, 64), bwd
+
+    def forward(self, x):
+        # Its backward's first op unpacks (tanh's output): the layer is marked reached there.
+        return torch.tanh(self.fc(_Tick.apply(x, 0.01, self.bwd)))
+
+
+def test_each_blocks_backward_is_measured_not_assumed(store_dir, monkeypatch):
+    # Forwards of 10 ms; backwards of 20 ms, and 100 ms for block 2 (on the test's clock).
+    import ssdtier.offload.profile as profile
+
+    monkeypatch.setattr(profile, "time", _FakeTime)
+    forced(monkeypatch, (K,) * 4)
+    model = nn.Sequential(*(_TickBlock(b) for b in (0.02, 0.02, 0.1, 0.02)))
+    with ssdtier.attach(model, adaptive(store_dir)) as off:
+        model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+        blocks, head = off.adaptive.profile.blocks()
+    assert [b.forward_s for b in blocks] == pytest.approx([0.01] * 4)
+    assert [b.backward_s for b in blocks[1:]] == pytest.approx([0.02, 0.1, 0.02])
+    assert blocks[0].backward_s == pytest.approx(0.02)  # nothing marks its end: the median share
+
+
+class _TickCopyBlock(_TickBlock):
+    def forward(self, x):
+        return torch.tanh(self.fc(_Tick.apply(x, 0.01, self.bwd)).clone())
+
+
+def test_what_offloading_costs_past_its_waits_is_measured_per_byte(store_dir, monkeypatch):
+    # Offloaded blocks take 60 ms a step, kept ones 30 (on the test's clock), for as many
+    # bytes: offloading is charged 30 ms per block's bytes, and the offloaded blocks' own
+    # time is what the kept ones take.
+    import ssdtier.offload.profile as profile
+
+    monkeypatch.setattr(profile, "time", _FakeTime)
+    monkeypatch.setattr(Adaptive, "_forward_waits", lambda self: 0.0)
+    monkeypatch.setattr(Adaptive, "_backward_waits", lambda self: 0.0)
+    forced(monkeypatch, (K, OF, K, OF))
+    model = nn.Sequential(*(_TickCopyBlock(b) for b in (0.02, 0.05, 0.02, 0.05)))
+    with ssdtier.attach(model, adaptive(store_dir)) as off:
+        model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+        blocks, _ = off.adaptive.profile.blocks()
+        per_byte = off.adaptive.profile.io_per_byte
+    nbytes = blocks[2].bytes
+    assert [b.bytes for b in blocks[1:]] == [nbytes] * 3
+    assert per_byte * nbytes == pytest.approx(0.03)
+    assert [b.offload_s for b in blocks[1:]] == pytest.approx([0.03] * 3)
+    assert [b.forward_s + b.backward_s for b in blocks[1:]] == pytest.approx([0.03] * 3)

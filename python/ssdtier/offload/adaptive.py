@@ -41,7 +41,9 @@ class Adaptive:
     def __init__(self, off: Offloader) -> None:
         self.off = off
         self.device = cuda_device(off.model)  # None: on the CPU
-        self.profile = Profile(off.n_layers, self.device, self._forward_waits, self.device is None)
+        self.profile = Profile(
+            off.n_layers, self.device, self._forward_waits, self.device is None, self._backward_waits
+        )
         self.plan: Plan | None = None
         self.warm = False  # an iteration was profiled and not planned from (GPU only)
         self.per_byte = 0.0  # seconds per byte moved that the model did not predict (halved when quiet)
@@ -120,6 +122,10 @@ class Adaptive:
         """Seconds the host has waited for copies out and the store so far."""
         return self.off.res.held_back + self.off.store_wait()
 
+    def _backward_waits(self) -> float:
+        """Seconds the backward has waited for reads so far (on a GPU, events time the GPU)."""
+        return self.off.res.stall if self.device is None else 0.0
+
     def _timing(self) -> bool:
         """Events can time blocks: not while traced, nor inside a CUDA graph being captured."""
         capturing = self.device is not None and torch.cuda.is_current_stream_capturing()
@@ -135,12 +141,19 @@ class Adaptive:
             if self.gpu is not None and self.growth > GROWTH:
                 self.grew()
         self.guard(f, tag)
-        self.profile.recomputed[tag - 1] = f.acts is not None and f.acts[tag - 1].recomputes
+        act = f.acts[tag - 1] if f.acts is not None else None
+        self.profile.recomputed[tag - 1] = act is not None and act.recomputes
+        self.profile.offloaded[tag - 1] = act is Action.OFFLOAD
 
     def block_exit(self, tag: int) -> None:
         if not self._timing():
             return
         self.profile.block_exit(tag)
+
+    def backward_reached(self, tag: int) -> None:
+        """The backward's first unpack of layer ``tag`` (once per layer and backward)."""
+        if self._timing():
+            self.profile.backward_reached(tag)
 
     def forward_end(self) -> None:
         if self._timing():

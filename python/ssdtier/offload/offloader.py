@@ -548,6 +548,8 @@ class Offloader:
             if not b.done:
                 self._backward_begins(e.forward)
             if e.layer != b.last and b.due(e.layer):
+                if self.adaptive is not None:
+                    self.adaptive.backward_reached(e.layer)
                 if self._sample is not None:
                     self._sample()
                 self.cpu.poll()  # writes done since the last block let their sources go
@@ -600,6 +602,8 @@ class Offloader:
             if self._sample is not None and (h.layer > self.n_layers or h.layer != b.last):
                 self._sample()  # each layer's first, and each of the head's (its gradients are large)
             if h.layer != b.last and b.due(h.layer):
+                if self.adaptive is not None:
+                    self.adaptive.backward_reached(h.layer)
                 self.cpu.poll()
                 with self._lock:
                     if self.ahead.auto:

@@ -1,7 +1,7 @@
-"""What each block does in a forward, measured for the plan: its saved bytes (each storage
-once), its inputs, its forward time and, when recomputed, its recomputation's time. On a
-GPU, CUDA events time the blocks (read at the next plan); on the CPU, the clock less the
-time the forward waited on the store."""
+"""What each block does in a step, measured for the plan: its saved bytes (each storage
+once), its inputs, its forward and backward times and, when recomputed, its recomputation's
+time. On a GPU, CUDA events time the blocks (read at the next plan); on the CPU, the clock
+less the time the step waited on the store."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from ..plan import Block, Head
 
-BACKWARD = 2.0  # a block's backward against its forward, as measured by SSDTrain and others
+BACKWARD = 2.0  # a block's backward against its forward until one is measured (SSDTrain's rule)
 OFFLOAD_TENSOR_S = 15e-6  # the hooks' time per offloaded tensor on the CPU (benches/hook_profile.py)
 
 
@@ -38,6 +38,20 @@ class _Clock:
     def __init__(self, device: torch.device | None, waited: Callable[[], float]) -> None:
         self.device = device
         self.waited = waited  # seconds the host has waited on transfers so far
+
+    def mark(self) -> Any:
+        """Now: the host's clock, or an event recorded on the current stream."""
+        if self.device is None:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def between(self, a: Any, b: Any) -> float:
+        if self.device is None:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
     def start(self) -> Any:
         if self.device is None:
@@ -68,9 +82,17 @@ class _Clock:
 class Profile:
     """The blocks' numbers: this forward's as they come, and each block's last measured."""
 
-    def __init__(self, n: int, device: torch.device | None, waited: Callable[[], float], cpu_hooks: bool) -> None:
+    def __init__(
+        self,
+        n: int,
+        device: torch.device | None,
+        waited: Callable[[], float],
+        cpu_hooks: bool,
+        back_waited: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.n = n
         self.clock = _Clock(device, waited)
+        self.back_waited = back_waited  # seconds the backward waited for reads so far
         self.cpu_hooks = cpu_hooks  # the hooks run on the thread that computes: their time counts
         self.open: dict[int, Any] = {}  # tag -> token of the span under way
         self.head_open: Any = None
@@ -79,7 +101,13 @@ class Profile:
         # and its inputs then, to scale it by.
         self.full: list[tuple[int, int] | None] = [None] * n
         self.recompute_s: list[float | None] = [None] * n
+        self.backward_s: list[float | None] = [None] * n
+        self.head_back: float | None = None
         self.rec_spans: list[tuple[int, Any]] = []
+        self.io_per_byte: float | None = None  # what offloading costs the step per byte, past its waits
+        self.end_mark: Any = None  # the forward's end, where the backward's marks start from
+        self.end_waited = 0.0
+        self.marks: list[tuple[int, Any, float]] = []  # (tag, mark, waited) as the backward reaches each layer
 
     def begin_forward(self) -> None:
         n = self.n
@@ -89,6 +117,7 @@ class Profile:
         self.spans: list[tuple[int, Any]] = []
         self.head_span: Any = None
         self.recomputed = [False] * n
+        self.offloaded = [False] * n  # blocks whose saved tensors this forward offloaded whole
         self.ended = False
 
     # ---------------------------------------------------------------- forward
@@ -109,6 +138,8 @@ class Profile:
             self.head_span = self.clock.stop(self.head_open)
             self.head_open = None
         self.ended = True
+        self.end_mark, self.end_waited = self.clock.mark(), self.back_waited()
+        self.marks = []
 
     def saved_bytes(self, tag: int, nbytes: int, offloaded: bool) -> None:
         self.saved[tag] += nbytes
@@ -120,6 +151,41 @@ class Profile:
         return sum(self.saved[:tag])
 
     # ---------------------------------------------------------------- backward
+
+    def backward_reached(self, tag: int) -> None:
+        self.marks.append((tag, self.clock.mark(), self.back_waited()))
+
+    def _backward_times(self, recomputed: list[bool]) -> None:
+        """Each block's backward, from the marks: from reaching its layer to reaching the next
+        one below, less the waits for reads and its recomputation; the head's, from the
+        forward's end to the first block."""
+        marks = [m for m in self.marks if 0 <= m[0] <= self.n]  # tag 0 ends block 0's span
+        if self.end_mark is None or not marks:
+            return
+        spans = [(self.n + 1, self.end_mark, self.end_waited), *marks]
+        for (tag, a, wa), (nxt, b, wb) in zip(spans, spans[1:], strict=False):
+            if nxt >= tag:  # another backward of the same graph, or out of order: not a span
+                continue
+            secs = max(self.clock.between(a, b) - (wb - wa), 0.0)
+            if tag == self.n + 1:
+                self.head_back = secs
+            elif nxt == tag - 1:
+                rec = self.recompute_s[tag - 1] if recomputed[tag - 1] else None
+                self.backward_s[tag - 1] = max(secs - (rec or 0.0), 0.0)
+        self.marks = []
+
+    def _io_cost(self, fwd: list[float]) -> None:
+        """What offloading costs a step past the waits for reads (the hooks, the I/O's share of
+        the CPU and memory, restoring): the offloaded blocks' time per byte over the kept
+        ones', in a forward that had both; averaged with the last estimate."""
+        per: dict[bool, list[float]] = {True: [], False: []}
+        for i in range(self.n):
+            b, nbytes = self.backward_s[i], self.saved[i + 1]
+            if b is not None and nbytes and not self.recomputed[i]:
+                per[self.offloaded[i]].append((fwd[i + 1] + b) / nbytes)
+        if per[True] and per[False]:
+            got = max(statistics.median(per[True]) - statistics.median(per[False]), 0.0)
+            self.io_per_byte = got if self.io_per_byte is None else (self.io_per_byte + got) / 2
 
     def recompute_begins(self, tag: int) -> Any:
         return self.clock.start()
@@ -142,6 +208,7 @@ class Profile:
         self.rec_spans.clear()
         if not self.ended or not any(fwd[1 : n + 1]):
             return None
+        self._backward_times(self.recomputed)
         for i in range(n):
             if not self.recomputed[i]:
                 self.full[i] = (self.saved[i + 1], self.inputs[i])
@@ -149,6 +216,10 @@ class Profile:
         per_input = statistics.median(ratios) if ratios else 1.0
         rec = [r / fwd[i + 1] for i, r in enumerate(self.recompute_s) if r is not None and fwd[i + 1] > 0]
         rec_share = statistics.median(rec) if rec else 1.0
+        back = [b / fwd[i + 1] for i, b in enumerate(self.backward_s) if b is not None and fwd[i + 1] > 0]
+        back_share = statistics.median(back) if back else BACKWARD
+        self._io_cost(fwd)
+        per_byte = self.io_per_byte
         blocks = []
         for i in range(n):
             inputs = self.inputs[i]
@@ -162,9 +233,16 @@ class Profile:
             if i == 0:
                 nbytes += self.saved[0]  # what is saved before the first block goes with it
             f = fwd[i + 1]
-            # An offloaded block's forward time has the hooks' in it already.
-            hooks = self.kept[i + 1] * OFFLOAD_TENSOR_S if self.cpu_hooks else 0.0
             r = self.recompute_s[i] if self.recompute_s[i] is not None else f * rec_share
-            blocks.append(Block(i, nbytes, min(inputs, nbytes), f, BACKWARD * f, r, hooks))
+            b = self.backward_s[i] if self.backward_s[i] is not None else f * back_share
+            if per_byte is None:  # the hooks' time alone (an offloaded block's forward has it already)
+                cost = self.kept[i + 1] * OFFLOAD_TENSOR_S if self.cpu_hooks else 0.0
+            else:
+                cost = per_byte * nbytes
+                if self.offloaded[i] and f + b > 0:  # its own time, without what offloading added
+                    keep = max(f + b - cost, 0.0) / (f + b)
+                    f, b = f * keep, b * keep
+            blocks.append(Block(i, nbytes, min(inputs, nbytes), f, b, r, cost))
         head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
-        return blocks, Head(self.saved[n + 1], head_s, BACKWARD * head_s)
+        head_b = self.head_back if self.head_back is not None else BACKWARD * head_s
+        return blocks, Head(self.saved[n + 1], head_s, head_b)
