@@ -431,7 +431,7 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
         for name, mod in m.named_modules()
     }
     off = ssdtier.attach(m, offload_config(store_dir))
-    with pytest.raises(ssdtier.SsdtierError, match="already attached"):
+    with pytest.raises(ssdtier.SsdtierError, match=r"already attached .* or ssdtier.detach\(model\) if that is lost"):
         ssdtier.attach(m, offload_config(store_dir))
     with pytest.raises(TypeError, match="attach\\(\\) needs a torch.nn.Module, got function"):
         ssdtier.attach(m.forward.__func__, offload_config(store_dir))
@@ -442,6 +442,10 @@ def test_detach_restores_the_module_and_attach_twice_is_an_error(store_dir):
         for name, mod in m.named_modules()
     }
     assert before == after
+    ssdtier.attach(m, offload_config(store_dir)).detach()
+    # The handle lost (a notebook cell run again): the module-level detach finds it.
+    ssdtier.attach(m, offload_config(store_dir))
+    assert ssdtier.detach(m) and not ssdtier.detach(m)
     ssdtier.attach(m, offload_config(store_dir)).detach()
 
 

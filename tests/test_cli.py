@@ -151,3 +151,13 @@ def test_check_says_a_network_directory_as_a_line_of_its_own(tmp_path, store_dir
         f"ssdtier: warning: {f}: nvme[0].path = '{store_dir}' is on nfs4 from fs1:/x, a network file system: "
         "every step's activations would cross the network. Point it at a local SSD\n"
     )
+
+
+def test_check_says_a_capacity_past_the_free_space(store_dir):
+    f = store_dir / "big.toml"
+    f.write_text(f'[[nvme]]\npath = "{store_dir}/a"\ncapacity = "1000TiB"\n')
+    r = ssdtier("check", str(f))
+    assert r.returncode == 0 and "# warning: " in r.stdout and "nvme[0].capacity = 1000TiB" in r.stdout, r
+    f.write_text(f'[io]\npreallocate = "all"\n[[nvme]]\npath = "{store_dir}/a"\ncapacity = "1000TiB"\n')
+    r = ssdtier("check", str(f))
+    assert r.returncode == 1 and 'io.preallocate = "all" takes it all at open' in r.stderr, r

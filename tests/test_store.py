@@ -348,7 +348,7 @@ def test_directory_that_vanishes_is_an_os_error(store_dir, monkeypatch):
     assert str(plain) in str(info.value)
 
 
-def test_tmpfs_with_direct_off_warns_once_and_works(store_dir):
+def test_tmpfs_with_direct_off_warns_once_and_works(store_dir, warned):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this machine")
     cfg = store_config("/dev/shm/ssdtier-test-buffered", direct=False)
@@ -357,6 +357,7 @@ def test_tmpfs_with_direct_off_warns_once_and_works(store_dir):
         k = store.put(torch.arange(10))
         store.evict(k)
         assert torch.equal(store.get(k), torch.arange(10))
+    assert len(warned("the directory is on tmpfs, whose files are memory: spilling there frees none")) == 1
 
 
 def test_default_directory_from_env(store_dir, monkeypatch):
@@ -480,3 +481,26 @@ def test_huge_pages_are_asked_for_the_arena_only_when_set(store_dir, huge):
         assert ("hg" in _vm_flags(store.arena.data_ptr())) is huge
         x = torch.arange(1 << 20, dtype=torch.int32)
         assert torch.equal(store.get(store.put(x)), x)
+
+
+def test_an_arena_larger_than_memory_names_the_key_and_a_size_that_fits(store_dir):
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":
+            pytest.skip("vm.overcommit_memory = 1: the kernel maps any size, so no arena is too large")
+    with pytest.raises(ConfigError, match=r"host\.capacity = 1TiB: cannot map a host arena .* is left \(.*\): at most"):
+        TieredStore(store_config(store_dir, host="1TiB", fixed_buffers=False))
+
+
+def test_a_capacity_past_the_free_space_is_said_at_open(store_dir, warned):
+    cfg = store_config(store_dir, nvme="1000TiB")
+    TieredStore(cfg).close()
+    (msg,) = warned("has ")
+    assert "nvme[0].capacity = 1000TiB, and the file system of" in msg and "writes past the free space" in msg
+    cfg["io"]["preallocate"] = "all"
+    with pytest.raises(ConfigError, match='io.preallocate = "all" takes it all at open; give at most'):
+        TieredStore(cfg)
+    # Two directories on one file system: their capacities add up.
+    half = store_config(store_dir, nvme="600TiB")
+    half["nvme"].append({"path": str(store_dir / "b"), "capacity": "600TiB"})
+    with pytest.raises(ConfigError, match=r"nvme\[0\]\.capacity \+ nvme\[1\]\.capacity = 1\.2PiB"):
+        TieredStore({**half, "io": {**half["io"], "preallocate": "all"}})

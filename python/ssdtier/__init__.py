@@ -23,7 +23,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .offload import Offloader, OffloadStats, attach, no_offload
+    from .offload import Offloader, OffloadStats, attach, detach, no_offload
     from .store import StoreStats, TieredStore
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "TieredStore",
     "UnknownKeyError",
     "attach",
+    "detach",
     "load_config",
     "no_offload",
 ]
@@ -53,6 +54,7 @@ _LAZY = {
     "TieredStore": "store",
     "StoreStats": "store",
     "attach": "offload",
+    "detach": "offload",
     "Offloader": "offload",
     "OffloadStats": "offload",
     "no_offload": "offload",

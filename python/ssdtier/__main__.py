@@ -14,7 +14,7 @@ from ._cli import CLI, Help, positive
 from .config import Config
 from .errors import ConfigError, SsdtierError, SsdtierWarning
 from .mounts import where
-from .paths import check_paths, default_nvme_dir, is_tmpfs
+from .paths import check_paths, default_nvme_dir, is_tmpfs, space_problems
 from .ram import available, pinnable
 from .sizes import format_size
 
@@ -39,6 +39,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.file)
     paths = check_paths(cfg)
+    space = space_problems(cfg, paths) if cfg.nvme else []
+    if any(fatal for _, fatal in space):
+        raise ConfigError("\n".join(msg for msg, _ in space))
+    for msg, _ in space:
+        print(f"# warning: {msg}")
     print(f"# {args.file}: valid. Effective configuration, defaults filled in:")
     if not cfg.nvme:
         print(f"# no [[nvme]] table: the default directory {paths[0]} is used")
@@ -109,10 +114,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     print(f"CUDA activations go {path_of[gds.state]}")
     if on_gpu:
-        print('default policy  on a GPU, adaptive (policy.mode "auto"): offloads what the copies and disk hide,')
-        print("                and what the GPU has no room for")
+        print('default policy  on a GPU, adaptive (policy.mode "auto"): per block keep, offload or recompute,')
+        print("                the fastest mix within what the GPU has room for")
     else:
-        print('default policy  on the CPU, all (policy.mode "auto"): every block is offloaded')
+        print('default policy  on the CPU, all (policy.mode "auto"): every block is offloaded; with a')
+        print("                policy.device_budget, adaptive: per block keep, offload or recompute within it")
     return 0
 
 

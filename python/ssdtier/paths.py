@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from functools import lru_cache
@@ -16,7 +17,7 @@ from .sizes import format_size
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["RAMFS_MAGIC", "TMPFS_MAGIC", "check_paths", "default_nvme_dir", "is_tmpfs"]
+__all__ = ["RAMFS_MAGIC", "TMPFS_MAGIC", "check_paths", "default_nvme_dir", "is_tmpfs", "space_problems"]
 
 TMPFS_MAGIC = 0x01021994
 RAMFS_MAGIC = 0x858458F6
@@ -97,6 +98,39 @@ def is_tmpfs(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+def space_problems(config: Config, paths: list[str]) -> list[tuple[str, bool]]:
+    """The NVMe capacities their file systems cannot hold now: (message, fatal) per file
+    system. With ``io.preallocate = "all"`` the whole capacity is taken at open: fatal;
+    else the writes past the free space fail later (the activations stay in memory)."""
+    by_fs: dict[int, tuple[str, int, list[str]]] = {}
+    for i, (path, n) in enumerate(zip(paths, config.nvme, strict=True)):
+        probe = path
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        dev = os.stat(probe).st_dev
+        where_, cap, keys = by_fs.get(dev, (probe, 0, []))
+        by_fs[dev] = (where_, cap + n.capacity, [*keys, f"nvme[{i}].capacity"])
+    out = []
+    for probe, cap, keys in by_fs.values():
+        free = shutil.disk_usage(probe).free
+        if cap <= free:
+            continue
+        fatal = config.io.preallocate == "all"
+        then = (
+            'io.preallocate = "all" takes it all at open'
+            if fatal
+            else "writes past the free space will fail, and those activations stay in memory"
+        )
+        out.append(
+            (
+                f"{config.source}: {' + '.join(keys)} = {format_size(cap)}, and the file system of {probe} has "
+                f"{format_size(free)} free: {then}; give at most {format_size(free * 9 // 10)}",
+                fatal,
+            )
+        )
+    return out
+
+
 def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
     """Check that every NVMe directory can be used; returns the absolute paths.
 
@@ -129,11 +163,13 @@ def check_paths(config: Config, default_dir: str | None = None) -> list[str]:
         except OSError as e:
             what = "cannot hold a file" if probe == path else f"cannot be created in {probe}"
             raise ConfigError(f"{label}: the directory {what} ({e.strerror or e})") from None
-        if config.io.direct and is_tmpfs(probe):
-            raise ConfigError(
-                f"{label}: the directory is on tmpfs, which does not support O_DIRECT; "
-                "use a directory on an SSD, or set io.direct = false"
-            )
+        if is_tmpfs(probe):
+            if config.io.direct:
+                raise ConfigError(
+                    f"{label}: the directory is on tmpfs, which does not support O_DIRECT; "
+                    "use a directory on an SSD, or set io.direct = false"
+                )
+            warn(f"{label}: the directory is on tmpfs, whose files are memory: spilling there frees none")
         _warn_if_remote(label, probe)
         out.append(path)
     return out

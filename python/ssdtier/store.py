@@ -14,8 +14,9 @@ import torch
 
 from . import _native
 from .config import Config, resolve_config
-from .errors import SsdtierError, StoreClosedError, UnknownKeyError, warn
-from .paths import check_paths, remove_stale_links
+from .errors import ConfigError, InvalidUseError, SsdtierError, StoreClosedError, UnknownKeyError, warn, where
+from .paths import check_paths, remove_stale_links, space_problems
+from .ram import available
 from .sizes import GiB, format_size
 
 __all__ = ["ByteStore", "StoreStats", "TieredStore"]
@@ -83,6 +84,10 @@ def _devices(cfg: Config) -> list[tuple[str, int]]:
     """(directory, capacity) per NVMe device; the default directory when none is configured."""
     paths = check_paths(cfg)
     if cfg.nvme:
+        for msg, fatal in space_problems(cfg, paths):
+            if fatal:
+                raise ConfigError(msg)
+            warn(msg)
         return [(p, n.capacity) for p, n in zip(paths, cfg.nvme, strict=True)]
     # Never promise more than the file system has: 90% of what is free now, at most 64 GiB.
     probe = paths[0]
@@ -112,20 +117,7 @@ class ByteStore:
         for path, _ in self._devices:
             remove_stale_links(path)  # a store file that outlived a crash under cuFile
         t0 = time.perf_counter()
-        self._native = _native.Store(
-            self._devices,
-            cfg.host.capacity,
-            backend="auto" if cfg.io.backend == "cufile" else cfg.io.backend,  # cufile: the offloader's
-            queue_depth=cfg.io.queue_depth,
-            block_size=cfg.io.block_size,
-            direct=cfg.io.direct,
-            fixed_buffers=cfg.io.fixed_buffers,
-            threads=cfg.io.threads,
-            eviction=cfg.policy.eviction,
-            prealloc_step=_PREALLOC_ALL if cfg.io.preallocate == "all" else cfg.io.preallocate,
-            throttle_bytes_per_sec=cfg.io.throttle or 0,
-            huge_pages=cfg.host.huge_pages,
-        )
+        self._native = self._open(cfg)
         for notice in self._native.take_notices():
             if any(m in notice for m in _WARN_MARKERS):
                 warn(notice)  # at the user's line that made the store
@@ -146,6 +138,33 @@ class ByteStore:
             buf._ssdtier_store = self._native  # type: ignore[attr-defined]
             self._arena = torch.frombuffer(buf, dtype=torch.uint8)
         self._closed = False
+
+    def _open(self, cfg: Config) -> Any:
+        try:
+            return _native.Store(
+                self._devices,
+                cfg.host.capacity,
+                backend="auto" if cfg.io.backend == "cufile" else cfg.io.backend,  # cufile: the offloader's
+                queue_depth=cfg.io.queue_depth,
+                block_size=cfg.io.block_size,
+                direct=cfg.io.direct,
+                fixed_buffers=cfg.io.fixed_buffers,
+                threads=cfg.io.threads,
+                eviction=cfg.policy.eviction,
+                prealloc_step=_PREALLOC_ALL if cfg.io.preallocate == "all" else cfg.io.preallocate,
+                throttle_bytes_per_sec=cfg.io.throttle or 0,
+                huge_pages=cfg.host.huge_pages,
+            )
+        except InvalidUseError as e:
+            if "cannot map a host arena" not in str(e):
+                raise
+            left = available()
+            fits = ""
+            if left is not None:
+                fits = f"; {format_size(left.bytes)} is left ({left.bound}): at most {format_size(left.bytes * 3 // 4)}"
+            raise ConfigError(
+                f"{where(cfg.source, 'host.capacity')} = {format_size(cfg.host.capacity)}: {e}{fits}"
+            ) from None
 
     # ---------------------------------------------------------------- properties
 

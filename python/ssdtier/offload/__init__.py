@@ -15,13 +15,14 @@ tensor is classified once, at pack time:
 
 The parts: ``offloader.py`` (hooks, pack, unpack), ``forward.py`` (the
 forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
-``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``control.py``,
-``layers.py`` and ``stats.py``; docs/offloader.md maps them.
+``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``profile.py``,
+``recompute.py``, ``budget.py``, ``control.py``, ``layers.py`` and ``stats.py``;
+docs/offloader.md maps them.
 """
 
 from .forward import no_offload
 from .layers import find_layers, find_stacks
-from .offloader import Offloader, attach, attached
+from .offloader import Offloader, attach, attached, detach
 from .stats import OffloadStats
 
-__all__ = ["OffloadStats", "Offloader", "attach", "attached", "find_layers", "find_stacks", "no_offload"]
+__all__ = ["OffloadStats", "Offloader", "attach", "attached", "detach", "find_layers", "find_stacks", "no_offload"]

@@ -94,7 +94,10 @@ class Offloader:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
         if attached(model) is not None:
-            raise SsdtierError(f"ssdtier is already attached to this {type(model).__name__}; detach() it first")
+            raise SsdtierError(
+                f"ssdtier is already attached to this {type(model).__name__}: call detach() on the offloader "
+                "attach() returned, or ssdtier.detach(model) if that is lost (a notebook cell run again)"
+            )
         # Not config.replace (here and below): errors and warnings name the user's config.
         device = cuda_device(model)
         self.auto_on_cpu = config.policy.mode == "auto" and device is None  # said if CUDA tensors come
@@ -845,6 +848,21 @@ def attached(model: nn.Module) -> Offloader | None:
     """The offloader attached to ``model``, or None."""
     ref = _ATTACHED.get(model)
     return ref() if ref is not None else None
+
+
+def detach(model: nn.Module) -> bool:
+    """Detach the offloader attached to ``model``, if any: for when the handle ``attach``
+    returned is lost (a notebook cell that attached, run again). True if one was attached.
+
+    Example:
+        >>> ssdtier.detach(model)
+        >>> offload = ssdtier.attach(model)
+    """
+    off = attached(model)
+    if off is None:
+        return False
+    off.detach()
+    return True
 
 
 def attach(model: nn.Module, config: Any = None, **overrides: Any) -> Offloader:
