@@ -709,6 +709,78 @@ def test_layers_found_and_overridden(store_dir):
     assert got[2].layers_offloaded == 2
 
 
+class _Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(32, 32), nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class _Registered(nn.Module):
+    """Blocks kept in a plain list, each registered with add_module."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.blocks = [_Stage() for _ in range(n)]
+        for i, b in enumerate(self.blocks):
+            self.add_module(f"b{i}", b)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_blocks_are_found_in_stages_and_in_registered_lists(store_dir, warned):
+    from ssdtier.offload import find_stacks
+
+    # Stages of blocks, two deep: the 8 blocks, not the 2 stages.
+    staged = nn.Sequential(nn.Sequential(*(_Stage() for _ in range(4))), nn.Sequential(*(_Stage() for _ in range(4))))
+    ((path, blocks),) = find_stacks(staged)
+    assert path == "" and len(blocks) == 8 and all(type(b) is _Stage for b in blocks)
+    # A plain list of blocks registered one by one; and by its holder's path.
+    reg = _Registered()
+    assert [(p, len(b)) for p, b in find_stacks(reg)] == [("", 6)]
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    want = torch.autograd.grad(staged(x).square().sum(), list(staged.parameters()))
+    with ssdtier.attach(staged, offload_config(store_dir, keep_last_layers=1)) as off:
+        got = torch.autograd.grad(staged(x).square().sum(), list(staged.parameters()))
+        s = off.stats()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert off.layers == (("", 8, "_Stage"),) and s.layers_kept == 1 and s.layers_offloaded == 7
+    assert "of (the model) (8 _Stage)" in str(s)
+    assert not warned("blocks")
+
+
+class _TwoStacks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleList(_Stage() for _ in range(8))
+        self.tail = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        for b in [*self.body, *self.tail]:
+            x = b(x)
+        return x
+
+
+def test_blocks_left_out_or_none_found_are_said(store_dir, warned):
+    with ssdtier.attach(_TwoStacks(), offload_config(store_dir)) as off:
+        assert off.layers == (("body", 8, "_Stage"),)
+    (msg,) = warned("left out")
+    assert "found: body (8 _Stage); left out, as fewer than half as many: tail (3 Sequential)" in msg
+    assert "policy.layers" in msg
+    with ssdtier.attach(nn.Linear(4, 4), offload_config(store_dir)) as off:
+        assert off.layers == () and "of none" in str(off.stats())
+    assert len(warned("found no repeated blocks in this Linear")) == 1
+    with ssdtier.attach(_TwoStacks(), offload_config(store_dir, layers=["body", "tail"])) as off:
+        assert off.layers == (("body", 8, "_Stage"), ("tail", 3, "Sequential"))  # named: none left out
+    assert len(warned("left out")) == 1
+
+
 class _DictNet(nn.Module):
     """Blocks in a ModuleDict (as some models keep named stages)."""
 

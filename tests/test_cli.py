@@ -161,3 +161,14 @@ def test_check_says_a_capacity_past_the_free_space(store_dir):
     f.write_text(f'[io]\npreallocate = "all"\n[[nvme]]\npath = "{store_dir}/a"\ncapacity = "1000TiB"\n')
     r = ssdtier("check", str(f))
     assert r.returncode == 1 and 'io.preallocate = "all" takes it all at open' in r.stderr, r
+
+
+def test_check_says_every_problem_at_once(store_dir):
+    f = store_dir / "both.toml"
+    plain = store_dir / "a-file"
+    plain.write_text("x")
+    f.write_text(f'[io]\nqueue_depth = 0\n[[nvme]]\npath = "{store_dir}/ok"\n[[nvme]]\npath = "{plain}"\n')
+    r = ssdtier("check", str(f))
+    assert r.returncode == 1
+    assert "io.queue_depth" in r.stderr and "nvme[1].path" in r.stderr and "is not a directory" in r.stderr, r.stderr
+    assert "nvme[0].path" not in r.stderr

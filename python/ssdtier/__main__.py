@@ -33,11 +33,44 @@ def _store(args: argparse.Namespace, host: int):
     return TieredStore(Config.from_dict(cfg, source=CLI))
 
 
+def _path_problems(name: str) -> list[str]:
+    """Each [[nvme]] path of a file whose values did not load, checked alone: with the value
+    problems, every problem is said at once."""
+    from .config import _relative_to, _toml_module
+
+    try:
+        with open(name, "rb") as f:
+            data = _toml_module(name).loads(f.read().decode("utf-8"))
+    except Exception:
+        return []  # unreadable or not TOML: load_config said so
+    nvme = data.get("nvme")
+    tables = [t for t in (nvme if isinstance(nvme, list) else []) if isinstance(t, dict)]
+    _relative_to(tables, os.path.dirname(os.path.abspath(name)))
+    io = data.get("io") if isinstance(data.get("io"), dict) else {}
+    direct = io.get("direct") if isinstance(io.get("direct"), bool) else True
+    out = []
+    for i, t in enumerate(tables):
+        if not isinstance(t.get("path"), str) or not t["path"]:
+            continue
+        try:
+            one = Config.from_dict({"nvme": [{"path": t["path"]}], "io": {"direct": direct}}, source=name)
+            check_paths(one)
+        except ConfigError as e:
+            out.append(str(e).replace("nvme[0]", f"nvme[{i}]", 1))
+    return out
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate a config file and print the effective config, defaults filled in."""
     from .config import load_config
 
-    cfg = load_config(args.file)
+    try:
+        cfg = load_config(args.file)
+    except ConfigError as e:
+        more = _path_problems(args.file)
+        if more:
+            raise ConfigError("\n".join([str(e), *more])) from None
+        raise
     paths = check_paths(cfg)
     space = space_problems(cfg, paths) if cfg.nvme else []
     if any(fatal for _, fatal in space):

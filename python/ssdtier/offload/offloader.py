@@ -44,7 +44,7 @@ from .forward import (
     saving_possible,
     unpush,
 )
-from .layers import excluded_modules, find_stacks
+from .layers import excluded_modules, find_stacks, search
 from .readahead import Backward, ReadAhead
 from .recompute import Recompute
 from .registry import Entries, Params, StorageKey
@@ -74,6 +74,34 @@ def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
         return False
     leaf = fn.next_functions[0][0]
     return leaf is not None and type(leaf).__name__ == "AccumulateGrad"
+
+
+def _blocks_text(stacks: list[tuple[str, int, str]] | tuple[tuple[str, int, str], ...]) -> str:
+    return ", ".join(f"{p or '(the model)'} ({n} {cls})" for p, n, cls in stacks) or "none"
+
+
+def _say_unclear(
+    model: nn.Module, stacks: list[tuple[str, list[nn.Module]]], left: list[tuple[str, list[nn.Module]]]
+) -> None:
+    """Warn where the blocks found may not be the model's: none at all, or repeated blocks
+    left out for being fewer than half the largest stack's (what they save is then counted
+    with their neighbours, kept as what follows the last block)."""
+    name = type(model).__name__
+    if not stacks:
+        warn(
+            f"found no repeated blocks in this {name} (no ModuleList, Sequential or ModuleDict of same-class "
+            "modules, nor same-class blocks registered on one module): what it saves is one layer, so "
+            "policy.keep_last_layers, the read-ahead by layer and adaptive mode's plan do nothing; name the "
+            "blocks' container with policy.layers"
+        )
+        return
+    if left:
+        said = _blocks_text([(p, len(bs), type(bs[0]).__name__) for p, bs in left])
+        warn(
+            f"blocks of this {name} found: {_blocks_text([(p, len(bs), type(bs[0]).__name__) for p, bs in stacks])}; "
+            f"left out, as fewer than half as many: {said}. What those save is counted with the blocks "
+            "around them; to plan them as blocks, list every stack in policy.layers"
+        )
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -123,8 +151,16 @@ class Offloader:
         self._min_bytes = pol.min_tensor_bytes
         self._dedup_on = pol.dedup
         self._budget: int | None = None if pol.device_budget == "auto" else pol.device_budget
-        stacks = find_stacks(model, pol.layers)
+        if pol.layers is None:
+            found = search(model)
+            stacks = found.found
+            if pol.mode != "none":
+                _say_unclear(model, stacks, found.left_out)
+        else:
+            stacks = find_stacks(model, pol.layers)
         self.layers_path = ", ".join(p for p, _ in stacks) if stacks else None
+        # What was found: (path, blocks, their class) per stack.
+        self.layers = tuple((p, len(bs), type(bs[0]).__name__) for p, bs in stacks)
         blocks = [b for _, bs in stacks for b in bs]
         self.n_layers = len(blocks)
         # "auto": with whole layers read ahead, the last block is kept (its backward starts
@@ -743,6 +779,7 @@ class Offloader:
             layers_offloaded=self.n_layers - self.layers_kept - recomputed,
             layers_recomputed=recomputed,
             layers_kept=self.layers_kept,
+            layers_found=_blocks_text(self.layers),
             prefetch_layers=self.ahead.depth,
             prefetch_bytes=self.ahead.window or 0,
             plan=self.plan(),

@@ -74,6 +74,7 @@ class OffloadStats:
     layers_offloaded: int
     layers_recomputed: int
     layers_kept: int
+    layers_found: str  # the stacks of blocks found: path (count class), ...; "none"
     prefetch_layers: int
     prefetch_bytes: int
     tensors_kept: int
@@ -100,7 +101,7 @@ class OffloadStats:
             + (f"the GPU waited {self.gpu_wait_seconds:.3f} s for copies back; " if self.gpu_wait_seconds else "")
             + f"layers {self.layers_offloaded} offloaded, "
             + (f"{self.layers_recomputed} recomputed, " if self.layers_recomputed else "")
-            + f"{self.layers_kept} kept, read ahead: "
+            + f"{self.layers_kept} kept of {self.layers_found}; read ahead: "
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
         if self.writes_skipped:
