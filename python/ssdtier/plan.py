@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .sizes import format_size
 
-__all__ = ["Action", "Block", "Head", "Outcome", "Plan", "Transfers", "simulate", "solve"]
+__all__ = ["Action", "Block", "Decision", "Head", "Outcome", "Plan", "Transfers", "simulate", "solve"]
 
 EPS = 1e-9  # seconds: a transfer that ends as its window does fits (sums of floats round)
 FREE = 0.03  # without a budget: offload while the predicted step stays within this share of keep's
@@ -169,7 +169,7 @@ def simulate(
             if tr.out is not None:
                 link = end
         done[i] = end
-        if rate is not None and (tr.out is not None or to_disk):
+        if rate is not None:  # a channel that empties device memory at its pace
             spans.append((begin, end, o, i))
             w = _wait_for_queue(end, t, rate, queue) if queue else 0.0
             if w > 0:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SsdtierWarning
-from ..plan import Action, Head, Plan, Transfers, simulate, solve
+from ..plan import Action, Decision, Head, Plan, Transfers, simulate, solve
 from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
@@ -293,9 +293,7 @@ class Adaptive:
             lower = budget is None and new.outcome.peak < now.peak * (1 - SWITCH) and new.outcome.extra_s <= now.extra_s
             if fits and not better and not lower:
                 new = Plan(
-                    tuple(
-                        d.__class__(b, a, d.reason) for d, b, a in zip(self.plan.decisions, blocks, acts, strict=True)
-                    ),
+                    tuple(Decision(b, a, d.reason) for d, b, a in zip(self.plan.decisions, blocks, acts, strict=True)),
                     now,
                     tr,
                     head,

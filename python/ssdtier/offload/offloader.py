@@ -76,7 +76,12 @@ def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
     return leaf is not None and type(leaf).__name__ == "AccumulateGrad"
 
 
-def _blocks_text(stacks: list[tuple[str, int, str]] | tuple[tuple[str, int, str], ...]) -> str:
+def _described(stacks: list[tuple[str, list[nn.Module]]]) -> tuple[tuple[str, int, str], ...]:
+    """(path, blocks, their class) per stack."""
+    return tuple((p, len(bs), type(bs[0]).__name__) for p, bs in stacks)
+
+
+def _blocks_text(stacks: tuple[tuple[str, int, str], ...]) -> str:
     return ", ".join(f"{p or '(the model)'} ({n} {cls})" for p, n, cls in stacks) or "none"
 
 
@@ -96,10 +101,9 @@ def _say_unclear(
         )
         return
     if left:
-        said = _blocks_text([(p, len(bs), type(bs[0]).__name__) for p, bs in left])
         warn(
-            f"blocks of this {name} found: {_blocks_text([(p, len(bs), type(bs[0]).__name__) for p, bs in stacks])}; "
-            f"left out, as fewer than half as many: {said}. What those save is counted with the blocks "
+            f"blocks of this {name} found: {_blocks_text(_described(stacks))}; left out, as fewer than half as "
+            f"many: {_blocks_text(_described(left))}. What those save is counted with the blocks "
             "around them; to plan them as blocks, list every stack in policy.layers"
         )
 
@@ -159,8 +163,7 @@ class Offloader:
         else:
             stacks = find_stacks(model, pol.layers)
         self.layers_path = ", ".join(p for p, _ in stacks) if stacks else None
-        # What was found: (path, blocks, their class) per stack.
-        self.layers = tuple((p, len(bs), type(bs[0]).__name__) for p, bs in stacks)
+        self.layers = _described(stacks)  # what was found
         blocks = [b for _, bs in stacks for b in bs]
         self.n_layers = len(blocks)
         # "auto": with whole layers read ahead, the last block is kept (its backward starts

@@ -50,33 +50,20 @@ class _Clock:
     def between(self, a: Any, b: Any) -> float:
         if self.device is None:
             return b - a
-        b.synchronize()
+        b.synchronize()  # the last step's, done long ago unless the host ran far ahead
         return a.elapsed_time(b) / 1e3
 
-    def start(self) -> Any:
-        if self.device is None:
-            return (time.perf_counter(), self.waited())
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return (ev, self.waited())
+    def start(self) -> tuple[Any, float]:
+        return self.mark(), self.waited()
 
-    def stop(self, token: Any) -> Any:
-        """A span: seconds now on the CPU, or (start, end, waited) events to read later."""
-        if self.device is None:
-            t0, w0 = token
-            return max(time.perf_counter() - t0 - (self.waited() - w0), 0.0)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
-        return (token[0], end, self.waited() - token[1])
+    def stop(self, token: tuple[Any, float]) -> tuple[Any, Any, float]:
+        """A span to read later: (start, end, seconds the host waited meanwhile)."""
+        return token[0], self.mark(), self.waited() - token[1]
 
-    @staticmethod
-    def seconds(span: Any) -> float:
-        if isinstance(span, float):
-            return span
-        start, end, waited = span
-        end.synchronize()  # the last forward's, done long ago unless the host ran far ahead
+    def seconds(self, span: tuple[Any, Any, float]) -> float:
         # While the host waited for copies out the GPU may have run dry: not the block's time.
-        return max(start.elapsed_time(end) / 1e3 - waited, 0.0)
+        start, end, waited = span
+        return max(self.between(start, end) - waited, 0.0)
 
 
 class Profile:
