@@ -201,6 +201,8 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # settings at --budget-s (half of it for the side-by-side run, half for --fit); the rest of
         # the limit is for the last one. --fit searches the modes that may fit more at keep's speed.
         # --fit searches keep, checkpointing and ssdtier: compile's cold builds would take a probe each.
+        # Five warmup steps: adaptive mode's plan settles by the fourth (warm, profiled, planned,
+        # its peak learned).
         secs=$(limit 540)
         part rok "$secs" "$PY" -m ssdtier bench rok --device cuda --layers 24 --d-model 2048 --heads 16 --seq 2048 \
             --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 \

@@ -45,6 +45,25 @@ def test_an_auto_device_budget_leaves_what_is_not_held_activations_and_a_margin(
     assert small.next(1 * g, 0, Memory(0, 8 * g, 2 * g, 9 * g, 0)) == 0
 
 
+def test_an_auto_budget_counts_what_was_allocated_after_the_step_it_measured():
+    # The optimizer's state appears after the first step (20 GiB for AdamW): the 6 GiB the
+    # step added beside its activations come on top of it, not in place of it.
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(60 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(30 * g, 14 * g)
+    assert ab.next(14 * g, 0, Memory(30 * g, 100 * g, 30 * g, 30 * g, 0, 30 * g)) == (60 - 5 - 30 - 6) * g
+    # A process capped to a little memory leaves a fifth of it, not a whole GiB.
+    small = AutoBudget()
+    small.next(0, 0, Memory(450 << 20, 600 << 20, 150 << 20, 150 << 20, 0, 100 << 20))
+    small.sample(200 << 20, 50 << 20)
+    assert small.next(50 << 20, 0, Memory(450 << 20, 600 << 20, 150 << 20, 200 << 20, 0, 100 << 20)) == (
+        (600 - 120 - 100 - 50) << 20
+    )
+
+
 def test_an_auto_budget_shrinks_for_a_step_that_saves_more():
     from ssdtier.offload.budget import AutoBudget, Memory
 

@@ -52,6 +52,25 @@ def test_copies_still_going_at_the_forwards_end_are_held_then():
     assert got.peak == 720 * MB and got.copy_end_s == pytest.approx(1.0)
 
 
+def test_what_is_held_as_each_block_starts_counts_the_sources_still_leaving():
+    # Block 0's 100 MB leave at 0.5 GB/s, 0.2 s: half of them are still held as block 1
+    # starts, none as block 2 does; blocks 1 and 2 are kept.
+    got = simulate(uniform(4), [OF, K, K, K], disk(0.5e9))
+    assert got.before == (0, 50 * MB, 100 * MB, 200 * MB)
+
+
+def test_the_peak_measured_past_the_model_is_added_to_every_plan():
+    head = Head(30 * MB, 0.05, 0.1)
+    plain = simulate(uniform(), [K] * 8, disk(), head)
+    worked = simulate(uniform(), [K] * 8, disk(), Head(30 * MB, 0.05, 0.1, working=200 * MB))
+    assert worked.peak == plain.peak + 200 * MB
+    # A budget that keeping everything meets only without it: with it, some blocks go.
+    assert solve(uniform(), disk(), plain.peak, head).actions == (K,) * 8
+    p = solve(uniform(), disk(), plain.peak, Head(30 * MB, 0.05, 0.1, working=200 * MB))
+    assert p.fits and p.outcome.peak <= plain.peak and p.count(K) < 8, p.table()
+    assert "190.7MiB of the peak measured past the model" in p.table(), p.table()
+
+
 def test_recomputation_costs_a_forward_and_holds_the_inputs():
     got = simulate(uniform(), [R] * 8, disk(5e9))
     assert got.extra_s == pytest.approx(0.8) and got.recompute_s == pytest.approx(0.8)

@@ -411,3 +411,83 @@ def test_what_offloading_costs_past_its_waits_is_measured_per_byte(store_dir, mo
     assert per_byte * nbytes == pytest.approx(0.03)
     assert [b.offload_s for b in blocks[1:]] == pytest.approx([0.03] * 3)
     assert [b.forward_s + b.backward_s for b in blocks[1:]] == pytest.approx([0.03] * 3)
+
+
+def test_a_fixed_budget_learns_the_peak_the_model_misses():
+    # The allocator's counters against the model's peak for what the last forward ran: the
+    # difference is added to every plan; a step that set no new peak only bounds it.
+    from types import SimpleNamespace
+
+    from ssdtier.plan import Block, Head, Transfers, simulate
+
+    mb = 1 << 20
+    blocks = [Block(i, 100 * mb, 10 * mb, 0.01, 0.02, 0.01) for i in range(4)]
+    tr = Transfers(1e9, 1e9, 10e9, 10e9, 1 << 30)
+    head = Head(30 * mb)
+    model = simulate(blocks, [K] * 4, tr, head).peak
+    policy = SimpleNamespace(device_budget=300 * mb)
+    me = SimpleNamespace(
+        mark=(0, 0),
+        ran=[K] * 4,
+        working=0,
+        transfers=lambda: tr,
+        off=SimpleNamespace(config=SimpleNamespace(policy=policy)),
+    )
+    base = 2 * GiB
+    me.mark = (base, base)
+    Adaptive._learn(me, blocks, head, (base + model + 500 * mb, base))  # a new peak
+    assert me.working == 500 * mb
+    me.mark = (base + model + 500 * mb, base + 300 * mb)  # the same peak, from 300 MiB higher
+    Adaptive._learn(me, blocks, head, (base + model + 500 * mb, base))
+    assert me.working == 200 * mb
+    Adaptive._learn(me, blocks, head, (base + mb, base + mb))  # the loop reset the counters
+    assert me.working == 200 * mb
+    policy.device_budget = "auto"  # AutoBudget counts it as memory beside the activations
+    me.mark = (base, base)
+    Adaptive._learn(me, blocks, head, (base + model + 900 * mb, base))
+    assert me.working == 200 * mb
+
+
+def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
+    # Block 0 offloaded, its copy still under way as block 1 starts: held as planned, the
+    # guard lets the plan run; 10% more than planned is growth it must act on.
+    from types import SimpleNamespace
+
+    from ssdtier.plan import Block, Head, Transfers, solve
+
+    mb = 1 << 20
+    blocks = [Block(i, 100 * mb, 10 * mb, 0.01, 0.02, 0.01) for i in range(4)]
+    tr = Transfers(1e9, 1e9, 5e9, 5e9, 1 << 30)
+    plan = solve(blocks, tr, 320 * mb, Head())
+    assert plan.fits and plan.actions[0] is not K and plan.outcome.before[1] > 0, plan.table()
+    for held, switched in ((plan.outcome.before[1], 0), (int(plan.outcome.before[1] * 1.1) + 40 * mb, 1)):
+        f = SimpleNamespace(acts=list(plan.actions), off_tag=[False] * 6)
+        me = SimpleNamespace(
+            off=SimpleNamespace(_budget=320 * mb),
+            held=lambda held=held: held,
+            before=list(plan.outcome.before),
+            plan=plan,
+            growth=1.0,
+            switched=0,
+        )
+        Adaptive.guard(me, f, 2)
+        assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
+
+
+def test_a_plan_stands_while_its_measurements_do():
+    # A solve takes milliseconds at the start of a forward: measurements within 5% of those
+    # the plan was solved from keep it; a budget, a learned peak or a block's bytes moved do not.
+    from ssdtier.offload.adaptive import same_inputs
+    from ssdtier.plan import Block, Head, Transfers
+
+    mb = 1 << 20
+    blocks = [Block(i, 100 * mb, 10 * mb, 0.010, 0.020, 0.010, 0.001) for i in range(4)]
+    tr, head = Transfers(1e9, 1e9, 10e9, 10e9, 1 << 30), Head(30 * mb, 0.005, 0.01)
+    was = (blocks, tr, head, 300 * mb)
+    noisy = [dataclasses.replace(b, forward_s=b.forward_s * 1.04, offload_s=0.0015) for b in blocks]
+    assert same_inputs((noisy, tr, head, 300 * mb), was)
+    assert not same_inputs((blocks, tr, head, 200 * mb), was)
+    assert not same_inputs((blocks, tr, dataclasses.replace(head, working=mb), 300 * mb), was)
+    grown = [dataclasses.replace(b, bytes=120 * mb) if b.index == 2 else b for b in blocks]
+    assert not same_inputs((grown, tr, head, 300 * mb), was)
+    assert not same_inputs((blocks, dataclasses.replace(tr, per_byte_s=1e-9), head, 300 * mb), was)

@@ -60,11 +60,14 @@ class Block:
 
 @dataclass(frozen=True)
 class Head:
-    """What runs after the last block: its saved bytes (always kept, needed first) and times."""
+    """What runs after the last block: its saved bytes (always kept, needed first) and times;
+    ``working``: the step's measured peak beyond the model's (activation gradients, the
+    loss's working memory), added to every plan's."""
 
     bytes: int = 0
     forward_s: float = 0.0
     backward_s: float = 0.0
+    working: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class Outcome:
     copy_end_s: float  # when the last offloaded byte left the device
     late: tuple[int, ...]  # blocks whose bytes come back late
     fits_host: bool  # the host tier and NVMe hold what is offloaded
+    before: tuple[int, ...] = ()  # bytes held as each block starts, sources still leaving included
 
 
 def _wait_for_queue(channel_free: float, t: float, rate: float, queue: int) -> float:
@@ -136,8 +140,11 @@ def simulate(
     moved = [0] * n
     spans: list[tuple[float, float, int, int]] = []  # (begin, end, bytes, block) of sources held
     done = [0.0] * n
+    held = [b.held(a) for b, a in zip(blocks, actions, strict=True)]
+    before = []
     for i, (b, a) in enumerate(zip(blocks, actions, strict=True)):
         start = t
+        before.append(sum(held[:i]) + _leaving(spans, t))
         t += b.forward_s
         o = b.moved(a)
         if not o:
@@ -179,12 +186,11 @@ def simulate(
     late_spans = [x for x in spans if x[1] > t_fwd]  # sources still held when the forward ends
 
     def leaving(t: float, skip: int = -1) -> int:
-        return int(
-            sum(o * min(1.0, (end - t) / max(end - b, EPS)) for b, end, o, i in late_spans if end > t and i != skip)
-        )
+        return _leaving(late_spans, t, skip)
 
+    if limit is not None:  # what the model does not see takes its share of the budget first
+        limit -= head.working
     unfinished = leaving(t_fwd)
-    held = [b.held(a) for b, a in zip(blocks, actions, strict=True)]
     peak = forward_peak = head.bytes + sum(held) + int(unfinished)
     # Backward: the spilled bytes are the first ones saved. NVMe reads them into the host
     # after the writes, in the order the backward needs them; copies back to the device (or,
@@ -271,7 +277,7 @@ def simulate(
     room = cap + (tr.nvme if tr.nvme is not None else total)
     copy_end = max((x[1] for x in spans), default=0.0)
     return Outcome(
-        peak=peak,
+        peak=peak + head.working,
         forward_peak=forward_peak,
         extra_s=wait_f + hooks + wait_b + rec,
         forward_wait_s=wait_f,
@@ -282,7 +288,13 @@ def simulate(
         copy_end_s=copy_end,
         late=tuple(late),
         fits_host=total <= room,
+        before=tuple(before),
     )
+
+
+def _leaving(spans: Sequence[tuple[float, float, int, int]], t: float, skip: int = -1) -> int:
+    """Bytes of sources whose copies out are under way at ``t``, as much as is left of each."""
+    return int(sum(o * min(1.0, (end - t) / max(end - b, EPS)) for b, end, o, i in spans if end > t and i != skip))
 
 
 @dataclass(frozen=True)
@@ -345,7 +357,8 @@ class Plan:
             f"ssdtier plan: {self.summary()}; {self.reason}",
             f"  {link}{host}NVMe write {tr.write / 1e6:.0f} MB/s, read {tr.read / 1e6:.0f} MB/s; "
             f"moved {format_size(o.moved)} ({format_size(o.spill)} to NVMe); waits {o.forward_wait_s * 1e3:.1f} ms "
-            f"forward, {o.backward_wait_s * 1e3:.1f} ms backward; recompute {o.recompute_s * 1e3:.1f} ms",
+            f"forward, {o.backward_wait_s * 1e3:.1f} ms backward; recompute {o.recompute_s * 1e3:.1f} ms"
+            + (f"; {format_size(self.head.working)} of the peak measured past the model" if self.head.working else ""),
             "  block      bytes     inputs  forward  action",
         ]
         for d in self.decisions:

@@ -32,6 +32,9 @@ log = logging.getLogger("ssdtier")
 GROWTH = 1.1  # a first block taking this much more input than the last forward's: a larger batch
 SWITCH = 0.02  # a new plan replaces the one in force when it is predicted this share of a step faster
 STALL = 0.05  # waits past the predicted by this share of a step are charged to the bytes moved
+SAME = 0.05  # measurements this close to those the plan was solved from: it stands (a solve takes ms)
+FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
+SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
 
 
@@ -67,6 +70,12 @@ class Adaptive:
                     f"this {type(off.model).__name__} is not on a GPU: no budget"
                 )
         self.auto = AutoBudget()
+        # A fixed budget bounds the step's whole peak: what the model misses is measured.
+        self.meter = Gpu(self.device) if self.device is not None else None
+        self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
+        self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
+        self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
+        self.solved: tuple | None = None  # what the plan in force was solved from
 
     def calibrate(self) -> tuple[float, float]:
         """The store's write and read bandwidth, measured at attach through a store of its own
@@ -186,8 +195,11 @@ class Adaptive:
                 now = max(now, int(growth * out.peak) - int(coming))
             if not self.plan.fits:  # the least it could: only growth is news
                 budget = max(budget, out.peak)
+            budget += int(SLACK * budget)
         elif i > 0:  # no plan yet: the blocks to come saving what the ones so far did, kept
             coming = self.profile.bytes_so_far(tag) / i * (len(acts) - i)
+            # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
+            budget -= self.working or int(FIRST_FREE * budget)
         else:
             return
         if now + coming <= budget:
@@ -255,6 +267,9 @@ class Adaptive:
         budget = self.budget()
         self.off.device_budget(budget)
         measured = self.profile.blocks() if self.profile.ended else None
+        counters = self.meter.counters() if self.meter is not None else None
+        if measured is not None:  # memory is right from the first step
+            self._learn(measured[0], measured[1], counters)
         if measured is not None and self.device is not None and not self.warm:
             # A GPU's first iteration loads kernels and tunes cuBLAS: its times would plan the
             # next steps wrong (on an H200, 12 of 24 blocks kept, then 17, 19, 22).
@@ -262,14 +277,32 @@ class Adaptive:
             measured = None
         if measured is not None:
             self._adopt(measured[0], measured[1], budget)
+        self.mark = counters
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()
         self.profile.begin_forward()
         self.growth = 1.0
         self.switched = 0
-        f.acts = list(self.off.actions)
+        f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)
+
+    def _learn(self, blocks: list, head: Head, counters: tuple[int, int] | None) -> None:
+        """A fixed budget on a GPU: the last step's peak (the allocator's counters) against the
+        model's for what it ran; the difference is ``Head.working`` from now on. A step that set
+        no new peak only bounds it from above; counters reset meanwhile say nothing."""
+        if counters is None or self.mark is None or self.ran is None or len(self.ran) != len(blocks):
+            return
+        if self.off.config.policy.device_budget in (None, "auto"):  # no budget, or AutoBudget counts it
+            return
+        (peak, now), (peak0, base) = counters, self.mark
+        if peak < peak0 or peak == now:  # the loop reset the counters since: nothing to learn
+            return
+        predicted = simulate(blocks, self.ran, self.transfers(), head).peak
+        if peak > peak0:
+            self.working = max(0, peak - base - predicted)
+        else:
+            self.working = min(self.working, max(0, peak0 - base - predicted))
 
     def _adopt(self, blocks: list, head: Head, budget: int | None) -> None:
         off = self.off
@@ -284,6 +317,10 @@ class Adaptive:
             elif self.ctl.quiet(can_lower=self.per_byte > 0):
                 self.per_byte /= 2
         tr = dataclasses.replace(self.transfers(), per_byte_s=self.per_byte)
+        head = dataclasses.replace(head, working=self.working)
+        if self.plan is not None and self.solved is not None and same_inputs(self.solved, (blocks, tr, head, budget)):
+            return
+        self.solved = (blocks, tr, head, budget)
         new = solve(blocks, tr, budget, head)
         if self.plan is not None and len(self.plan.decisions) == len(blocks):
             acts = self.plan.actions
@@ -305,9 +342,35 @@ class Adaptive:
         if self.plan is None or new.actions != self.plan.actions:
             log.info("%s", new.table())
         self.plan = new
-        held = [d.block.held(d.action) for d in new.decisions]
-        self.before = [sum(held[:i]) for i in range(len(held))]
+        self.before = list(new.outcome.before)
         off.set_actions(new.actions)
+
+
+def same_inputs(a: tuple, b: tuple) -> bool:
+    """Whether two (blocks, transfers, head, budget) would give the same plan: the same budget,
+    transfers and learned peak, each measurement within ``SAME`` of the other (or of the
+    blocks' mean bytes, or a block's forward and backward time: small ones are noise), waits
+    charged within ``SAME`` of a step."""
+    (blocks, tr, head, budget), (blocks2, tr2, head2, budget2) = a, b
+    if budget != budget2 or head.working != head2.working or len(blocks) != len(blocks2):
+        return False
+    if dataclasses.replace(tr, per_byte_s=0.0) != dataclasses.replace(tr2, per_byte_s=0.0):
+        return False
+    step = sum(x.forward_s + x.backward_s for x in blocks2)
+    if abs(tr.per_byte_s - tr2.per_byte_s) * sum(x.bytes for x in blocks2) > SAME * step:
+        return False
+
+    def near(x: float, y: float, scale: float) -> bool:
+        return abs(x - y) <= SAME * max(abs(y), scale)
+
+    pairs = [(x, y) for x, y in zip(blocks, blocks2, strict=True)] + [(head, head2)]
+    per_block = step / max(len(blocks2), 1)
+    for name in ("bytes", "inputs", "forward_s", "backward_s", "recompute_s", "offload_s"):
+        present = [(getattr(x, name), getattr(y, name)) for x, y in pairs if hasattr(x, name)]
+        scale = per_block if name.endswith("_s") else sum(abs(y) for _, y in present) / max(len(present), 1)
+        if not all(near(x, y, scale) for x, y in present):
+            return False
+    return True
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:

@@ -10,7 +10,8 @@ import torch
 from ..sizes import GiB
 
 MARGIN_SHARE = 0.05  # of the memory this process may use, left for fragmentation and what varies
-MARGIN_MIN = 1 * GiB
+MARGIN_MIN = 1 * GiB  # ... but at most MARGIN_CAP of it: a process capped to little memory
+MARGIN_CAP = 0.2
 RETRY_CUT = 0.9  # after an allocation was retried (the GPU was full), keep this share of the last
 
 
@@ -47,6 +48,11 @@ class Gpu:
     def allocated(self) -> int:
         return _stat(torch.cuda.memory_stats_as_nested_dict(self.device), "allocated_bytes", "current")
 
+    def counters(self) -> tuple[int, int]:
+        """The allocator's peak and current allocated bytes."""
+        st = torch.cuda.memory_stats_as_nested_dict(self.device)
+        return _stat(st, "allocated_bytes", "peak"), _stat(st, "allocated_bytes", "current")
+
 
 def _stat(st: dict, name: str, which: str) -> int:
     """One of the allocator's counters, all pools together (0 before CUDA has started)."""
@@ -55,9 +61,9 @@ def _stat(st: dict, name: str, which: str) -> int:
 
 class AutoBudget:
     """Before each step: the memory this process can have (free and its allocator's cache),
-    less a margin, less the most that was not activations the offloader held at one time in
-    the last step, less the sources whose copies out were queued at once (freed, yet reserved
-    until copied).
+    less a margin, less what is allocated now (parameters, gradients, optimizer state), less
+    the most that the last step added beside the activations the offloader held, less the
+    sources whose copies out were queued at once (freed, yet reserved until copied).
 
     What is not held activations is sampled (allocated less what the offloader holds: kept,
     restored, read ahead, sources in flight) at the forward's end and as the backward reaches
@@ -73,14 +79,14 @@ class AutoBudget:
 
     def __init__(self) -> None:
         self.peak = -1  # the allocator's peak counter at the last look
-        self.other: int | None = None  # the most bytes at one time that were not held activations
+        self.made: int | None = None  # the most bytes a step added at once that were not held activations
         self.sampled: int | None = None  # ... in the step under way, from the samples
         self.retries: int | None = None
         self.cut: int | None = None  # what the last step held when a retry cut the budget
         self.extra = 0  # a margin more after a retry: the GPU ran full with what was seen
         self.quiet = 0  # steps since the last retry
         self.room: int | None = None  # at the last look: the memory for activations and the rest
-        self.base = 0  # at the last look: allocated before the step
+        self.base = 0  # at the last look: allocated before the step (an optimizer's state appears after the first)
 
     def sample(self, allocated: int, held: int) -> None:
         other = allocated - held
@@ -105,15 +111,15 @@ class AutoBudget:
             seen.append(mem.allocated_peak - held)
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
-            self.other = max(0, *seen)
-        margin = max(int(mem.total * MARGIN_SHARE), MARGIN_MIN)
+            self.made = max(0, *seen) - self.base
+        margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
         self.quiet = 0 if retried else self.quiet + 1
         if self.quiet >= self.QUIET:
             self.extra, self.cut = 0, None
         self.room, self.base = mem.free + mem.reserved - margin - self.extra - queued, mem.allocated
-        if self.other is None or first:
+        if self.made is None or first:
             return None
-        budget = max(0, self.room - self.other)
+        budget = max(0, self.room - self.base - max(self.made, 0))
         if retried:
             if self.cut is not None and held <= self.cut:
                 return min(budget, held)  # retried after a cut too: keeping less is not the cure
@@ -125,7 +131,6 @@ class AutoBudget:
     def grown(self, ratio: float) -> int | None:
         """The budget for a step that saves ``ratio`` times what the last one did: what was not
         kept activations grows as much, but for what was allocated before the step."""
-        if self.room is None or self.other is None:
+        if self.room is None or self.made is None:
             return None
-        base = min(self.base, self.other)
-        return max(0, self.room - base - int((self.other - base) * ratio))
+        return max(0, self.room - self.base - int(max(self.made, 0) * ratio))

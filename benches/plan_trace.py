@@ -1,0 +1,147 @@
+"""Step by step, what adaptive mode does on a GPU: each step's time, peak and plan, its log,
+and a profile of one settled step against checkpointing (research extra, not a bench).
+
+    python benches/plan_trace.py --out DIR [--steps 10] [--runs keep,0.8,0.25,auto:16,keep:13]
+
+A run is ``keep``, ``checkpoint``, a share of keep's peak (a fixed device budget) or
+``auto`` (device_budget = "auto"), each at ``--batch`` or ``:B``. Writes DIR/trace.json,
+DIR/<run>.log (ssdtier's INFO log) and DIR/profile_<run>.txt (--profile)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import ssdtier
+from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+
+
+def gpt(batch: int, every: int = 0) -> tuple[torch.nn.Module, object]:
+    cfg = GPTConfig(
+        vocab_size=32000,
+        seq_len=2048,
+        d_model=2048,
+        n_layers=24,
+        n_heads=16,
+        dropout=0.0,
+        sdpa=True,
+        checkpoint_every=every,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(cfg)
+    data = make_batch(cfg, batch, torch.Generator().manual_seed(1), device="cuda")
+    return model, lambda: batch_loss(model, data)
+
+
+def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list[dict]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    out = []
+    for i in range(n):
+        prof = None
+        if profile is not None and i == n - 1:
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            prof.__enter__()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of()
+        t1 = time.perf_counter()
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        row = {
+            "step": i,
+            "s": t2 - t0,
+            "forward_host_s": t1 - t0,
+            "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+            "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+        }
+        if off is not None and off.adaptive is not None:
+            plan = off.adaptive.plan
+            row["budget_gib"] = (off._budget or 0) / 2**30
+            row["plan"] = None if plan is None else [d.action.value for d in plan.decisions]
+            row["predicted_peak_gib"] = None if plan is None else plan.outcome.peak / 2**30
+            row["guard_switched"] = off.adaptive.switched
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            profile.write_text(
+                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                + "\n\n"
+                + prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+            )
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--runs", default="keep,checkpoint,0.8,0.25,auto:16")
+    p.add_argument("--dir", default="benches/out/trace-nvme")
+    p.add_argument("--profile", default="", help="runs to profile a step of (torch.profiler)")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    Path(a.dir).mkdir(parents=True, exist_ok=True)
+    doc: dict = {}
+    keep_peak = None
+    for run in a.runs.split(","):
+        kind, _, b = run.partition(":")
+        batch = int(b) if b else a.batch
+        handler = logging.FileHandler(a.out / f"{run.replace(':', '_')}.log", mode="w")
+        logging.getLogger("ssdtier").addHandler(handler)
+        logging.getLogger("ssdtier").setLevel(logging.INFO)
+        model = off = loss_of = None
+        print(f"== {run} (batch {batch})", flush=True)
+        try:
+            model, loss_of = gpt(batch, every=1 if kind == "checkpoint" else 0)
+            if kind not in ("keep", "checkpoint"):
+                budget = "auto" if kind == "auto" else int(float(kind) * keep_peak)
+                cfg = {
+                    "policy": {"mode": "adaptive", "device_budget": budget, "min_tensor_bytes": "1MiB"},
+                    "host": {"capacity": "16GiB"},
+                    "nvme": [{"path": a.dir, "capacity": "32GiB"}],
+                }
+                off = ssdtier.attach(model, cfg)
+            prof = a.out / f"profile_{run.replace(':', '_')}.txt" if run in a.profile.split(",") else None
+            rows = steps(model, loss_of, a.steps, off, prof)
+            last = sorted(r["s"] for r in rows[-3:])[1]
+            doc[run] = {"status": "ok", "steps": rows, "median_last3_s": last, "ms_per_sample": 1e3 * last / batch}
+            print(
+                f"== {run}: {1e3 * last / batch:.2f} ms/sample, peak {max(r['peak_gib'] for r in rows[-3:]):.1f} GiB, "
+                f"plan {rows[-1].get('plan')}",
+                flush=True,
+            )
+            if run == "keep":
+                keep_peak = int(sorted(r["peak_gib"] for r in rows)[len(rows) // 2] * 2**30)
+        except Exception as e:  # noqa: BLE001 - a trace tool: say it and go on
+            doc[run] = {"status": type(e).__name__, "error": traceback.format_exc()[-3000:]}
+            print(doc[run]["error"], flush=True)
+        finally:
+            if off is not None:
+                doc.setdefault(run, {})["stats"] = str(off.stats())[:4000]
+                off.detach()
+            logging.getLogger("ssdtier").removeHandler(handler)
+            model = off = loss_of = None  # the next run starts from an empty GPU
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        (a.out / "trace.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
