@@ -33,6 +33,10 @@ def test_check_prints_the_effective_config(store_dir):
     # Given values and filled-in defaults both appear.
     for line in ('capacity = "64MiB"', "prefetch_layers = 3", "queue_depth = 64", 'eviction = "lifetime"'):
         assert line in r.stdout, (line, r.stdout)
+    # What attach would make of it on this machine (no GPU here), and why.
+    assert "for a model on the CPU (no GPU here)" in r.stdout
+    assert "# chosen: policy.mode = 'all': 'auto' on the CPU" in r.stdout and 'mode = "all"' in r.stdout
+    assert "# chosen: io.fixed_buffers = False: a CPU model's activations" in r.stdout
 
 
 def test_check_fails_with_the_message(store_dir):
@@ -58,7 +62,7 @@ def test_info_reports_the_backend(store_dir):
     assert f"file system     {where(store_dir).describe()}\n" in r.stdout
     assert "\nfree            " in r.stdout
     assert "\nmemory left     " in r.stdout and "a GPU's host arena can take " in r.stdout
-    assert 'default policy  on the CPU, all (policy.mode "auto")' in r.stdout  # (no CUDA here)
+    assert "default policy  all: 'auto' on the CPU: every block is offloaded" in r.stdout  # (no CUDA here)
 
 
 def test_info_does_not_create_the_directory(store_dir):

@@ -538,6 +538,18 @@ class _SleepyBlock(torch.nn.Module):
         return torch.tanh(self.fc(x))
 
 
+def test_an_auto_device_budget_is_not_hidden_by_an_earlier_peak(store_dir):
+    # A 2 GiB tensor made and freed before attaching: the peak counter "auto" reads is reset,
+    # so the steps' own peaks are seen (the H100 run's out of memory at batch 16).
+    big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    del big
+    high = torch.cuda.max_memory_allocated()
+    ssd = offload_config(store_dir, host="64MiB", mode="adaptive", device_budget="auto")
+    got = train_cuda(CFG, ssd)
+    assert_same(train_cuda(CFG), got)
+    assert torch.cuda.max_memory_allocated() < high and got[2].plan is not None
+
+
 @pytest.mark.parametrize("default", [False, True], ids=["adaptive-auto", "default-policy"])
 def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir, default):
     # A process allowed 450 MiB more than it holds (a per-process memory fraction): keep's

@@ -10,9 +10,9 @@ import torch
 
 import ssdtier
 from ssdtier.config import Config
+from ssdtier.effective import fit_arena
 from ssdtier.errors import SsdtierWarning
 from ssdtier.offload import offloader as offloader_mod
-from ssdtier.offload.cuda import fit_arena
 from ssdtier.ram import Available, available
 from ssdtier.sizes import GiB, MiB
 

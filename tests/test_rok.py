@@ -218,8 +218,9 @@ def test_a_growing_batch_falls_back_to_recomputing_not_out_of_memory(store_dir, 
 def test_stats_name_the_plan(store_dir):
     s = train(CONFIGS["gpt"], adaptive(store_dir))[2]
     text = str(s)
-    assert len(text.splitlines()) == 4, text  # with the plan's line
-    assert f"adaptive plan: {s.plan.summary()}: " in text
+    lines = text.splitlines()
+    assert len(lines) == 4 + len(s.chosen), text  # with the plan's line, then what attach chose
+    assert lines[3].startswith(f"adaptive plan: {s.plan.summary()}: ")
     d = s.as_dict()
     assert json.loads(json.dumps(d))["store"] == dataclasses.asdict(s.store)
     assert [x["action"] for x in d["plan"]["decisions"]] == [a.value for a in s.plan.actions]

@@ -77,10 +77,17 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise ConfigError("\n".join(msg for msg, _ in space))
     for msg, _ in space:
         print(f"# warning: {msg}")
-    print(f"# {args.file}: valid. Effective configuration, defaults filled in:")
+    from .effective import Machine, effective
+
+    machine = Machine.here()
+    eff = effective(cfg, machine)
+    model = "a model on this machine's GPU" if machine.gpu else "a model on the CPU (no GPU here)"
+    print(f"# {args.file}: valid. Effective configuration for {model}, defaults filled in:")
+    for c in eff.choices:
+        print(f"# chosen: {c}")
     if not cfg.nvme:
         print(f"# no [[nvme]] table: the default directory {paths[0]} is used")
-    print(cfg.to_toml(), end="")
+    print(eff.config.to_toml(), end="")
     return 0
 
 
@@ -146,12 +153,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         GdsState.UNAVAILABLE: "through the host arena",
     }
     print(f"CUDA activations go {path_of[gds.state]}")
-    if on_gpu:
-        print('default policy  on a GPU, adaptive (policy.mode "auto"): per block keep, offload or recompute,')
-        print("                the fastest mix within what the GPU has room for")
-    else:
-        print('default policy  on the CPU, all (policy.mode "auto"): every block is offloaded; with a')
-        print("                policy.device_budget, adaptive: per block keep, offload or recompute within it")
+    from .config import Config
+    from .effective import Machine, effective
+
+    mode = next(c for c in effective(Config(), Machine.here()).choices if c.key == "policy.mode")
+    print(f"default policy  {mode.value}: {mode.why}")
     return 0
 
 

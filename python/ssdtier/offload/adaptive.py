@@ -64,6 +64,10 @@ class Adaptive:
         if off.config.policy.device_budget == "auto":
             if self.device is not None:
                 self.gpu = Gpu(self.device)
+                # The budget reads the allocator's peak counter: a higher peak of an earlier
+                # phase (another model, a larger batch) would hide this training's own.
+                torch.cuda.reset_peak_memory_stats(self.device)
+                log.info("ssdtier: reset %s's peak memory counter: device_budget = 'auto' reads it", self.device)
             else:
                 warn(
                     f"{off.config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import enum
 import logging
 import time
@@ -17,14 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..ram import Available, pinnable
 from ..sizes import format_size
 from ..store import SLOW_ARENA
 from ._util import host_event, on_device, warn
 from .entry import Copying, Entry, Held, Made, Reading
 
 if TYPE_CHECKING:
-    from ..config import Config
     from .forward import Fwd
     from .offloader import Offloader
 
@@ -57,24 +54,6 @@ def _clear_cuda_error() -> None:
     except OSError as e:
         err = e
     warn(f"could not clear the CUDA error ({err}); torch may report it at its next kernel")
-
-
-def fit_arena(config: Config, avail: Available | None) -> Config:
-    """``config`` with ``host.capacity`` cut to what can be pinned safely. Pinning faults in and
-    locks every page: an arena past the memory left brings the OOM killer, not an error."""
-    cap = config.host.capacity
-    if avail is None:
-        return config
-    safe = pinnable(avail.bytes)
-    if cap <= safe:
-        return config
-    instead = f"the arena takes {format_size(safe)}" if safe else "no host arena: activations go straight to NVMe"
-    warn(
-        f"{config.source}: host.capacity = {format_size(cap)} is more than can be pinned here: "
-        f"{format_size(avail.bytes)} of memory is left ({avail.bound}); {instead}, leaving a quarter "
-        "of it (at least 2GiB) to the rest of the machine"
-    )
-    return dataclasses.replace(config, host=dataclasses.replace(config.host, capacity=safe))
 
 
 class Pinned:

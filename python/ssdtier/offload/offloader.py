@@ -4,7 +4,6 @@ hand its storage to a transport (cpu.py, cuda.py) and rebuild the view in backwa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import Config, resolve_config
+from ..effective import Machine, effective
 from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Action, Plan
 from ..ram import available
@@ -26,7 +26,7 @@ from ..store import ByteStore
 from ._util import Once, cuda_device, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
-from .cuda import CudaTransport, fit_arena
+from .cuda import CudaTransport
 from .cufile import open_cufile
 from .entry import Distributed, Entry, Kept, Reading, Restored, Same, Saved, Writing, check_version, version_of
 from .forward import (
@@ -130,23 +130,17 @@ class Offloader:
                 f"ssdtier is already attached to this {type(model).__name__}: call detach() on the offloader "
                 "attach() returned, or ssdtier.detach(model) if that is lost (a notebook cell run again)"
             )
-        # Not config.replace (here and below): errors and warnings name the user's config.
         device = cuda_device(model)
         self.auto_on_cpu = config.policy.mode == "auto" and device is None  # said if CUDA tensors come
-        config = dataclasses.replace(config, policy=config.policy.resolved(device is not None))
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        streamed = any(t.device.type in self._streamed for t in tensors)
+        eff = effective(config, Machine(device is not None, _on_cpu(model), streamed, available))
+        config, self.choices = eff.config, eff.choices
         pol = config.policy
+        offloads = pol.mode != "none" or pol.device_budget is not None
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.model = model
-        if config.io.zero_copy and config.io.fixed_buffers and _on_cpu(model):
-            # A CPU model's activations go to NVMe from their own pages: the arena only takes
-            # the rare storage that cannot (not 64-byte aligned). Registering it with io_uring
-            # would pin all of it; unregistered, it costs memory only where it is used.
-            config = dataclasses.replace(config, io=dataclasses.replace(config.io, fixed_buffers=False))
-        offloads = pol.mode != "none" or pol.device_budget is not None
-        tensors = itertools.chain(model.parameters(), model.buffers())
-        if offloads and any(t.device.type in self._streamed for t in tensors):
-            config = fit_arena(config, available())  # the arena will be pinned
         self.config = config
         self.store = ByteStore(config)
         self._native = self.store.native
@@ -787,6 +781,7 @@ class Offloader:
             prefetch_bytes=self.ahead.window or 0,
             plan=self.plan(),
             store=st,
+            chosen=tuple(str(c) for c in self.choices),
             **self.c,
         )
 

@@ -55,6 +55,9 @@ class OffloadStats:
     for copies in flight to the host arena (CUDA), or for the store to write some of it out.
     ``gpu_wait_seconds`` (CUDA) is the time the GPU's compute stream waited for copies back to
     it, or made them itself, timed by CUDA events: the host, running ahead, does not wait then.
+    ``chosen`` says each value attach gave the configuration for this model and machine that
+    the user's did not (``policy.mode = "auto"`` resolved, an arena cut to what can be pinned),
+    and why.
     """
 
     tensors_offloaded: int
@@ -83,6 +86,7 @@ class OffloadStats:
     unpacks: int
     plan: Plan | None
     store: StoreStats
+    chosen: tuple[str, ...] = ()  # what attach made of the config for this model and machine, and why
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as plain data: dicts, lists, tuples, numbers, strings (``json.dumps``
@@ -110,6 +114,7 @@ class OffloadStats:
             lines.append(f"failed: {self.failed_writes} writes (kept in memory), {self.failed_reads} reads")
         if self.plan is not None:
             lines.append(f"adaptive plan: {self.plan.summary()}: {self.plan.reason}")
+        lines += [f"chosen: {c}" for c in self.chosen]
         return "\n".join(lines)
 
 

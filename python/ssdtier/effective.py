@@ -1,0 +1,104 @@
+"""The configuration an offloader runs with: the user's, made concrete for the model and the
+machine, in one place (``attach``, ``ssdtier check`` and ``ssdtier info`` use it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import Config
+from .errors import warn
+from .ram import Available, available, pinnable
+from .sizes import format_size
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the effective configuration depends on."""
+
+    gpu: bool  # the model is on a GPU (check and info: this machine has one)
+    cpu_model: bool  # every parameter and buffer is on the CPU
+    pinned: bool  # the arena would be pinned, for copies from a GPU
+    memory: Callable[[], Available | None] = available  # memory left, read only if the arena is pinned
+
+    @classmethod
+    def here(cls) -> Machine:
+        """This machine, for a model on its GPU if it has one."""
+        import torch
+
+        gpu = torch.cuda.is_available()
+        return cls(gpu=gpu, cpu_model=not gpu, pinned=gpu)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A value the effective configuration has that the user's did not say, and why."""
+
+    key: str
+    value: Any
+    why: str
+
+    def __str__(self) -> str:
+        value = format_size(self.value) if self.key == "host.capacity" else repr(self.value)
+        return f"{self.key} = {value}: {self.why}"
+
+
+@dataclass(frozen=True)
+class Effective:
+    config: Config
+    choices: tuple[Choice, ...]
+
+
+def effective(config: Config, machine: Machine) -> Effective:
+    """``config`` for ``machine``: ``policy.mode = "auto"`` resolved, fixed buffers off for a
+    CPU model's zero-copy writes, the arena cut to what can be pinned (with a warning)."""
+    choices: list[Choice] = []
+    was, pol = config.policy, config.policy.resolved(machine.gpu)
+    if pol.mode != was.mode:
+        where = (
+            "on a GPU: per block keep, offload or recompute, the fastest mix within what the GPU has room for"
+            if machine.gpu
+            else "on the CPU with a device_budget: per block keep, offload or recompute within it"
+            if pol.mode == "adaptive"
+            else "on the CPU: every block is offloaded (a device_budget would plan per block)"
+        )
+        choices.append(Choice("policy.mode", pol.mode, f"'auto' {where}"))
+    if pol.device_budget != was.device_budget:
+        choices.append(Choice("policy.device_budget", pol.device_budget, "what the GPU has room for, before each step"))
+    # Not config.replace (here and below): errors and warnings name the user's config.
+    config = dataclasses.replace(config, policy=pol)
+    if config.io.zero_copy and config.io.fixed_buffers and machine.cpu_model:
+        config = dataclasses.replace(config, io=dataclasses.replace(config.io, fixed_buffers=False))
+        choices.append(
+            Choice(
+                "io.fixed_buffers",
+                False,
+                "a CPU model's activations go to NVMe from their own pages; registered, the arena would be all pinned",
+            )
+        )
+    if machine.pinned and (pol.mode != "none" or pol.device_budget is not None):
+        fitted = fit_arena(config, machine.memory())
+        if fitted.host.capacity != config.host.capacity:
+            choices.append(Choice("host.capacity", fitted.host.capacity, "what can be pinned here, safely"))
+        config = fitted
+    return Effective(config, tuple(choices))
+
+
+def fit_arena(config: Config, avail: Available | None) -> Config:
+    """``config`` with ``host.capacity`` cut to what can be pinned safely. Pinning faults in and
+    locks every page: an arena past the memory left brings the OOM killer, not an error."""
+    cap = config.host.capacity
+    if avail is None:
+        return config
+    safe = pinnable(avail.bytes)
+    if cap <= safe:
+        return config
+    instead = f"the arena takes {format_size(safe)}" if safe else "no host arena: activations go straight to NVMe"
+    warn(
+        f"{config.source}: host.capacity = {format_size(cap)} is more than can be pinned here: "
+        f"{format_size(avail.bytes)} of memory is left ({avail.bound}); {instead}, leaving a quarter "
+        "of it (at least 2GiB) to the rest of the machine"
+    )
+    return dataclasses.replace(config, host=dataclasses.replace(config.host, capacity=safe))

@@ -1,0 +1,55 @@
+"""The effective configuration: the user's made concrete for a model and a machine, once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssdtier
+from ssdtier.config import Config
+from ssdtier.effective import Machine, effective
+from ssdtier.errors import SsdtierWarning
+from ssdtier.ram import Available
+from ssdtier.sizes import GiB
+
+from .conftest import store_config
+
+GPU = Machine(gpu=True, cpu_model=False, pinned=True, memory=lambda: Available(3 * GiB, "MemAvailable"))
+CPU = Machine(gpu=False, cpu_model=True, pinned=False, memory=lambda: None)
+
+
+def test_auto_on_a_gpu_plans_within_the_room_the_gpu_has():
+    with pytest.warns(SsdtierWarning, match="t.toml: host.capacity = 2GiB is more than can be pinned"):
+        eff = effective(Config.from_dict({"host": {"capacity": "2GiB"}}, source="t.toml"), GPU)
+    pol = eff.config.policy
+    assert (pol.mode, pol.device_budget) == ("adaptive", "auto")
+    said = {c.key: c for c in eff.choices}
+    assert said["policy.mode"].why.startswith("'auto' on a GPU")
+    assert said["host.capacity"].value == eff.config.host.capacity == GiB  # 3 GiB left, 2 stay with the machine
+    assert eff.config.io.fixed_buffers and eff.config.source == "t.toml"
+
+
+def test_auto_on_the_cpu_offloads_every_block_or_plans_within_a_budget():
+    eff = effective(Config(), CPU)
+    assert eff.config.policy.mode == "all" and not eff.config.io.fixed_buffers
+    assert [c.key for c in eff.choices] == ["policy.mode", "io.fixed_buffers"]
+    budget = effective(Config.from_dict({"policy": {"device_budget": "1GiB"}}), CPU)
+    assert budget.config.policy.mode == "adaptive" and budget.config.policy.device_budget == GiB
+
+
+def test_what_the_user_said_is_kept_and_nothing_is_chosen():
+    cfg = Config.from_dict({"policy": {"mode": "all"}, "io": {"fixed_buffers": False}, "host": {"capacity": "1GiB"}})
+    eff = effective(cfg, GPU)
+    assert eff.config == cfg and eff.choices == ()
+    # Nothing offloaded: nothing pinned, the memory not even read.
+    none = Machine(gpu=True, cpu_model=False, pinned=True, memory=lambda: 1 / 0)
+    assert effective(Config.from_dict({"policy": {"mode": "none"}, "host": {"capacity": "64GiB"}}), none).choices == ()
+
+
+def test_stats_say_what_attach_chose(store_dir):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with ssdtier.attach(model, store_config(store_dir, host="64MiB")) as off:
+        chosen = off.stats().chosen
+        assert off.config.policy.mode == "all"
+        assert any(c.startswith("policy.mode = 'all': 'auto' on the CPU") for c in chosen), chosen
+        assert "chosen: policy.mode = 'all'" in str(off.stats())
