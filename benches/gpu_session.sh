@@ -17,6 +17,8 @@
 #                                                     #   left bench_cpool, bench_expandable (>= 300; 600 for all)
 #   SESSION_S=... bash benches/gpu_session.sh call4   # install test_cuda rok: the planner's session, alone
 #                                                     #   (the device time left less 20 s; >= 400, 700 for all)
+#   SESSION_S=... bash benches/gpu_session.sh call5   # install import plan_trace test_cuda compile_peak rok:
+#                                                     #   the next planner session (>= 420, 800 for all)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
@@ -41,13 +43,16 @@
 # rok.json in the archive's rok/); on request only: bench_wide
 # (8 blocks of width 4096: how much adaptive mode offloads with more compute per byte),
 # train_step_cuda, train_step_cuda_big,
+# plan_trace (benches/plan_trace.py: adaptive mode step by step, fixed budgets and "auto" at
+# batches past keep's), compile_peak (benches/compile_peak.py: peaks eager, compiled whole and
+# block by block, with and without ssdtier),
 # cufile_probe (which files cuFile takes on this disk, and with which settings; skipped after a
 # cufile part in which cuFile worked), udev_shim (benches/cufile_udev_shim.sh: the udev entry
 # cuFile needs, on a VM without udevd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
@@ -55,6 +60,7 @@ for a in "$@"; do
     call2) parts+=(install bench_1b bench_cpool bench_expandable) ;;
     call3) parts+=(install fit fit_cpool) ;;
     call4) parts+=(install import test_cuda rok) ;;
+    call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -209,6 +215,15 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
             --warmup 2 --fractions 0.8,0.6,0.4,0.25 --dir benches/out/rok-nvme --out "$LOGS/rok" \
             --fit --fit-max-batch 160 --fit-modes keep,checkpoint,ssdtier \
             --budget-s $((secs > 80 ? secs - 70 : 10))
+        ;;
+    plan_trace)
+        part plan_trace "$(limit 120)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
+            --runs keep,0.8,0.4,0.25,auto:16,auto:20
+        ;;
+    compile_peak)
+        part compile_peak "$(limit 240)" "$PY" benches/compile_peak.py --device cuda --backend inductor \
+            --layers 8 --d-model 2048 --heads 16 --seq 2048 --batch 4 --vocab 32000 --arena 16GiB \
+            --dir benches/out/compile-nvme --json "$LOGS/compile_peak.json"
         ;;
     train_step_cuda)
         part train_step_cuda "$(limit 240)" "$PY" benches/train_step.py --device cuda --skip-per-tensor \

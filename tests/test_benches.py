@@ -214,3 +214,15 @@ def test_pin_rate_times_each_way_of_pinning(tmp_path):
     for way, row in got["rows"].items():
         assert row["total_s"] > 0 and row["gb_s"] == pytest.approx((64 << 20) / row["total_s"] / 1e9)
         assert (row["populate_s"] > 0) == ("populate" in way or "store" in way), way  # a store's open
+
+
+def test_compile_peak_says_where_the_compiled_graph_held_the_blocks(store_dir):
+    p = run(
+        "compile_peak.py",
+        *["--layers", "2", "--d-model", "32", "--seq", "16", "--batch", "2", "--heads", "2", "--vocab", "64"],
+        *["--dir", str(store_dir), "--warmup", "1", "--steps", "1"],
+    )
+    assert p.returncode == 0, p.stderr
+    rows = {line.split("  ")[0].strip(): line for line in p.stdout.splitlines()[-6:]}
+    assert rows["whole + ssdtier"].endswith("yes"), p.stdout
+    assert rows["blocks + ssdtier"].endswith("-") and rows["eager + ssdtier"].endswith("-"), p.stdout

@@ -456,3 +456,60 @@ def test_a_graph_dropped_without_backward_frees_what_it_saved(store_dir, keep_la
         del loss
         assert off.entries.live == 0 and off.res.kept == 0
         assert off.store.stats().entries == 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _compiled_run(store_dir, how):
+    """Gradients and stats of 4 blocks compiled ``how`` (None: eager), keeping the last block."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(4)])
+    if how == "blocks":  # each block its own graph, as torchtitan compiles, before attaching
+        for i in range(4):
+            model[i] = torch.compile(model[i], backend="aot_eager", fullgraph=True)
+    cfg = offload_config(store_dir, keep_last_layers=1)
+    with ssdtier.attach(model, cfg) as off:
+        run = torch.compile(model, backend="aot_eager") if how == "whole" else model
+        x = torch.randn(8, 16, 64)
+        for _ in range(2):
+            run(x).sum().backward()
+        return [p.grad for p in model.parameters()], off.stats()
+
+
+def test_blocks_compiled_before_attaching_are_blocks_as_in_eager(store_dir, warned):
+    eager, _ = _compiled_run(store_dir, None)
+    blocks, c = _compiled_run(store_dir, "blocks")
+    assert all(torch.equal(a, b) for a, b in zip(eager, blocks, strict=True))
+    # The last block kept, the three others offloaded: each block's saved tensors told apart.
+    assert c.tensors_offloaded == 3 * c.tensors_kept > 0, c
+    assert not warned("traced ssdtier's block hooks")
+
+
+def test_a_whole_compiled_model_is_told_to_compile_each_block(store_dir, warned):
+    eager, _ = _compiled_run(store_dir, None)
+    whole, _ = _compiled_run(store_dir, "whole")
+    assert all(torch.equal(a, b) for a, b in zip(eager, whole, strict=True))
+    said = warned("traced ssdtier's block hooks")
+    assert len(said) == 1 and "blocks[i] = torch.compile(b)" in said[0]
+
+
+def test_fullgraph_where_the_hooks_are_inside_names_ssdtier_and_the_way_out(store_dir):
+    import inspect
+
+    if "reason" not in inspect.signature(torch.compiler.disable).parameters:
+        pytest.skip("torch < 2.8: torch.compiler.disable takes no reason to show")
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    with ssdtier.attach(model, offload_config(store_dir)):
+        run = torch.compile(model, fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match="ssdtier's model hooks") as e:
+            run(torch.randn(2, 8, requires_grad=True))
+    assert "compile each block before attaching" in str(e.value)

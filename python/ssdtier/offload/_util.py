@@ -19,8 +19,21 @@ def cuda_device(model: torch.nn.Module) -> torch.device | None:
     return next((t.device for t in tensors if t.is_cuda), None)
 
 
-# Run as Python, never traced by torch.compile.
-eager = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
+# Dynamo's error under fullgraph=True quotes it (torch >= 2.8).
+COMPILED = (
+    "ssdtier's model hooks push saved-tensor hooks, which torch.compile cannot trace, so they run "
+    "outside the graph; with fullgraph=True compile each block before attaching "
+    "(for i, b in enumerate(blocks): blocks[i] = torch.compile(b, fullgraph=True)), or leave fullgraph off"
+)
+
+
+def eager(fn: Any) -> Any:
+    """``fn`` run as Python, never traced by torch.compile."""
+    disable = torch.compiler.disable
+    try:
+        return disable(fn, reason=COMPILED)
+    except TypeError:  # torch < 2.8: no reason
+        return disable(fn)
 
 
 class Once:

@@ -63,8 +63,10 @@ class BlockEnter(Hook):
         f = off._tls.fwd
         f.tag = self.tag
         f.autocast = autocasting(off.cuda_ok)  # a block may run its own autocast region
-        if not torch.compiler.is_compiling() and off.cpu.writing:
-            off.cpu.poll()  # writes done since the last block let their sources go (not traced)
+        if torch.compiler.is_compiling():
+            off.traced = True  # said once at the forward's end: the block is inside a compiled graph
+        elif off.cpu.writing:
+            off.cpu.poll()  # writes done since the last block let their sources go
         if off.adaptive is not None and f.pushed and f.pushed[0]:
             off.adaptive.block_enter(f, self.tag, args)
 

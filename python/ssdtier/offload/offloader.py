@@ -108,6 +108,15 @@ def _say_unclear(
         )
 
 
+TRACED = (
+    "torch.compile traced ssdtier's block hooks into its graph (the model compiled whole, or a block "
+    "compiled in place with block.compile()): a graph hands its saved tensors to ssdtier only as it "
+    "ends, so they cannot leave before the peak and its blocks are not told apart. Compile each block "
+    "on its own before attaching, for i, b in enumerate(blocks): blocks[i] = torch.compile(b), and "
+    "attach to the model uncompiled"
+)
+
+
 def _on_cpu(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
 
@@ -190,6 +199,7 @@ class Offloader:
         self.c = dict.fromkeys(COUNTS, 0)
         self.res = Resident()
         self.once = Once()
+        self.traced = False  # a block's hooks ran inside a graph torch.compile made
         self._gds = open_cufile(model, config, self._native)  # closed below if attach fails
         self.cpu = CpuTransport(self, self._gds)
         self.cuda = CudaTransport(self)
@@ -393,6 +403,8 @@ class Offloader:
                     self.ahead.advance(f.backward, -1)
                 self.cuda.poll()
                 self.cpu.poll()
+            if self.traced:
+                self.once.warn("traced", TRACED)
             if self._first is not None:
                 first, self._first = self._first, None
                 c = self.c
