@@ -6,7 +6,8 @@
 Runs the same two micro-batches twice in one process group, without ssdtier and with
 it (every activation through NVMe, in a directory that all ranks share), and saves
 both runs' losses, this rank's gradient shards and the offloader's counts to OUT.
-WRAPPER is ``fsdp2`` (``fully_shard``) or ``fsdp1`` (``FullyShardedDataParallel``).
+WRAPPER is ``fsdp2`` (``fully_shard``), ``fsdp1`` (``FullyShardedDataParallel``) or ``ddp``
+(``DistributedDataParallel``, in the default directory that LOCAL_WORLD_SIZE ranks share).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ CFG = GPTConfig(n_layers=3, vocab_size=64, seq_len=16, d_model=32, n_heads=4)
 
 
 def shard(wrapper: str, model: torch.nn.Module) -> torch.nn.Module:
+    if wrapper == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
     if wrapper == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -73,6 +76,9 @@ def run(wrapper: str, rank: int, ssd: dict | None) -> dict:
             "tensors_offloaded": s.tensors_offloaded,
             "bytes_read_nvme": s.bytes_read_nvme,
             "layers_path": off.layers_path,
+            "local_ranks": off.config.io.local_ranks,
+            "nvme_capacity": [n.capacity for n in off.config.nvme],
+            "chosen": list(s.chosen),
         }
         off.detach()
     return out
@@ -90,6 +96,8 @@ def main() -> None:
             "io": {"block_size": "256KiB", "queue_depth": 16},
             "policy": {"min_tensor_bytes": 0, "keep_last_layers": 0},
         }
+        if wrapper == "ddp":  # the default directory ($SSDTIER_DIR), shared as LOCAL_WORLD_SIZE says
+            del ssd["nvme"]
         ref = run(wrapper, rank, None)
         got = run(wrapper, rank, ssd)
         torch.save({"ref": ref, "got": got}, out)

@@ -390,7 +390,7 @@ BAD_FILES = [
         "[io.extra]\nx = 1\n",
         (
             r"io\.extra: unknown key\. Allowed keys in \[io\]: backend, queue_depth, "
-            r"block_size, direct, fixed_buffers, threads, throttle, zero_copy, preallocate$"
+            r"block_size, direct, fixed_buffers, threads, throttle, zero_copy, preallocate, local_ranks$"
         ),
     ),
     (
@@ -650,6 +650,7 @@ def test_to_dict():
             "threads": 8,
             "throttle": None,
             "preallocate": "256MiB",
+            "local_ranks": "auto",
         },
         "policy": {
             "min_tensor_bytes": "64KiB",

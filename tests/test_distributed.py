@@ -20,20 +20,21 @@ from .test_attach import CONFIGS, offload_config, train
 WORLD = 2
 
 
-def _run_ranks(wrapper: str, tmp_path, store_dir) -> list[dict]:
+def _run_ranks(wrapper: str, tmp_path, store_dir, world: int = WORLD, **extra: str) -> list[dict]:
     init = tmp_path / "pg"
-    outs = [tmp_path / f"rank{r}.pt" for r in range(WORLD)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])}
+    outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
+    path = os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, **extra}
     worker = str(REPO / "tests" / "dist_worker.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, wrapper, str(r), str(WORLD), str(init), str(store_dir), str(outs[r])],
+            [sys.executable, worker, wrapper, str(r), str(world), str(init), str(store_dir), str(outs[r])],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for r in range(WORLD)
+        for r in range(world)
     ]
     logs = []
     try:
@@ -78,3 +79,28 @@ def test_two_ranks_sharded(wrapper, tmp_path, store_dir):
         assert s["layers_path"].endswith("blocks"), s
     # The ranks trained on different data: the comparison above is not of one run with itself.
     assert not torch.equal(results[0]["ref"]["losses"][0], results[1]["ref"]["losses"][0])
+
+
+def test_ranks_on_one_node_take_their_share_and_match_ddp(tmp_path, store_dir):
+    """Four DDP ranks, as torchrun starts them (LOCAL_WORLD_SIZE=4), in one default directory:
+    each takes a quarter of what one would, and its gradients are DDP's without ssdtier."""
+    import torch.distributed as dist
+
+    from ssdtier.sizes import GiB
+
+    if not dist.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    results = _run_ranks("ddp", tmp_path, store_dir, 4, LOCAL_WORLD_SIZE="4", SSDTIER_DIR=str(store_dir))
+    for rank, res in enumerate(results):
+        ref, got = res["ref"], res["got"]
+        assert all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"], strict=True)), rank
+        assert all(torch.equal(g, got["grads"][n]) for n, g in ref["grads"].items()), rank
+        s = got["stats"]
+        assert s["local_ranks"] == 4 and s["bytes_read_nvme"] > 0, s
+        # A quarter of the free space each (the arithmetic: test_effective.py, on a fixed disk).
+        (capacity,) = s["nvme_capacity"]
+        assert 0 < capacity <= 16 * GiB, capacity
+        chosen = " | ".join(s["chosen"])
+        assert "LOCAL_WORLD_SIZE" in chosen and "nvme[0].capacity" in chosen and "each of 4 ranks" in chosen, chosen
+    # DDP averages the ranks' gradients: every rank holds the same ones.
+    assert all(torch.equal(g, results[1]["got"]["grads"][n]) for n, g in results[0]["got"]["grads"].items())

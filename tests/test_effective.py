@@ -38,7 +38,9 @@ def test_auto_on_the_cpu_offloads_every_block_or_plans_within_a_budget():
 
 
 def test_what_the_user_said_is_kept_and_nothing_is_chosen():
-    cfg = Config.from_dict({"policy": {"mode": "all"}, "io": {"fixed_buffers": False}, "host": {"capacity": "1GiB"}})
+    cfg = Config.from_dict(
+        {"policy": {"mode": "all"}, "io": {"fixed_buffers": False, "local_ranks": 1}, "host": {"capacity": "1GiB"}}
+    )
     eff = effective(cfg, GPU)
     assert eff.config == cfg and eff.choices == ()
     # Nothing offloaded: nothing pinned, the memory not even read.
@@ -53,3 +55,49 @@ def test_stats_say_what_attach_chose(store_dir):
         assert off.config.policy.mode == "all"
         assert any(c.startswith("policy.mode = 'all': 'auto' on the CPU") for c in chosen), chosen
         assert "chosen: policy.mode = 'all'" in str(off.stats())
+
+
+def test_ranks_on_one_node_share_the_arena_and_the_disk(monkeypatch):
+    import collections
+    import shutil
+
+    from ssdtier.effective import local_ranks
+    from ssdtier.ram import pinnable
+    from ssdtier.store import default_capacity
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert local_ranks() == (4, "LOCAL_WORLD_SIZE")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(200 * GiB, 100 * GiB, 100 * GiB))
+    memory = Available(34 * GiB, "MemAvailable")
+    four = Machine(gpu=True, cpu_model=False, pinned=True, memory=lambda: memory, ranks=local_ranks())
+    with pytest.warns(SsdtierWarning, match="4 ranks on this node share it"):
+        eff = effective(Config.from_dict({"host": {"capacity": "16GiB"}}), four)
+    assert eff.config.io.local_ranks == 4
+    assert eff.config.host.capacity == pinnable(34 * GiB) // 4 >> 20 << 20  # the four arenas fit together
+    said = {c.key: str(c) for c in eff.choices}
+    assert "LOCAL_WORLD_SIZE: ranks on this node share" in said["io.local_ranks"]
+    assert "a 4th of it for each of 4 ranks" in said["host.capacity"]
+    (nvme,) = eff.config.nvme
+    assert nvme.capacity == default_capacity(nvme.path, 4) == 16 * GiB  # 90% of 100 GiB, at most 64, over 4
+    assert "a 4th of it for each of 4 ranks" in said["nvme[0].capacity"]
+    # Said in the config, it wins over the launcher's variable; a directory given is the user's.
+    mine = Config.from_dict({"io": {"local_ranks": 1}, "nvme": [{"path": "/tmp/x", "capacity": "1GiB"}]})
+    one = effective(mine, four)
+    assert one.config.io.local_ranks == 1 and one.config.nvme == mine.nvme
+    assert [c.key for c in one.choices] == ["policy.mode", "policy.device_budget"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    assert local_ranks() == (1, "")
+
+
+def test_the_plan_takes_a_ranks_share_of_the_store_bandwidth(store_dir, monkeypatch):
+    from ssdtier.offload.adaptive import Adaptive
+
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e9, 2e9))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    cfg = store_config(store_dir, host="64MiB")
+    cfg["policy"] = {"mode": "adaptive"}
+    cfg["io"]["local_ranks"] = 4
+    with ssdtier.attach(model, cfg) as off:
+        assert off.adaptive.bw == (0.25e9, 0.5e9)
+        assert "io.local_ranks" not in " ".join(off.stats().chosen)  # said in the config: no choice

@@ -132,10 +132,14 @@ def cmd_info(args: argparse.Namespace) -> int:
             rate = f"not measured ({type(e).__name__}: {e})"
         # Activations made faster than this cannot all leave the GPU without it waiting.
         print(f"GPU link        {rate} to and from pinned host memory (the slower way)")
+    from .effective import local_ranks
+
+    ranks, said = local_ranks()
     mem = available()
     if mem is not None:
-        most = format_size(pinnable(mem.bytes))
-        print(f"memory left     {format_size(mem.bytes)} ({mem.bound}); a GPU's host arena can take {most} of it")
+        most = format_size(pinnable(mem.bytes) // ranks >> 20 << 20)
+        each = f", each of {ranks} ranks on this node ({said})" if ranks > 1 else ""
+        print(f"memory left     {format_size(mem.bytes)} ({mem.bound}); a GPU's host arena can take {most} of it{each}")
     try:
         import cuda.bindings  # noqa: F401
 

@@ -172,12 +172,15 @@ def _keep_last_layers(value: Any, key: str, source: str | None) -> int | str:
     return value
 
 
-def _prefetch_layers(value: Any, key: str, source: str | None) -> int | str:
-    if value == "auto" and isinstance(value, str):
+def _auto_or_int(lo: int, hi: int) -> _Checker:
+    def check(value: Any, key: str, source: str | None) -> int | str:
+        if value == "auto" and isinstance(value, str):
+            return value
+        if not _is_int(value) or not lo <= value <= hi:
+            bad_value(source, key, value, f"'auto' or an integer in {lo}..{hi}", show_type=not _is_int(value))
         return value
-    if not _is_int(value) or not 0 <= value <= 64:
-        bad_value(source, key, value, "'auto' or an integer in 0..64", show_type=not _is_int(value))
-    return value
+
+    return check
 
 
 _MODULE_PATH_RE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*", re.ASCII)
@@ -337,6 +340,12 @@ class IoConfig:
             ``"all"`` to allocate the whole capacity at once. Writes inside the allocated
             part do not extend the file, which file systems serialise; a full file
             system shows when space is taken, before any write.
+        local_ranks: The training processes on this node that share its memory and disks,
+            or ``"auto"``: what the launcher says (torchrun's and accelerate's
+            ``LOCAL_WORLD_SIZE``, DeepSpeed's ``LOCAL_SIZE``, Open MPI's), else 1. Each takes
+            its share of the memory that can be pinned for the arena, of the free space
+            when no ``[[nvme]]`` table is given, and of the store's measured bandwidth in
+            the plan.
     """
 
     _TABLE: ClassVar[str] = "io"
@@ -350,6 +359,7 @@ class IoConfig:
     throttle: int | None = _key(_size_range(0, optional=True), None, size=True)
     zero_copy: bool = _key(_bool, True)
     preallocate: int | str = _key(_preallocate, 256 * MiB, size=True)
+    local_ranks: int | str = _key(_auto_or_int(1, 1024), "auto")
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -386,7 +396,7 @@ class PolicyConfig:
 
     min_tensor_bytes: int = _key(_size_range(0), 1 * MiB, size=True)
     keep_last_layers: int | str = _key(_keep_last_layers, "auto")
-    prefetch_layers: int | str = _key(_prefetch_layers, "auto")
+    prefetch_layers: int | str = _key(_auto_or_int(0, 64), "auto")
     eviction: str = _key(_choice("lifetime", "lru", "fifo"), "lifetime")
     dedup: bool = _key(_bool, True)
     layers: str | tuple[str, ...] | None = _key(_module_paths, None)

@@ -4,11 +4,12 @@ machine, in one place (``attach``, ``ssdtier check`` and ``ssdtier info`` use it
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import Config
+from .config import Config, NvmeConfig
 from .errors import warn
 from .ram import Available, available, pinnable
 from .sizes import format_size
@@ -22,6 +23,7 @@ class Machine:
     cpu_model: bool  # every parameter and buffer is on the CPU
     pinned: bool  # the arena would be pinned, for copies from a GPU
     memory: Callable[[], Available | None] = available  # memory left, read only if the arena is pinned
+    ranks: tuple[int, str] = (1, "")  # training processes on this node, and what said so
 
     @classmethod
     def here(cls) -> Machine:
@@ -29,7 +31,20 @@ class Machine:
         import torch
 
         gpu = torch.cuda.is_available()
-        return cls(gpu=gpu, cpu_model=not gpu, pinned=gpu)
+        return cls(gpu=gpu, cpu_model=not gpu, pinned=gpu, ranks=local_ranks())
+
+
+# torchrun and accelerate; DeepSpeed's launcher; Open MPI
+RANK_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def local_ranks() -> tuple[int, str]:
+    """The training processes on this node, as the launcher says, and the variable that said it."""
+    for name in RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) >= 1:
+            return int(value), name
+    return 1, ""
 
 
 @dataclass(frozen=True)
@@ -41,7 +56,7 @@ class Choice:
     why: str
 
     def __str__(self) -> str:
-        value = format_size(self.value) if self.key == "host.capacity" else repr(self.value)
+        value = format_size(self.value) if self.key.endswith("capacity") else repr(self.value)
         return f"{self.key} = {value}: {self.why}"
 
 
@@ -78,27 +93,44 @@ def effective(config: Config, machine: Machine) -> Effective:
                 "a CPU model's activations go to NVMe from their own pages; registered, the arena would be all pinned",
             )
         )
-    if machine.pinned and (pol.mode != "none" or pol.device_budget is not None):
-        fitted = fit_arena(config, machine.memory())
+    ranks, said = (config.io.local_ranks, "") if config.io.local_ranks != "auto" else machine.ranks
+    if config.io.local_ranks == "auto":
+        config = dataclasses.replace(config, io=dataclasses.replace(config.io, local_ranks=ranks))
+        if ranks > 1:
+            choices.append(Choice("io.local_ranks", ranks, f"{said}: ranks on this node share its memory and disks"))
+    share = f", a {ranks}th of it for each of {ranks} ranks on this node" if ranks > 1 else ""
+    offloads = pol.mode != "none" or pol.device_budget is not None
+    if machine.pinned and offloads:
+        fitted = fit_arena(config, machine.memory(), ranks)
         if fitted.host.capacity != config.host.capacity:
-            choices.append(Choice("host.capacity", fitted.host.capacity, "what can be pinned here, safely"))
+            choices.append(Choice("host.capacity", fitted.host.capacity, f"what can be pinned here, safely{share}"))
         config = fitted
+    if ranks > 1 and offloads and not config.nvme:
+        from .paths import default_nvme_dir
+        from .store import default_capacity
+
+        path = default_nvme_dir()
+        cap = default_capacity(path, ranks)
+        config = dataclasses.replace(config, nvme=(NvmeConfig(path=path, capacity=cap),))
+        choices.append(Choice("nvme[0].capacity", cap, f"90% of the free space, at most 64GiB{share}"))
     return Effective(config, tuple(choices))
 
 
-def fit_arena(config: Config, avail: Available | None) -> Config:
-    """``config`` with ``host.capacity`` cut to what can be pinned safely. Pinning faults in and
-    locks every page: an arena past the memory left brings the OOM killer, not an error."""
+def fit_arena(config: Config, avail: Available | None, ranks: int = 1) -> Config:
+    """``config`` with ``host.capacity`` cut to what can be pinned safely, shared by ``ranks``
+    processes. Pinning faults in and locks every page: an arena past the memory left brings
+    the OOM killer, not an error."""
     cap = config.host.capacity
     if avail is None:
         return config
-    safe = pinnable(avail.bytes)
+    safe = pinnable(avail.bytes) // ranks >> 20 << 20
     if cap <= safe:
         return config
     instead = f"the arena takes {format_size(safe)}" if safe else "no host arena: activations go straight to NVMe"
+    each = f", and {ranks} ranks on this node share it" if ranks > 1 else ""
     warn(
         f"{config.source}: host.capacity = {format_size(cap)} is more than can be pinned here: "
-        f"{format_size(avail.bytes)} of memory is left ({avail.bound}); {instead}, leaving a quarter "
+        f"{format_size(avail.bytes)} of memory is left ({avail.bound}){each}; {instead}, leaving a quarter "
         "of it (at least 2GiB) to the rest of the machine"
     )
     return dataclasses.replace(config, host=dataclasses.replace(config.host, capacity=safe))

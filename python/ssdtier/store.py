@@ -89,12 +89,17 @@ def _devices(cfg: Config) -> list[tuple[str, int]]:
                 raise ConfigError(msg)
             warn(msg)
         return [(p, n.capacity) for p, n in zip(paths, cfg.nvme, strict=True)]
-    # Never promise more than the file system has: 90% of what is free now, at most 64 GiB.
-    probe = paths[0]
+    return [(paths[0], default_capacity(paths[0]))]
+
+
+def default_capacity(path: str, ranks: int = 1) -> int:
+    """A directory's capacity when none is given: never more than the file system has, 90% of
+    what is free now, at most 64 GiB, shared by ``ranks`` processes."""
+    probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     free = shutil.disk_usage(probe).free
-    return [(paths[0], max(min(64 * GiB, free * 9 // 10), 1 << 20))]
+    return max(min(64 * GiB, free * 9 // 10) // ranks >> 20 << 20, 1 << 20)
 
 
 class ByteStore:

@@ -58,7 +58,12 @@ class Adaptive:
         self.before: list[int] | None = None
         self.switched = 0  # blocks the guard recomputed in this forward
         self.held_peak = 0  # the most held() seen since the last budget
-        self.bw = self.calibrate()
+        write, read = self.calibrate()
+        ranks = off.config.io.local_ranks
+        if isinstance(ranks, int) and ranks > 1:  # measured alone; in training the ranks share the disks
+            write, read = write / ranks, read / ranks
+            log.info("ssdtier: the plan takes a %dth of the store's bandwidth: %d ranks on this node", ranks, ranks)
+        self.bw = (write, read)
         self.link = copy_bandwidth(self.device) if self.device is not None and off._gds is None else None
         self.gpu: Gpu | None = None
         if off.config.policy.device_budget == "auto":

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import Config, resolve_config
-from ..effective import Machine, effective
+from ..effective import Machine, effective, local_ranks
 from ..errors import OutOfSpaceError, SsdtierError, SsdtierOSError
 from ..plan import Action, Plan
 from ..ram import available
@@ -143,7 +143,7 @@ class Offloader:
         self.auto_on_cpu = config.policy.mode == "auto" and device is None  # said if CUDA tensors come
         tensors = itertools.chain(model.parameters(), model.buffers())
         streamed = any(t.device.type in self._streamed for t in tensors)
-        eff = effective(config, Machine(device is not None, _on_cpu(model), streamed, available))
+        eff = effective(config, Machine(device is not None, _on_cpu(model), streamed, available, local_ranks()))
         config, self.choices = eff.config, eff.choices
         pol = config.policy
         offloads = pol.mode != "none" or pol.device_budget is not None
