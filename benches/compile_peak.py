@@ -20,7 +20,7 @@ import torch
 
 import ssdtier
 from ssdtier.bench.memory import CpuPeak, CudaPeak
-from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 
 HOW = ("eager", "whole", "blocks")
 

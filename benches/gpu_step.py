@@ -21,7 +21,7 @@ seeds (so their losses can be compared bitwise with keep's):
 ``ssdtier_cufile`` as ``ssdtier_nvme`` with ``io.backend = "cufile"``: GPU memory to the disk
                   and back through cuFile (GDS, or its compatibility mode), the arena unused.
 
-The model is ssdtier.models.GPT with fused attention (``--attention sdpa``: flash or cuDNN, as
+The model is ssdtier.bench.models.GPT with fused attention (``--attention sdpa``: flash or cuDNN, as
 LLM training uses; ``plain`` builds it from ops that save each block's T x T scores).
 A step is forward + backward + fused AdamW under bf16 autocast (``--dtype``). After
 ``--warmup`` steps (gradients and optimizer state then exist), the peak counter is reset:
@@ -256,7 +256,7 @@ def args_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def param_count(args: argparse.Namespace) -> int:
-    """Parameters of ssdtier.models.GPT (tied embeddings, d_ff = 4 d), without building it."""
+    """Parameters of ssdtier.bench.models.GPT (tied embeddings, d_ff = 4 d), without building it."""
     d, ff = args.d_model, 4 * args.d_model
     block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)  # 2 LayerNorms, qkv, proj, MLP
     return args.vocab * d + args.seq * d + args.layers * block + 2 * d
@@ -554,7 +554,7 @@ class Setup:
     def __init__(self, mode: str, args: argparse.Namespace, ssd: dict[str, Any] | None, tt: Any) -> None:
         import torch
 
-        from ssdtier.models import build_model
+        from ssdtier.bench.models import build_model
 
         self.mode, self.args, self.tt = mode, args, tt
         self.cfg = gpt_config(args, mode == "checkpoint")
@@ -588,7 +588,7 @@ class Setup:
     def batch(self, n: int) -> Any:
         import torch
 
-        from ssdtier.models import make_batch
+        from ssdtier.bench.models import make_batch
 
         return make_batch(self.cfg, n, torch.Generator().manual_seed(self.args.seed + 1), device=DEVICE)
 
@@ -596,7 +596,7 @@ class Setup:
         """One training step: (seconds between synchronizes, loss)."""
         import torch
 
-        from ssdtier.models import batch_loss
+        from ssdtier.bench.models import batch_loss
 
         ph = self.phases
         torch.cuda.synchronize()

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import ssdtier
-    from ssdtier.models import batch_loss, build_model, make_batch
+    from ssdtier.bench.models import batch_loss, build_model, make_batch
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

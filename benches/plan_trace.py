@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import ssdtier
-from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 
 
 def gpt(batch: int, every: int = 0) -> tuple[torch.nn.Module, object]:

@@ -159,7 +159,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     import ssdtier
-    from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+    from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 
     torch.manual_seed(args.seed)
     cfg = GPTConfig(

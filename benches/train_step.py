@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training-step memory and time of ``ssdtier.attach`` next to the usual alternatives.
 
-One run, one model (a :class:`ssdtier.models.GPT`), four modes:
+One run, one model (a :class:`ssdtier.bench.models.GPT`), four modes:
 
 ``keep``
     plain training: autograd keeps every saved activation in memory.
@@ -152,7 +152,7 @@ def machine_info(directory: Path) -> dict[str, Any]:
 
 
 def gpt_config(args: argparse.Namespace, checkpoint: bool) -> Any:
-    from ssdtier.models import GPTConfig
+    from ssdtier.bench.models import GPTConfig
 
     return GPTConfig(
         vocab_size=args.vocab,
@@ -222,7 +222,7 @@ def run_mode(mode: str, args: argparse.Namespace, device: Any) -> dict[str, Any]
     """Build, warm up, then measure one mode; returns a JSON-able dict."""
     import torch
 
-    from ssdtier.models import batch_loss, build_model, make_batch
+    from ssdtier.bench.models import batch_loss, build_model, make_batch
 
     cuda = device.type == "cuda"
     policy_mode = THROTTLED.get(mode)

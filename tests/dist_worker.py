@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ssdtier
-from ssdtier.models import GPTBlock, GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.bench.models import GPTBlock, GPTConfig, batch_loss, build_model, make_batch
 
 CFG = GPTConfig(n_layers=3, vocab_size=64, seq_len=16, d_model=32, n_heads=4)
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ssdtier
-from ssdtier.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
+from ssdtier.bench.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
 from ssdtier.offload.entry import Reading, Writing
 
 from .conftest import store_config
@@ -250,14 +250,14 @@ def test_reentrant_checkpointing_inside(store_dir, monkeypatch):
     # backward, where the offloader's hooks are off: what it saves there stays in memory.
     import torch.utils.checkpoint
 
-    import ssdtier.models
+    import ssdtier.bench.models
 
     def run_block(config, i, block, *args):
         if config.checkpoint and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=True)
         return block(*args)
 
-    monkeypatch.setattr(ssdtier.models, "_run_block", run_block)
+    monkeypatch.setattr(ssdtier.bench.models, "_run_block", run_block)
     cfg = CONFIGS["gpt"].__class__(**{**CONFIGS["gpt"].__dict__, "checkpoint": True})
     got = train(cfg, offload_config(store_dir))
     assert_same(train(cfg), got)

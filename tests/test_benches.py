@@ -178,7 +178,7 @@ def test_soak_books_name_what_an_adaptive_offloader_has(store_dir, monkeypatch):
     import torch
 
     import ssdtier
-    from ssdtier.models import GPTConfig, build_model
+    from ssdtier.bench.models import GPTConfig, build_model
 
     monkeypatch.syspath_prepend(str(BENCHES))
     import soak

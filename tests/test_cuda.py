@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ssdtier
-from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 from ssdtier.offload.cuda import CudaTransport, StagePool
 
 from .test_attach import (

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ssdtier
+from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.errors import SsdtierError
-from ssdtier.models import batch_loss, build_model, make_batch
 from ssdtier.offload import cuda, offloader
 from ssdtier.offload.cuda import GpuWaits, Pinned
 from ssdtier.offload.entry import Copying, Held

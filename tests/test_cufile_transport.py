@@ -252,7 +252,7 @@ def test_backward_reads_back_through_cufile(store_dir, gds):
     cfg = gds_config(store_dir)
     torch.manual_seed(0)
     model_cfg = CONFIGS["gpt"]
-    from ssdtier.models import batch_loss, build_model, make_batch
+    from ssdtier.bench.models import batch_loss, build_model, make_batch
 
     model = build_model(model_cfg)
     batch = make_batch(model_cfg, 2, torch.Generator().manual_seed(2))
@@ -275,7 +275,7 @@ def test_a_failed_cufile_write_keeps_the_source_with_exact_gradients(store_dir, 
 
 
 def test_a_failed_cufile_read_stops_the_backward_with_its_error(store_dir, gds):
-    from ssdtier.models import batch_loss, build_model, make_batch
+    from ssdtier.bench.models import batch_loss, build_model, make_batch
 
     model = build_model(CONFIGS["gpt"])
     batch = make_batch(CONFIGS["gpt"], 2, torch.Generator().manual_seed(2))
@@ -426,7 +426,7 @@ def test_reads_do_not_queue_behind_writes(store):
 def test_writes_the_backward_overtook_are_dropped(store_dir, gds):
     """A disk slower than the step: writes still queued when the backward wants their entries
     are dropped (the sources serve it), so the disk is left to reads."""
-    from ssdtier.models import batch_loss, build_model, make_batch
+    from ssdtier.bench.models import batch_loss, build_model, make_batch
 
     torch.manual_seed(0)
     model = build_model(CONFIGS["gpt"])

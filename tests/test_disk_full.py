@@ -63,7 +63,7 @@ def test_real_disk_full_raises_out_of_space_and_keeps_data(small_fs, backend):
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "arena"])
 def test_attach_on_a_full_disk_keeps_activations_and_exact_gradients(small_fs, zero_copy, warned):
-    from ssdtier.models import GPTConfig
+    from ssdtier.bench.models import GPTConfig
 
     from .test_attach import assert_same, train
 

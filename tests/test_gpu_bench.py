@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ssdtier
-from ssdtier.models import build_model
+from ssdtier.bench.models import build_model
 from ssdtier.offload.cuda import StagePool
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ssdtier
-from ssdtier.models import batch_loss, build_model, make_batch
+from ssdtier.bench.models import batch_loss, build_model, make_batch
 
 from .test_attach import CONFIGS, offload_config, wait_copies
 

@@ -1,4 +1,4 @@
-"""ssdtier.models: tiny GPT / BERT / T5 train, are bit-reproducible on CPU (with and
+"""ssdtier.bench.models: tiny GPT / BERT / T5 train, are bit-reproducible on CPU (with and
 without activation checkpointing, which must not change the gradients), tie their
 heads, name their block lists as documented and run under bf16 autocast."""
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssdtier import models
-from ssdtier.models import (
+from ssdtier.bench import models
+from ssdtier.bench.models import (
     GPT,
     BertConfig,
     BertEncoder,

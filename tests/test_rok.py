@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ssdtier
-from ssdtier.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Memory
 from ssdtier.offload.recompute import Recompute

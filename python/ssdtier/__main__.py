@@ -191,7 +191,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .models import GPTConfig, batch_loss, build_model, make_batch
+    from .bench.models import GPTConfig, batch_loss, build_model, make_batch
     from .offload import attach
 
     if args.d_model % 8:

@@ -113,7 +113,7 @@ class Setting:
 class Workload:
     """The model and its training, the same in every setting of a run."""
 
-    hf: str | None  # a transformers model type (random weights), or None for ssdtier.models.GPT
+    hf: str | None  # a transformers model type (random weights), or None for ssdtier.bench.models.GPT
     layers: int
     d_model: int
     heads: int
@@ -189,14 +189,14 @@ def _model(w: Workload, s: Setting, device: Any) -> tuple[Any, Callable[[], Any]
         model, loss = _hf_model(w, device)
         if recompute:
             from ..integrations.hf import checkpointing
-            from ..models import selective_checkpoint_context
+            from .models import selective_checkpoint_context
 
             checkpointing(model, context_fn=selective_checkpoint_context if s.mode is Mode.SAC else None)
         model.train()
         return model, loss
     import torch
 
-    from ..models import GPTConfig, batch_loss, build_model, make_batch
+    from .models import GPTConfig, batch_loss, build_model, make_batch
 
     cfg = GPTConfig(
         vocab_size=w.vocab,
@@ -515,7 +515,9 @@ def losses_compared(w: Workload) -> int | None:
 
 
 def describe(w: Workload) -> str:
-    model = f"{w.hf} (random weights)" if w.hf else f"GPT (ssdtier.models, {'sdpa' if w.sdpa else 'plain'} attention)"
+    model = (
+        f"{w.hf} (random weights)" if w.hf else f"GPT (ssdtier.bench.models, {'sdpa' if w.sdpa else 'plain'} attention)"
+    )
     dtype = ", bf16 autocast" if w.dtype == "bf16" else ""
     threads = f" ({w.threads} thread{'s' if w.threads != 1 else ''})" if w.threads else ""
     throttle = f"; ssdtier's disk throttled to {w.throttle}/s" if w.throttle else ""

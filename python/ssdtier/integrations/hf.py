@@ -65,7 +65,7 @@ class SsdtierCallback(TrainerCallback):
 def checkpointing(model: Any, context_fn: Any = None) -> None:
     """Recompute the model's layers in backward (non-reentrant ``torch.utils.checkpoint``),
     by the name this transformers version has for it; ``context_fn`` is checkpoint's (a
-    selective policy: ``ssdtier.models.selective_checkpoint_context``)."""
+    selective policy: ``ssdtier.bench.models.selective_checkpoint_context``)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
