@@ -80,7 +80,8 @@ class Adaptive:
                 )
         self.auto = AutoBudget()
         # A fixed budget bounds the step's whole peak: what the model misses is measured.
-        self.meter = Gpu(self.device) if self.device is not None else None
+        fixed = isinstance(off.config.policy.device_budget, int)
+        self.meter = Gpu(self.device) if self.device is not None and fixed else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
         self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
@@ -301,8 +302,6 @@ class Adaptive:
         model's for what it ran; the difference is ``Head.working`` from now on. A step that set
         no new peak only bounds it from above; counters reset meanwhile say nothing."""
         if counters is None or self.mark is None or self.ran is None or len(self.ran) != len(blocks):
-            return
-        if self.off.config.policy.device_budget in (None, "auto"):  # no budget, or AutoBudget counts it
             return
         (peak, now), (peak0, base) = counters, self.mark
         if peak < peak0 or peak == now:  # the loop reset the counters since: nothing to learn
