@@ -43,6 +43,8 @@
 # rok.json in the archive's rok/); on request only: bench_wide
 # (8 blocks of width 4096: how much adaptive mode offloads with more compute per byte),
 # train_step_cuda, train_step_cuda_big,
+# rok_wide and rok_long (`bench rok --wide`: 8 blocks of width 4096; `--long`: seq 16384, SDPA;
+# keep, checkpointing and ssdtier side by side: where offloading should carry more),
 # plan_trace (benches/plan_trace.py: adaptive mode step by step, fixed budgets and "auto" at
 # batches past keep's), compile_peak (benches/compile_peak.py: peaks eager, compiled whole and
 # block by block, with and without ssdtier),
@@ -52,7 +54,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
@@ -215,6 +217,12 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
             --warmup 2 --fractions 0.8,0.6,0.4,0.25 --dir benches/out/rok-nvme --out "$LOGS/rok" \
             --fit --fit-max-batch 160 --fit-modes keep,checkpoint,ssdtier \
             --budget-s $((secs > 80 ? secs - 70 : 10))
+        ;;
+    rok_wide | rok_long)
+        secs=$(limit 300)
+        part "$p" "$secs" "$PY" -m ssdtier bench rok --device cuda "--${p#rok_}" --steps 3 --warmup 5 \
+            --modes keep,checkpoint,ssdtier --fractions 0.6,0.4 --dir benches/out/rok-nvme --out "$LOGS/$p" \
+            --budget-s $((secs > 80 ? secs - 60 : 10))
         ;;
     plan_trace)
         part plan_trace "$(limit 120)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
