@@ -13,9 +13,9 @@ from . import __version__
 from ._cli import CLI, Help, positive
 from .config import Config
 from .errors import ConfigError, SsdtierError, SsdtierWarning
-from .mounts import where
+from .mounts import existing, where
 from .paths import check_paths, default_nvme_dir, is_tmpfs, space_problems
-from .ram import available, pinnable
+from .ram import available
 from .sizes import format_size
 
 DESCRIPTION = """\
@@ -96,9 +96,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     path = os.path.abspath(args.dir or default_nvme_dir())
     print(f"ssdtier {__version__}")
     print(f"directory       {path}{'  (tmpfs: no O_DIRECT)' if is_tmpfs(path) else ''}")
-    probe = path
-    while not os.path.exists(probe):  # a store would create the directory: not for a look
-        probe = os.path.dirname(probe)
+    probe = existing(path)  # a store would create the directory: not for a look
     if probe != path:
         print(f"                does not exist: checked in {probe}, where it would be created")
     w = where(probe)
@@ -132,12 +130,12 @@ def cmd_info(args: argparse.Namespace) -> int:
             rate = f"not measured ({type(e).__name__}: {e})"
         # Activations made faster than this cannot all leave the GPU without it waiting.
         print(f"GPU link        {rate} to and from pinned host memory (the slower way)")
-    from .effective import local_ranks
+    from .effective import arena_share, local_ranks
 
     ranks, said = local_ranks()
     mem = available()
     if mem is not None:
-        most = format_size(pinnable(mem.bytes) // ranks >> 20 << 20)
+        most = format_size(arena_share(mem.bytes, ranks))
         each = f", each of {ranks} ranks on this node ({said})" if ranks > 1 else ""
         print(f"memory left     {format_size(mem.bytes)} ({mem.bound}); a GPU's host arena can take {most} of it{each}")
     try:

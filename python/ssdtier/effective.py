@@ -116,6 +116,11 @@ def effective(config: Config, machine: Machine) -> Effective:
     return Effective(config, tuple(choices))
 
 
+def arena_share(left: int, ranks: int = 1) -> int:
+    """Bytes of pinned arena one of ``ranks`` processes may take of ``left`` (whole MiB)."""
+    return pinnable(left) // ranks >> 20 << 20
+
+
 def fit_arena(config: Config, avail: Available | None, ranks: int = 1) -> Config:
     """``config`` with ``host.capacity`` cut to what can be pinned safely, shared by ``ranks``
     processes. Pinning faults in and locks every page: an arena past the memory left brings
@@ -123,7 +128,7 @@ def fit_arena(config: Config, avail: Available | None, ranks: int = 1) -> Config
     cap = config.host.capacity
     if avail is None:
         return config
-    safe = pinnable(avail.bytes) // ranks >> 20 << 20
+    safe = arena_share(avail.bytes, ranks)
     if cap <= safe:
         return config
     instead = f"the arena takes {format_size(safe)}" if safe else "no host arena: activations go straight to NVMe"

@@ -98,7 +98,7 @@ def mounts(path: str = MOUNTINFO) -> list[Mount]:
 def mount_of(path: str | os.PathLike[str], table: list[Mount] | None = None) -> Mount | None:
     """The mount holding ``path`` (its nearest existing ancestor): the longest mount point
     above it, the last mounted of equals (an over-mount hides the one below)."""
-    real = os.path.realpath(_existing(path))
+    real = os.path.realpath(existing(path))
     best: Mount | None = None
     for m in mounts() if table is None else table:
         mp = m.mountpoint
@@ -107,7 +107,8 @@ def mount_of(path: str | os.PathLike[str], table: list[Mount] | None = None) -> 
     return best
 
 
-def _existing(path: str | os.PathLike[str]) -> str:
+def existing(path: str | os.PathLike[str]) -> str:
+    """``path``, or its nearest ancestor that exists (where a directory would be created)."""
     p = os.path.abspath(os.path.expanduser(os.fspath(path)))
     while not os.path.exists(p) and os.path.dirname(p) != p:
         p = os.path.dirname(p)
@@ -162,7 +163,7 @@ def _medium(m: Mount | None, st_dev: tuple[int, int] | None, sys_root: str) -> t
 
 def where(path: str | os.PathLike[str], table: list[Mount] | None = None, sys_root: str = SYS) -> Where:
     """What ``path`` (or its nearest existing ancestor) is on."""
-    p = _existing(path)
+    p = existing(path)
     try:
         s = os.stat(p)
         st_dev: tuple[int, int] | None = (os.major(s.st_dev), os.minor(s.st_dev))

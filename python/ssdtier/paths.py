@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, warn
-from .mounts import Medium, local_ssds, where
+from .mounts import Medium, existing, local_ssds, where
 from .sizes import format_size
 
 if TYPE_CHECKING:
@@ -104,9 +104,7 @@ def space_problems(config: Config, paths: list[str]) -> list[tuple[str, bool]]:
     else the writes past the free space fail later (the activations stay in memory)."""
     by_fs: dict[int, tuple[str, int, list[str]]] = {}
     for i, (path, n) in enumerate(zip(paths, config.nvme, strict=True)):
-        probe = path
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
+        probe = existing(path)
         dev = os.stat(probe).st_dev
         where_, cap, keys = by_fs.get(dev, (probe, 0, []))
         by_fs[dev] = (where_, cap + n.capacity, [*keys, f"nvme[{i}].capacity"])

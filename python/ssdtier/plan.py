@@ -141,10 +141,11 @@ def simulate(
     spans: list[tuple[float, float, int, int]] = []  # (begin, end, bytes, block) of sources held
     done = [0.0] * n
     held = [b.held(a) for b, a in zip(blocks, actions, strict=True)]
-    before = []
+    before, kept = [], 0
     for i, (b, a) in enumerate(zip(blocks, actions, strict=True)):
         start = t
-        before.append(sum(held[:i]) + _leaving(spans, t))
+        before.append(kept + _leaving(spans, t))
+        kept += held[i]
         t += b.forward_s
         o = b.moved(a)
         if not o:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, fields
@@ -15,6 +14,7 @@ import torch
 from . import _native
 from .config import Config, resolve_config
 from .errors import ConfigError, InvalidUseError, SsdtierError, StoreClosedError, UnknownKeyError, warn, where
+from .mounts import existing
 from .paths import check_paths, remove_stale_links, space_problems
 from .ram import available
 from .sizes import GiB, format_size
@@ -95,10 +95,7 @@ def _devices(cfg: Config) -> list[tuple[str, int]]:
 def default_capacity(path: str, ranks: int = 1) -> int:
     """A directory's capacity when none is given: never more than the file system has, 90% of
     what is free now, at most 64 GiB, shared by ``ranks`` processes."""
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(existing(path)).free
     return max(min(64 * GiB, free * 9 // 10) // ranks >> 20 << 20, 1 << 20)
 
 
