@@ -5,6 +5,9 @@ torch's are) and none may be left behind; gradients stay exact."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -513,3 +516,43 @@ def test_fullgraph_where_the_hooks_are_inside_names_ssdtier_and_the_way_out(stor
         with pytest.raises(Exception, match="ssdtier's model hooks") as e:
             run(torch.randn(2, 8, requires_grad=True))
     assert "compile each block before attaching" in str(e.value)
+
+
+ATTACH_THEN_COMPILE = """
+import json, sys, torch, ssdtier
+cfg = json.loads(sys.argv[1])
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x)) * x
+        return x.square().mean()
+torch.manual_seed(0)
+model = Net()
+x = torch.randn(32, 64)
+def grads(run):
+    model.zero_grad(set_to_none=True)
+    run(x).backward()
+    return [p.grad.clone() for p in model.parameters()]
+want = grads(model)
+with ssdtier.attach(model, cfg) as off:
+    assert torch.equal(grads(model)[0], want[0])
+    loaded = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
+    assert not loaded, loaded
+    run = torch.compile(model, fullgraph=True, backend="eager")
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(grads(run), want, strict=True))
+    assert off.stats().tensors_offloaded > 0
+print("compiled after attaching")
+"""
+
+
+def test_attach_imports_no_dynamo_and_compiling_after_attach_works(store_dir):
+    """Attaching imports no torch._dynamo (sympy, triton: seconds and 160 MiB); a model
+    compiled after attaching, with fullgraph=True, still runs ssdtier's hooks outside the
+    graph. A fresh interpreter: this one has imported Dynamo."""
+    cfg = json.dumps(offload_config(store_dir))
+    r = subprocess.run([sys.executable, "-c", ATTACH_THEN_COMPILE, cfg], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled after attaching" in r.stdout, r.stderr[-3000:]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import itertools
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,13 +30,62 @@ COMPILED = (
 )
 
 
-def eager(fn: Any) -> Any:
-    """``fn`` run as Python, never traced by torch.compile."""
-    disable = torch.compiler.disable
-    try:
-        return disable(fn, reason=COMPILED)
-    except TypeError:  # torch < 2.8: no reason
-        return disable(fn)
+def run_eagerly(cls: type, name: str) -> None:
+    """Make the method ``cls.name`` run as Python, never traced by torch.compile. Dynamo
+    (sympy, triton: seconds and 160 MiB) is imported by nothing here: the method is marked
+    when something else has imported it, before anything can compile."""
+    fn = cls.__dict__[name]
+
+    def mark() -> None:
+        disable = torch.compiler.disable
+        try:
+            setattr(cls, name, disable(fn, reason=COMPILED))
+        except TypeError:  # torch < 2.8: no reason
+            setattr(cls, name, disable(fn))
+
+    if "torch._dynamo" in sys.modules:
+        mark()
+    else:
+        _OnImport.once("torch._dynamo", mark)
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Calls back once a module has been imported: finds its spec with the other finders and
+    runs the callbacks after the module's own code."""
+
+    pending: ClassVar[dict[str, list[Callable[[], None]]]] = {}
+
+    @classmethod
+    def once(cls, module: str, fn: Callable[[], None]) -> None:
+        if not cls.pending:
+            sys.meta_path.insert(0, cls())
+        cls.pending.setdefault(module, []).append(fn)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        fns = self.pending.pop(name, None)
+        if fns is None:
+            return None
+        if not self.pending:
+            sys.meta_path.remove(self)
+        spec = next((s for f in sys.meta_path if (s := _spec(f, name, path, target)) is not None), None)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            if spec is not None:  # a legacy loader: nothing to run after
+                warn(f"ssdtier could not follow the import of {name}: torch.compile may trace its hooks")
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            for fn in fns:
+                fn()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _spec(finder: Any, name: str, path: Any, target: Any) -> Any:
+    find = getattr(finder, "find_spec", None)
+    return find(name, path, target) if find is not None else None
 
 
 class Once:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._util import eager, warn
+from ._util import run_eagerly, warn
 from .readahead import Backward
 
 if TYPE_CHECKING:
@@ -46,7 +46,10 @@ class ModelHook(Hook):
     around the call would), and ``fullgraph=True`` works."""
 
     __slots__ = ()
-    __call__ = eager(Hook.__call__)
+    __call__ = Hook.__call__
+
+
+run_eagerly(ModelHook, "__call__")
 
 
 class BlockEnter(Hook):
