@@ -459,6 +459,31 @@ def test_torch_compile_on_cuda(store_dir, mode):
     assert got[2].tensors_offloaded > 0
 
 
+def test_torch_compile_cuda_graphs_with_copies_held_back(store_dir, monkeypatch):
+    """reduce-overhead: a CUDA graph's replays write its memory whatever the allocator knows,
+    so a saved tensor's memory is not kept for its copy out by record_stream. Each copy out
+    waits behind a sleep on its stream (10 ms or more: the whole step's copies land long
+    after its forward); the backward waits for them before any later replay, so gradients
+    stay exact. 4 blocks of width 512, a 1 GiB arena: copies into slots, not write-through."""
+    offload = CudaTransport.offload
+
+    def held_back(self, whole, nbytes, f):
+        with torch.cuda.stream(self._streams(whole.device)[0]):
+            torch.cuda._sleep(20_000_000)
+        return offload(self, whole, nbytes, f)
+
+    def compiled(model):
+        torch._dynamo.reset()
+        return torch.compile(model, mode="reduce-overhead")
+
+    cfg = GPTConfig(n_layers=4, vocab_size=512, seq_len=256, d_model=512, n_heads=8)
+    ref = train_cuda(cfg, wrap=compiled, batch=8, micro=4)
+    monkeypatch.setattr(CudaTransport, "offload", held_back)
+    got = train_cuda(cfg, offload_config(store_dir, host="1GiB"), wrap=compiled, batch=8, micro=4)
+    assert_same(ref, got)
+    assert got[2].tensors_offloaded > 0
+
+
 def test_a_step_captured_by_hand_stays_exact(store_dir, warned):
     """A forward and backward captured with torch.cuda.graph after eager warm-up steps on a
     side stream (offloaded: their copies may still be in flight): nothing is queried during
