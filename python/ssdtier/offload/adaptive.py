@@ -36,6 +36,7 @@ SAME = 0.05  # measurements this close to those the plan was solved from: it sta
 FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
 SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
+SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (each read: tens of us)
 
 
 class Adaptive:
@@ -66,6 +67,7 @@ class Adaptive:
         self.bw = (write, read)
         self.link = copy_bandwidth(self.device) if self.device is not None and off._gds is None else None
         self.gpu: Gpu | None = None
+        self.stride = -(-off.n_layers // SAMPLES)  # sample_at: every stride-th block
         if off.config.policy.device_budget == "auto":
             if self.device is not None:
                 self.gpu = Gpu(self.device)
@@ -268,6 +270,13 @@ class Adaptive:
             held = self.held()
             self.held_peak = max(self.held_peak, held)
             self.auto.sample(self.gpu.allocated(), held)
+
+    def sample_at(self, layer: int) -> None:
+        """As the backward reaches ``layer``: a sample at every few blocks, the first block
+        and each of the head's tensors (its gradients are large). What is allocated beside
+        the activations grows through a backward as gradients accumulate: little is missed."""
+        if layer > self.off.n_layers or layer == 1 or layer % self.stride == 0:
+            self.sample()
 
     # ---------------------------------------------------------------- the plan
 

@@ -211,14 +211,14 @@ class Offloader:
         self._handles: list[Any] = []
         self._recompute: list[Recompute] = []
         self.adaptive: Adaptive | None = None
-        self._sample: Callable[[], None] | None = None  # device_budget = "auto": GPU memory now
+        self._sample: Callable[[int], None] | None = None  # device_budget = "auto": GPU memory now
         try:
             if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
                 if self.adaptive.gpu is not None:
-                    self._sample = self.adaptive.sample
+                    self._sample = self.adaptive.sample_at
             self._handles += [
                 model.register_forward_pre_hook(ModelHook(self._enter)),
                 model.register_forward_hook(ModelHook(self._exit), always_call=True),
@@ -391,7 +391,7 @@ class Offloader:
             if self.adaptive is not None:
                 self.adaptive.forward_end()
             if self._sample is not None:
-                self._sample()
+                self.adaptive.sample()
             with self._lock:  # a backward, or a graph being freed, on another thread may poll too
                 if (
                     self.ahead.auto
@@ -599,7 +599,7 @@ class Offloader:
                 if self.adaptive is not None:
                     self.adaptive.backward_reached(e.layer)
                 if self._sample is not None:
-                    self._sample()
+                    self._sample(e.layer)
                 self.cpu.poll()  # writes done since the last block let their sources go
                 if not self.ahead.auto:
                     self.ahead.start(e.forward, e.layer)
@@ -648,7 +648,7 @@ class Offloader:
                 with self._lock:
                     self._backward_begins(h.forward)
             if self._sample is not None and (h.layer > self.n_layers or h.layer != b.last):
-                self._sample()  # each layer's first, and each of the head's (its gradients are large)
+                self._sample(h.layer)  # each layer's first, and each of the head's
             if h.layer != b.last and b.due(h.layer):
                 if self.adaptive is not None:
                     self.adaptive.backward_reached(h.layer)
