@@ -498,3 +498,35 @@ def test_a_storage_of_no_bytes_pins_no_arena_with_cufile(store_dir, gds, monkeyp
         assert off.uses_cufile
         model(x).sum().backward()
     assert off.stats().tensors_offloaded > 0 and not FakeGPU.now.pinned_on
+
+
+def test_cufile_writes_hold_at_most_their_bound_of_sources(store_dir, gds, monkeypatch):
+    """A disk slower than the forward: cuFile writes hold their sources, so the forward waits
+    for the oldest once they would pass the bound (here 64 KiB), as copies to the arena do.
+    The disk takes nothing until the forward first waits: the wait is certain."""
+    from ssdtier.offload import cpu, cuda
+
+    monkeypatch.setattr(cuda, "QUEUE_MIN", 64 << 10)
+    hold = gds.state["hold_writes"] = threading.Event()
+    waits = []
+    wait = cpu.CpuTransport._wait_gds
+
+    def first_wait_frees_the_disk(self):
+        waits.append(self.gds_inflight)
+        hold.set()
+        wait(self)
+
+    monkeypatch.setattr(cpu.CpuTransport, "_wait_gds", first_wait_frees_the_disk)
+    sizes, peaks = [], []
+    write = cufile.CuFile.write
+    monkeypatch.setattr(cufile.CuFile, "write", lambda self, k, p, n, r: sizes.append(n) or write(self, k, p, n, r))
+    try:
+        got = train(
+            CONFIGS["gpt"], gds_config(store_dir), micro=2, batch=8, on_step=lambda off: peaks.append(off.cpu.gds_peak)
+        )
+    finally:
+        hold.set()
+    assert_same(train(CONFIGS["gpt"], micro=2, batch=8), got)
+    assert waits and sum(sizes) > 4 * (64 << 10)
+    assert 0 < max(peaks) <= max(64 << 10, max(sizes))  # a larger one alone
+    assert got[2].tensors_offloaded == len(sizes)

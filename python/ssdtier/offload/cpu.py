@@ -5,14 +5,16 @@ cuFile, a CUDA storage goes the same way between GPU memory and NVMe (cufile.py)
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import SsdtierError
-from . import cufile
+from . import cuda, cufile
 from ._util import PAGE, aligned_storage, host_event
 from .entry import Entry, Held, Made, Reading, Writing
 
@@ -31,6 +33,8 @@ class CpuTransport:
         self.gds = gds
         self.gds_types: tuple[str, ...] = cufile.DEVICE_TYPES if gds is not None else ()
         self.side: dict[torch.device, Any] = {}  # per GPU: the stream cuFile's reads allocate on
+        self.gds_inflight = 0  # bytes of sources held by cuFile writes not yet done
+        self.gds_peak = 0  # the most at once
 
     def offload(self, st: torch.UntypedStorage, nbytes: int, f: Fwd) -> Entry:
         ptr = st.data_ptr()
@@ -52,13 +56,33 @@ class CpuTransport:
         """cuFile writes the storage from GPU memory once the work queued so far is done; the
         storage is held until then."""
         assert self.gds is not None
+        bound = _queue_bound(st.device)
+        while self.gds_inflight and self.gds_inflight + nbytes > bound:
+            self._wait_gds()  # back-pressure, as copies to the arena have: a larger one goes alone
         key = self.native.reserve_unslotted(nbytes)
         try:
             ticket = self.gds.write(key, ptr, nbytes, _ready(st.device))
         except BaseException:
             self.native.free(key)
             raise
+        self.gds_inflight += nbytes
+        self.gds_peak = max(self.gds_peak, self.gds_inflight)
         return self._writing(Entry(key, nbytes, st.device, False, f), st, ticket, ptr)
+
+    def _wait_gds(self) -> None:
+        """The host waits for the oldest cuFile write, then ends it."""
+        e = next(e for e in self.writing if isinstance(e.out.ticket, cufile.Transfer))
+        t0 = time.perf_counter()
+        concurrent.futures.wait([e.out.ticket.fut])
+        waited = time.perf_counter() - t0
+        res = self.off.res
+        res.held_back += waited
+        res.forward_wait += waited
+        with self.off._lock:
+            if e in self.writing:  # not ended by another thread's poll meanwhile
+                self.writing.remove(e)
+                self._end_write(e)
+        self.poll()
 
     def _writing(self, e: Entry, st: torch.UntypedStorage, ticket: Any, ptr: int) -> Entry:
         """A new entry written from its source's memory: the source is held until a poll sees
@@ -76,6 +100,7 @@ class CpuTransport:
         if not isinstance(w.ticket, cufile.Transfer) or not w.ticket.cancel():
             return
         self.writing.remove(e)
+        self.gds_inflight -= e.nbytes
         e.out = Held(w.src)
         key, e.key = e.key, None
         with contextlib.suppress(SsdtierError):  # it raises the reason given, as the store's error
@@ -94,6 +119,8 @@ class CpuTransport:
         off = self.off
         w = e.out
         assert type(w) is Writing
+        if isinstance(w.ticket, cufile.Transfer):
+            self.gds_inflight -= e.nbytes
         e.out = Held(w.src)
         failed: SsdtierError | None = None
         try:
@@ -147,6 +174,7 @@ class CpuTransport:
         for e in self.writing:
             self.off.drop_source(e)
         self.writing.clear()
+        self.gds_inflight = 0
 
 
 def _ready(device: torch.device) -> Any:
@@ -156,3 +184,10 @@ def _ready(device: torch.device) -> Any:
     ev = host_event()
     ev.record(torch.cuda.current_stream(device))
     return ev
+
+
+def _queue_bound(device: torch.device) -> int:
+    """The most bytes of sources cuFile writes may hold: what copies to the arena may."""
+    if device.type != "cuda":
+        return cuda.QUEUE_MIN
+    return max(cuda.QUEUE_MIN, int(cuda.device_memory(device) * cuda.QUEUE_SHARE))
