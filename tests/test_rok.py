@@ -413,6 +413,37 @@ def test_each_blocks_backward_is_measured_not_assumed(store_dir, monkeypatch):
     assert blocks[0].backward_s == pytest.approx(0.02)  # nothing marks its end: the median share
 
 
+class _Ev:
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypatch):
+    """A host ahead of the GPU: reading the last step's CUDA events at the next forward would
+    wait for its backward to end. Such steps are dropped, 3 in a row at most; the 4th waits."""
+    from ssdtier.offload.profile import Profile
+
+    p = Profile(2, torch.device("cuda"), lambda: 0.0, False)
+    p.end_mark, p.marks = _Ev(True), [(2, _Ev(True), 0.0), (1, _Ev(False), 0.0)]
+    assert not p.ready()
+    p.marks[-1][1].done = True
+    assert p.ready()
+
+    done = iter([False, False, False, False, True, False, True, True])
+    monkeypatch.setattr(Profile, "ready", lambda self: next(done))
+    read = []
+    blocks = Profile.blocks
+    monkeypatch.setattr(Profile, "blocks", lambda self: read.append(len(reads)) or blocks(self))
+    reads = []
+    got = steps(GPT, adaptive(store_dir), batches=(2,) * 9, on_step=lambda off: reads.append(None))
+    assert_same(steps(GPT, batches=(2,) * 9), got)
+    # Replans 2 to 9 (the first has nothing to read): the 4th unread step waits, then as ready.
+    assert read == [4, 5, 7, 8], read
+
+
 class _TickCopyBlock(_TickBlock):
     def forward(self, x):
         return torch.tanh(self.fc(_Tick.apply(x, 0.01, self.bwd)).clone())

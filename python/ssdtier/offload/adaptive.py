@@ -36,6 +36,7 @@ SAME = 0.05  # measurements this close to those the plan was solved from: it sta
 FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
 SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
+UNREAD = 3  # steps whose GPU timings are dropped, not waited for, before the host waits for one
 SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (each read: tens of us)
 
 
@@ -50,6 +51,7 @@ class Adaptive:
         )
         self.plan: Plan | None = None
         self.warm = False  # an iteration was profiled and not planned from (GPU only)
+        self.unread = 0  # steps in a row whose timings the GPU had not finished at the next forward
         self.per_byte = 0.0  # seconds per byte moved that the model did not predict (halved when quiet)
         self.ctl = StepControl(patience=3)
         self.wait0 = 0.0
@@ -285,7 +287,13 @@ class Adaptive:
         feedback; then the actions of this forward (``f.acts``, ``f.off_tag``)."""
         budget = self.budget()
         self.off.device_budget(budget)
-        measured = self.profile.blocks() if self.profile.ended else None
+        measured = None
+        if self.profile.ended:
+            if self.profile.ready() or self.unread >= UNREAD:
+                measured = self.profile.blocks()
+                self.unread = 0
+            else:  # the host runs ahead of the GPU: a later step's timings, not a wait for these
+                self.unread += 1
         counters = self.meter.counters() if self.meter is not None else None
         if measured is not None:  # memory is right from the first step
             self._learn(measured[0], measured[1], counters)

@@ -47,6 +47,10 @@ class _Clock:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def done(self, mark: Any) -> bool:
+        """Whether reading ``mark`` would not wait for the GPU."""
+        return self.device is None or mark.query()
+
     def between(self, a: Any, b: Any) -> float:
         if self.device is None:
             return b - a
@@ -181,6 +185,12 @@ class Profile:
         self.rec_spans.append((tag, self.clock.stop(token)))
 
     # ---------------------------------------------------------------- at the next plan
+
+    def ready(self) -> bool:
+        """Whether the last step's spans are done on the GPU: its last marks (one stream's
+        events end in order; the reads wait for any other)."""
+        last = [self.end_mark, *(m[1] for m in self.marks[-1:]), *(s[1][1] for s in self.rec_spans[-1:])]
+        return all(self.clock.done(m) for m in last if m is not None)
 
     def blocks(self) -> tuple[list[Block], Head] | None:
         """The blocks as the last forward measured them, with each recomputed block's bytes
