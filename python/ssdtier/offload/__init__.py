@@ -17,7 +17,8 @@ The parts: ``offloader.py`` (hooks, pack, unpack), ``forward.py`` (the
 forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
 ``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``profile.py``,
 ``recompute.py``, ``budget.py``, ``control.py``, ``layers.py`` and ``stats.py``;
-docs/offloader.md maps them.
+``owner.py`` holds what each part uses of the offloader, so none imports
+``offloader.py``. docs/offloader.md maps them.
 """
 
 from .forward import no_offload

@@ -25,7 +25,7 @@ from .profile import Profile
 
 if TYPE_CHECKING:
     from .forward import Fwd
-    from .offloader import Offloader
+    from .owner import AdaptiveOwner
 
 log = logging.getLogger("ssdtier")
 
@@ -43,7 +43,7 @@ SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (ea
 class Adaptive:
     """The plan in force, the measurements it comes from, and the device budget."""
 
-    def __init__(self, off: Offloader) -> None:
+    def __init__(self, off: AdaptiveOwner) -> None:
         self.off = off
         self.device = cuda_device(off.model)  # None: on the CPU
         self.profile = Profile(

@@ -21,11 +21,11 @@ from .entry import Entry, Held, Made, Reading, Writing
 if TYPE_CHECKING:
     from .cufile import CuFile
     from .forward import Fwd
-    from .offloader import Offloader
+    from .owner import CpuOwner
 
 
 class CpuTransport:
-    def __init__(self, off: Offloader, gds: CuFile | None = None) -> None:
+    def __init__(self, off: CpuOwner, gds: CuFile | None = None) -> None:
         self.off = off
         self.native = off.store.native
         self.zero_copy = off.config.io.zero_copy

@@ -23,7 +23,7 @@ from .entry import Copying, Entry, Held, Made, Reading
 
 if TYPE_CHECKING:
     from .forward import Fwd
-    from .offloader import Offloader
+    from .owner import CudaOwner
 
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
@@ -177,7 +177,7 @@ def device_memory(device: torch.device) -> int:
 class CudaTransport:
     stage_pool = StagePool.PREFETCH  # an instance's may differ (gpu_step.py --stage-pool)
 
-    def __init__(self, off: Offloader) -> None:
+    def __init__(self, off: CudaOwner) -> None:
         self.off = off
         self.store = off.store
         self.native = off.store.native

@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from .forward import Fwd
-    from .offloader import Offloader
+    from .owner import EntryOwner
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
@@ -91,7 +91,7 @@ class Kept:
         "version",
     )
 
-    def __init__(self, off: Offloader, tensor: torch.Tensor, nbytes: int, fwd: Fwd, key: tuple) -> None:
+    def __init__(self, off: EntryOwner, tensor: torch.Tensor, nbytes: int, fwd: Fwd, key: tuple) -> None:
         self.off, self.tensor, self.nbytes = off, without_history(tensor), nbytes
         self.version = tensor._version
         # Its unpack in backward starts the read-ahead of the layers below, as an entry's does:
@@ -251,7 +251,7 @@ class Saved:
 
     __slots__ = ("conj", "dtype", "entry", "off", "offset", "probe", "size", "stride", "twin", "unpacked", "version")
 
-    def __init__(self, off: Offloader, entry: Entry, t: torch.Tensor, first: tuple | None = None) -> None:
+    def __init__(self, off: EntryOwner, entry: Entry, t: torch.Tensor, first: tuple | None = None) -> None:
         # Counted before anything is allocated: an allocation may run a garbage collection that
         # releases the entry's other handles, and with this one counted the entry stays.
         entry.refs += 1

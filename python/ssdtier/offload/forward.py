@@ -19,7 +19,7 @@ from .readahead import Backward
 
 if TYPE_CHECKING:
     from ..plan import Action
-    from .offloader import Offloader
+    from .owner import ForwardOwner
 
 
 class Hook:
@@ -58,7 +58,7 @@ class BlockEnter(Hook):
 
     __slots__ = ("off", "tag")
 
-    def __init__(self, off: Offloader, tag: int) -> None:
+    def __init__(self, off: ForwardOwner, tag: int) -> None:
         self.off, self.tag = off, tag
 
     def __call__(self, module: nn.Module, args: Any) -> None:
@@ -120,7 +120,7 @@ class Fwd:
         "wait0",
     )
 
-    def __init__(self, off: Offloader) -> None:
+    def __init__(self, off: ForwardOwner) -> None:
         self.off = off
         self.acts: list[Action] | None = None  # adaptive mode: each block's action in this forward
         self.off_tag: list[bool] = off._off_tag  # by tag: whether what is saved there is offloaded
@@ -139,7 +139,7 @@ class Fwd:
 
 
 class PerThread(threading.local):
-    def __init__(self, off: Offloader) -> None:
+    def __init__(self, off: ForwardOwner) -> None:
         self.fwd = Fwd(off)
 
 

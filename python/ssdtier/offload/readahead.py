@@ -16,7 +16,7 @@ from .control import StepControl
 from .entry import Entry, Held, Writing
 
 if TYPE_CHECKING:
-    from .offloader import Offloader
+    from .owner import ReadAheadOwner
 
 log = logging.getLogger("ssdtier")
 
@@ -111,7 +111,7 @@ class ReadAhead:
     (``prefetch_layers = N``), or a byte window (``"auto"``) sized after each backward from
     its pace and the time reads took."""
 
-    def __init__(self, off: Offloader, prefetch_layers: int | str) -> None:
+    def __init__(self, off: ReadAheadOwner, prefetch_layers: int | str) -> None:
         self.off = off
         self.auto = prefetch_layers == "auto"
         self.depth = 0 if self.auto else int(prefetch_layers)  # whole layers read ahead

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from .forward import top_hooks
 
 if TYPE_CHECKING:
-    from .offloader import Offloader
+    from .owner import RecomputeOwner
 
 
 class Recompute:
@@ -26,7 +26,7 @@ class Recompute:
 
     __slots__ = ("__wrapped__", "block", "fn", "off", "own", "tag")
 
-    def __init__(self, off: Offloader, block: nn.Module, tag: int) -> None:
+    def __init__(self, off: RecomputeOwner, block: nn.Module, tag: int) -> None:
         self.off, self.block, self.tag = off, block, tag
         self.own = block.__dict__.get("forward")  # an instance forward of the user's, put back at detach
         self.fn = block.forward
@@ -57,7 +57,7 @@ class Recompute:
         )
 
 
-def _may_checkpoint(off: Offloader) -> bool:
+def _may_checkpoint(off: RecomputeOwner) -> bool:
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     top = top_hooks()
@@ -70,7 +70,7 @@ class _Timed:
 
     __slots__ = ("calls", "fn", "off", "tag")
 
-    def __init__(self, fn: Any, off: Offloader, tag: int) -> None:
+    def __init__(self, fn: Any, off: RecomputeOwner, tag: int) -> None:
         self.fn, self.off, self.tag, self.calls = fn, off, tag, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
