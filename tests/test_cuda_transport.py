@@ -774,3 +774,35 @@ def test_a_model_moved_to_a_gpu_after_attach_is_told_what_auto_chose(store_dir, 
         off.cuda.poll()
         let_go(off.cuda, e)
     assert len(warned('so policy.mode "auto" chose "all"')) == (mode is None)
+
+
+def test_an_unpack_with_the_arena_pinned_by_copies_waits_for_one_not_a_pageable_copy(transport, gpu, monkeypatch):
+    """An entry on NVMe only, unpacked while copies back to the GPU pin the arena's slots: it
+    waits for the oldest copy to release its slot and reads into the arena, not into pageable
+    memory (a copy from pageable memory waits for everything queued on the stream)."""
+    z = offload(transport, source(384 << 10, 1))
+    gpu.run()
+    transport.poll()
+    transport.native.evict(z.key)  # on NVMe only
+    pinned = [offload(transport, source(384 << 10, v)) for v in (2, 3)]
+    gpu.run()
+    transport.poll()
+    for e in pinned:  # copied back on demand, the copies not run: their slots stay pinned
+        transport.restore(e, None)
+    assert len(transport.h2d) == 2
+    staged = []
+    native = transport.native
+
+    class Native:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def read_staged(self, *a):
+            staged.append(a)
+            return native.read_staged(*a)
+
+    monkeypatch.setattr(transport, "native", Native())
+    st, made = transport.restore(z, None)
+    assert not staged and len(transport.h2d) == 2  # one copy done and unpinned, z's added
+    gpu.run()
+    assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st)[: 384 << 10], source(384 << 10, 1))

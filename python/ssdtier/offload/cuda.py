@@ -480,9 +480,18 @@ class CudaTransport:
         resident = native.location(e.key)[0]
         t0 = time.perf_counter()
         off = native.acquire(e.key)
+        while off is None and self.h2d:  # copies back pin the arena: wait for one, not the stream
+            self.h2d.oldest().synchronize()
+            self.poll()
+            off = native.acquire(e.key)
         current = torch.cuda.current_stream(e.device)
         # The GPU's part is timed from here on: the read above is the host's stall, not twice.
         if off is None:
+            self.off.once.warn(
+                "pageable",
+                f"an activation of {e.nbytes} bytes found no room in the host arena to be read back: "
+                "copied from pageable memory, which waits for the GPU (said once); raise host.capacity",
+            )
             host = torch.empty(e.nbytes, dtype=torch.uint8)
             native.read_staged(e.key, host.data_ptr(), e.nbytes, host)
             res.stall += time.perf_counter() - t0
