@@ -156,14 +156,23 @@ def test_interleaved_rounds_combine_by_their_medians():
         [timed("keep", "keep", 101, 1.2), timed("ssdtier 0.5x keep", "ssdtier", 49, 1.0)],
         [timed("keep", "keep", 100, 1.1), timed("ssdtier 0.5x keep", "ssdtier", 50, 1.1, ("b",))],
     ]
-    keep, ours = rok.combine(rounds)
+    keep, ours = train.combine(rounds)
     assert keep["median_step_s"] == 1.1 and keep["s_per_sample"] == pytest.approx(0.275)
     assert keep["peak_bytes"] == 100 * 2**20 and keep["round_step_s"] == [1.0, 1.2, 1.1]
     assert ours["median_step_s"] == 1.1 and keep["losses_equal_rounds"] and not ours["losses_equal_rounds"]
     assert ours["tokens_per_s"] == pytest.approx(4.0 / 1.1)
     failed = [{**rounds[1][1], "status": "error", "error": "boom"}]
-    assert rok.combine([[rounds[0][1]], failed])[0]["status"] == "error"
-    assert rok.combine(rounds[:1]) is rounds[0]
+    assert train.combine([[rounds[0][1]], failed])[0]["status"] == "error"
+    assert train.combine(rounds[:1]) is rounds[0]
+
+
+def test_quick_runs_three_interleaved_rounds_unless_told():
+    """A newcomer's --quick numbers: one round of a small model drifts 1.5x between minutes."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    for bench in ("train", "rok"):
+        for argv, want in (([], 1), (["--quick"], 3), (["--quick", "--repeats", "1"], 1), (["--repeats", "2"], 2)):
+            assert train.repeats_of(parser.parse_args(["bench", bench, *argv])) == want, (bench, argv)
 
 
 class FakeAction(enum.Enum):

@@ -62,9 +62,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-fio", action="store_true", help="the store only")
     p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
     p = command("train", _train, "keep, ssdtier, checkpoint and save_on_cpu side by side on one model")
-    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256): a minute or less on a laptop's CPU")
+    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256), 3 rounds: about 2 minutes on a CPU")
     p = command("rok", _rok, "every way to save activation memory side by side: the ROK curve and who dominates")
-    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256): a minute or two on a laptop's CPU")
+    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256), 3 rounds: about 5 minutes on a CPU")
     _rok_arguments(p)
 
 
@@ -113,8 +113,6 @@ def _rok_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-budgets", type=_floats, default=[0.5],
                    help="torch.compile's activation_memory_budget, one setting each")  # fmt: skip
     g.add_argument("--out", default="ssdtier-rok", help="directory for rok.csv, rok.png and rok.json")
-    g.add_argument("--repeats", type=positive, default=1, help="rounds of every setting, interleaved; each "
-                   "setting's time and peak are the medians of its rounds")  # fmt: skip
     g.add_argument("--budget-s", type=float, help="settings not started within this many seconds are skipped "
                    "(with --fit, the side-by-side run gets half)")  # fmt: skip
     g = p.add_argument_group("--fit: the largest micro-batch of each mode")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import sys
 import textwrap
 import time
@@ -45,9 +44,10 @@ from .train import (
     losses_compared,
     ratios,
     render,
+    repeats_of,
     resolve,
-    run,
     run_one,
+    run_rounds,
     skip_reason,
     workload_of,
 )
@@ -128,30 +128,6 @@ def dominance(
             row["met"] = None if ours is None and other is None else ours is not None
         rows.append(row)
     return rows
-
-
-def combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One result per setting from rounds of the same settings: the median of the rounds'
-    median steps and of their peaks; not ok if any round was not. On a shared machine a
-    setting's speed drifts between minutes: medians of interleaved rounds compare fairly."""
-    if len(rounds) == 1:
-        return rounds[0]
-    out = []
-    for runs in zip(*rounds, strict=True):
-        r = dict(runs[0])
-        bad = next((x for x in runs if x.get("status") != "ok"), None)
-        if bad is not None:
-            out.append(dict(bad))
-            continue
-        r["round_step_s"] = [x["median_step_s"] for x in runs]
-        r["round_peak_bytes"] = [x["peak_bytes"] for x in runs]
-        r["median_step_s"] = statistics.median(r["round_step_s"])
-        r["peak_bytes"] = int(statistics.median(r["round_peak_bytes"]))
-        r["s_per_sample"] = r["median_step_s"] / r["batch"]
-        r["tokens_per_s"] = r["tokens_per_s"] * runs[0]["median_step_s"] / r["median_step_s"]
-        r["losses_equal_rounds"] = all(x.get("losses") == runs[0].get("losses") for x in runs)
-        out.append(r)
-    return out
 
 
 def render_dominance(rows: list[dict[str, Any]], target: float = TARGET) -> str:
@@ -357,10 +333,7 @@ def cmd_rok(args: argparse.Namespace) -> int:
         w, tuple(args.modes), tuple(args.fractions), tuple(args.budget or ()), tuple(args.checkpoint_every),
         tuple(args.compile_budgets), tuple(args.keep_last or ()),
     )  # fmt: skip
-    rounds = [run(settings, w, "bench rok", sweep_deadline)]
-    for k in range(1, args.repeats):  # interleaved: every setting once per round
-        rounds.append(run(settings, w, f"bench rok (round {k + 1} of {args.repeats})", sweep_deadline))
-    results = combine(rounds)
+    results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline)
     ratios(results, losses_compared(w))
     doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
     files = [out / "rok.csv", out / "rok.json"]

@@ -581,7 +581,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attention": "plain", "dtype": "fp32", "dropout": 0.1, "min_tensor_bytes": "64KiB",
     },
     # Small, yet its activations (~180 MiB) are well above what a process's RSS moves by
-    # itself, so that memory saved shows on a CPU: a minute or two there.
+    # itself, so that memory saved shows on a CPU (3 rounds: 2 to 5 minutes there).
     "quick": {"layers": 4, "d_model": 128, "heads": 4, "seq": 256, "batch": 8, "vocab": 512, "steps": 3, "warmup": 1},
     # For a GPU: wide blocks (more FLOPs per byte saved), and long sequences (SDPA: no T x T
     # scores); too slow for a CPU.
@@ -623,6 +623,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
     presets.add_argument("--quick", action="store_true", help=quick_note)
     presets.add_argument("--wide", action="store_true", help="8 blocks of width 4096, seq 2048, bf16, SDPA (a GPU's)")
     presets.add_argument("--long", action="store_true", help="8 blocks of width 2048, seq 16384, bf16, SDPA (a GPU's)")
+    p.add_argument("--repeats", type=positive, help="rounds of every setting, interleaved; each setting's time "
+                   "and peak are the medians of its rounds (default: 3 with --quick, else 1)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
 
 
@@ -664,10 +666,52 @@ def workload_of(args: argparse.Namespace) -> Workload:
 TRAIN_MODES = (Mode.KEEP, Mode.SSDTIER, Mode.CHECKPOINT, Mode.SAVE_ON_CPU)
 
 
+def combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per setting from rounds of the same settings: the median of the rounds'
+    median steps and of their peaks; not ok if any round was not. On a shared machine a
+    setting's speed drifts between minutes: medians of interleaved rounds compare fairly."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = []
+    for runs in zip(*rounds, strict=True):
+        r = dict(runs[0])
+        bad = next((x for x in runs if x.get("status") != "ok"), None)
+        if bad is not None:
+            out.append(dict(bad))
+            continue
+        r["round_step_s"] = [x["median_step_s"] for x in runs]
+        r["round_peak_bytes"] = [x["peak_bytes"] for x in runs]
+        r["median_step_s"] = statistics.median(r["round_step_s"])
+        r["peak_bytes"] = int(statistics.median(r["round_peak_bytes"]))
+        r["s_per_sample"] = r["median_step_s"] / r["batch"]
+        r["tokens_per_s"] = r["tokens_per_s"] * runs[0]["median_step_s"] / r["median_step_s"]
+        r["losses_equal_rounds"] = all(x.get("losses") == runs[0].get("losses") for x in runs)
+        out.append(r)
+    return out
+
+
+def repeats_of(args: argparse.Namespace) -> int:
+    """``--repeats``, else 3 rounds for ``--quick`` (a newcomer's first numbers: one round of a
+    small model drifts 1.5x between minutes) and 1 otherwise."""
+    if args.repeats is not None:
+        return args.repeats
+    return 3 if getattr(args, "quick", False) else 1
+
+
+def run_rounds(
+    settings: list[Setting], w: Workload, desc: str, repeats: int, deadline: float | None = None
+) -> list[dict[str, Any]]:
+    """``repeats`` interleaved rounds of every setting, combined by their medians."""
+    rounds = [run(settings, w, desc, deadline)]
+    for k in range(1, repeats):
+        rounds.append(run(settings, w, f"{desc} (round {k + 1} of {repeats})", deadline))
+    return combine(rounds)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Keep, ssdtier, checkpoint and save_on_cpu on one model, side by side."""
     w = workload_of(args)
-    results = run([Setting(m) for m in TRAIN_MODES], w, "bench train")
+    results = run_rounds([Setting(m) for m in TRAIN_MODES], w, "bench train", repeats_of(args))
     ratios(results, losses_compared(w))
     emit({"workload": asdict(w), "results": results}, render(results, w), args.json)
     ssd = [r for r in results if r["mode"] == Mode.SSDTIER.value]
