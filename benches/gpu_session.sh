@@ -19,6 +19,10 @@
 #                                                     #   (the device time left less 20 s; >= 400, 700 for all)
 #   SESSION_S=... bash benches/gpu_session.sh call5   # install import plan_trace test_cuda compile_peak rok:
 #                                                     #   the next planner session (>= 420, 800 for all)
+#   SESSION_S=... bash benches/gpu_session.sh call6   # install import test_cuda plan_trace rok: a first call
+#                                                     #   of 590 (the planner's fixes, then the judge with --fit)
+#   SESSION_S=... bash benches/gpu_session.sh call7   # install test_graphs compile_peak rok_wide: the second,
+#                                                     #   with what is left (>= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
@@ -30,7 +34,8 @@
 #
 # Parts: install (the carried wheels), import (the installed wheel, not the source tree, is what
 # tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
-# torch.compile's), test_compile, pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
+# torch.compile's), test_compile, test_graphs (CUDA graphs: reduce-overhead with copies out held
+# back, a capture by hand), pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
 # largest micro-batch of keep, adaptive and checkpoint), fit_cpool (keep's and adaptive's with copies
 # ahead into the compute stream's pool), pin_rate (benches/pin_rate.py: how fast a host arena is
@@ -54,7 +59,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} test_graphs fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
@@ -63,13 +68,15 @@ for a in "$@"; do
     call3) parts+=(install fit fit_cpool) ;;
     call4) parts+=(install import test_cuda rok) ;;
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
+    call6) parts+=(install import test_cuda plan_trace rok) ;;
+    call7) parts+=(install test_graphs compile_peak rok_wide) ;;
     *) parts+=("$a") ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
     if [[ "$KNOWN" != *" $p "* ]]; then
-        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4" >&2
+        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4, call5, call6, call7" >&2
         exit 2
     fi
 done
@@ -153,6 +160,11 @@ for p in "${parts[@]}"; do
         ;;
     test_compile)
         part test_compile "$(limit 240)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v -rfEs --tb=short -o log_level=WARNING
+        ;;
+    test_graphs)
+        # CUDA graphs: reduce-overhead with copies out held back, and a capture by hand.
+        part test_graphs "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+            -k "cuda_graphs or captured_by_hand" -v -rfEs --tb=short -o log_level=WARNING
         ;;
     pytest_all)
         par=()
