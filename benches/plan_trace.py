@@ -51,6 +51,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             )
             prof.__enter__()
         torch.cuda.synchronize()
+        before = _waits(off)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -69,6 +70,8 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "reserved_gib": torch.cuda.memory_reserved() / 2**30,
         }
+        if off is not None:  # where the host's and the GPU's time went, this step
+            row.update({k: v - before[k] for k, v in _waits(off).items()})
         if off is not None and off.adaptive is not None:
             plan = off.adaptive.plan
             row["budget_gib"] = (off._budget or 0) / 2**30
@@ -85,6 +88,16 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
+
+
+def _waits(off) -> dict[str, float]:
+    """The offloader's running totals: the forward's waits for copies out (held back by the
+    queue's bound, or for the store), the backward's for reads, the GPU's for copies back."""
+    if off is None:
+        return {}
+    r = off.res
+    return {"held_back_s": r.held_back, "forward_wait_s": r.forward_wait, "stall_s": r.stall,
+            "gpu_wait_s": off.stats().gpu_wait_seconds, "offloaded": off.stats().tensors_offloaded}  # fmt: skip
 
 
 def main() -> None:
