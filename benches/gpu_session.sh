@@ -19,10 +19,10 @@
 #                                                     #   (the device time left less 20 s; >= 400, 700 for all)
 #   SESSION_S=... bash benches/gpu_session.sh call5   # install import plan_trace test_cuda compile_peak rok:
 #                                                     #   the next planner session (>= 420, 800 for all)
-#   SESSION_S=... bash benches/gpu_session.sh call6   # install import test_cuda plan_trace rok: a first call
-#                                                     #   of 590 (the planner's fixes, then the judge with --fit)
-#   SESSION_S=... bash benches/gpu_session.sh call7   # install test_graphs compile_peak rok_wide: the second,
-#                                                     #   with what is left (>= 240)
+#   SESSION_S=... bash benches/gpu_session.sh call6   # install import plan_trace rok: a first call of 590
+#                                                     #   (the planner's fixes and both stage pools, the judge)
+#   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
+#                                                     #   second, with what is left (>= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
@@ -68,8 +68,8 @@ for a in "$@"; do
     call3) parts+=(install fit fit_cpool) ;;
     call4) parts+=(install import test_cuda rok) ;;
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
-    call6) parts+=(install import test_cuda plan_trace rok) ;;
-    call7) parts+=(install test_graphs compile_peak rok_wide) ;;
+    call6) parts+=(install import plan_trace rok) ;;
+    call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -237,8 +237,9 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
             --budget-s $((secs > 80 ? secs - 60 : 10))
         ;;
     plan_trace)
-        part plan_trace "$(limit 120)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
-            --runs keep,0.8,0.4,0.25,auto:16,auto:20
+        # A run ending in c copies read-aheads into the compute stream's pool.
+        part plan_trace "$(limit 170)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
+            --runs keep,0.8,0.8c,0.4,0.25,auto:16,auto:16c,auto:20
         ;;
     compile_peak)
         part compile_peak "$(limit 240)" "$PY" benches/compile_peak.py --device cuda --backend inductor \

@@ -4,7 +4,9 @@ and a profile of one settled step against checkpointing (research extra, not a b
     python benches/plan_trace.py --out DIR [--steps 10] [--runs keep,0.8,0.25,auto:16,keep:13]
 
 A run is ``keep``, ``checkpoint``, a share of keep's peak (a fixed device budget) or
-``auto`` (device_budget = "auto"), each at ``--batch`` or ``:B``. Writes DIR/trace.json,
+``auto`` (device_budget = "auto"), each at ``--batch`` or ``:B``; a run ending in ``c``
+(``auto:16c``) copies read-aheads into the compute stream's pool, not the prefetch
+stream's. Each step records the memory reserved per stream. Writes DIR/trace.json,
 DIR/<run>.log (ssdtier's INFO log) and DIR/profile_<run>.txt (--profile)."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 import ssdtier
 from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.offload.cuda import StagePool
 
 
 def gpt(batch: int, every: int = 0) -> tuple[torch.nn.Module, object]:
@@ -69,6 +72,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             "forward_host_s": t1 - t0,
             "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+            "reserved_by_stream_gib": _reserved_by_stream(),
         }
         if off is not None:  # where the host's and the GPU's time went, this step
             row.update({k: v - before[k] for k, v in _waits(off).items()})
@@ -87,6 +91,17 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             )
         print(json.dumps(row), flush=True)
         out.append(row)
+    return out
+
+
+def _reserved_by_stream() -> dict[str, float]:
+    """GiB the caching allocator holds per stream's pool: "compute" (the current stream's),
+    the others by handle (ssdtier's prefetch stream's, if it read ahead into its own)."""
+    compute = torch.cuda.current_stream().cuda_stream
+    out: dict[str, float] = {}
+    for seg in torch.cuda.memory_snapshot():
+        name = "compute" if seg["stream"] == compute else hex(seg["stream"])
+        out[name] = out.get(name, 0.0) + seg["total_size"] / 2**30
     return out
 
 
@@ -115,6 +130,8 @@ def main() -> None:
     keep_peak = None
     for run in a.runs.split(","):
         kind, _, b = run.partition(":")
+        pool = StagePool.COMPUTE if run.endswith("c") else StagePool.PREFETCH
+        kind, b = kind.removesuffix("c"), b.removesuffix("c")
         batch = int(b) if b else a.batch
         handler = logging.FileHandler(a.out / f"{run.replace(':', '_')}.log", mode="w")
         logging.getLogger("ssdtier").addHandler(handler)
@@ -131,6 +148,7 @@ def main() -> None:
                     "nvme": [{"path": a.dir, "capacity": "32GiB"}],
                 }
                 off = ssdtier.attach(model, cfg)
+                off.cuda.stage_pool = pool
             prof = a.out / f"profile_{run.replace(':', '_')}.txt" if run in a.profile.split(",") else None
             rows = steps(model, loss_of, a.steps, off, prof)
             last = sorted(r["s"] for r in rows[-3:])[1]
