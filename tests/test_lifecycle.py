@@ -541,6 +541,9 @@ with ssdtier.attach(model, cfg) as off:
     assert torch.equal(grads(model)[0], want[0])
     loaded = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
     assert not loaded, loaded
+    if sys.argv[2] == "probe":  # a lookup that loads nothing, as a library checking for Dynamo does
+        import importlib.util
+        assert importlib.util.find_spec("torch._dynamo") is not None and "torch._dynamo" not in sys.modules
     run = torch.compile(model, fullgraph=True, backend="eager")
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(grads(run), want, strict=True))
@@ -549,10 +552,13 @@ print("compiled after attaching")
 """
 
 
-def test_attach_imports_no_dynamo_and_compiling_after_attach_works(store_dir):
+@pytest.mark.parametrize("probe", ["probe", "no probe"])
+def test_attach_imports_no_dynamo_and_compiling_after_attach_works(store_dir, probe):
     """Attaching imports no torch._dynamo (sympy, triton: seconds and 160 MiB); a model
     compiled after attaching, with fullgraph=True, still runs ssdtier's hooks outside the
-    graph. A fresh interpreter: this one has imported Dynamo."""
+    graph, also after a lookup of Dynamo's spec. A fresh interpreter: this one has imported
+    Dynamo."""
     cfg = json.dumps(offload_config(store_dir))
-    r = subprocess.run([sys.executable, "-c", ATTACH_THEN_COMPILE, cfg], capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, "-c", ATTACH_THEN_COMPILE, cfg, probe]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "compiled after attaching" in r.stdout, r.stderr[-3000:]

@@ -6,6 +6,7 @@ import contextlib
 import importlib.abc
 import itertools
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -37,37 +38,46 @@ def run_eagerly(cls: type, name: str) -> None:
     fn = cls.__dict__[name]
 
     def mark() -> None:
-        disable = torch.compiler.disable
-        try:
-            setattr(cls, name, disable(fn, reason=COMPILED))
-        except TypeError:  # torch < 2.8: no reason
-            setattr(cls, name, disable(fn))
+        setattr(cls, name, torch.compiler.disable(fn, reason=COMPILED))
 
-    if "torch._dynamo" in sys.modules:
-        mark()
-    else:
-        _OnImport.once("torch._dynamo", mark)
+    _OnImport.then("torch._dynamo", mark)
 
 
 class _OnImport(importlib.abc.MetaPathFinder):
-    """Calls back once a module has been imported: finds its spec with the other finders and
-    runs the callbacks after the module's own code."""
+    """Calls back once a module has been imported: its loader, found by the other finders, runs
+    the callbacks after the module's own code. A lookup that loads nothing (a probe) leaves
+    them waiting for the import."""
 
     pending: ClassVar[dict[str, list[Callable[[], None]]]] = {}
+    lock = threading.Lock()
 
     @classmethod
-    def once(cls, module: str, fn: Callable[[], None]) -> None:
-        if not cls.pending:
-            sys.meta_path.insert(0, cls())
-        cls.pending.setdefault(module, []).append(fn)
+    def then(cls, module: str, fn: Callable[[], None]) -> None:
+        with cls.lock:
+            if not cls.pending:
+                sys.meta_path.insert(0, cls())
+            cls.pending.setdefault(module, []).append(fn)
+        cls.flush()  # imported meanwhile, by another thread
+
+    @classmethod
+    def flush(cls) -> None:
+        """Run the callbacks of the modules imported already."""
+        with cls.lock:
+            ran = [(m, cls.pending.pop(m)) for m in list(cls.pending) if m in sys.modules]
+            if ran and not cls.pending:
+                for f in [f for f in sys.meta_path if isinstance(f, cls)]:
+                    sys.meta_path.remove(f)
+        for module, fns in ran:
+            for fn in fns:
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - never fail the user's import
+                    warn(f"after {module} was imported: {type(e).__name__}: {e}")
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        fns = self.pending.pop(name, None)
-        if fns is None:
+        if name not in self.pending:
             return None
-        if not self.pending:
-            sys.meta_path.remove(self)
-        spec = next((s for f in sys.meta_path if (s := _spec(f, name, path, target)) is not None), None)
+        spec = next((s for f in sys.meta_path if f is not self and (s := _spec(f, name, path, target))), None)
         if spec is None or not hasattr(spec.loader, "exec_module"):
             if spec is not None:  # a legacy loader: nothing to run after
                 warn(f"ssdtier could not follow the import of {name}: torch.compile may trace its hooks")
@@ -76,11 +86,16 @@ class _OnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            for fn in fns:
-                fn()
+            self.flush()
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def imported() -> None:
+    """Run what waits for modules that are imported by now."""
+    if _OnImport.pending:
+        _OnImport.flush()
 
 
 def _spec(finder: Any, name: str, path: Any, target: Any) -> Any:

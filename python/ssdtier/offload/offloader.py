@@ -23,7 +23,7 @@ from ..plan import Action, Plan
 from ..ram import available
 from ..sizes import format_size
 from ..store import ByteStore
-from ._util import Once, cuda_device, warn
+from ._util import Once, cuda_device, imported, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
@@ -219,6 +219,7 @@ class Offloader:
                 self.adaptive = Adaptive(self)
                 if self.adaptive.gpu is not None:
                     self._sample = self.adaptive.sample_at
+            imported()  # Dynamo imported by another thread while ssdtier's hooks were defined
             self._handles += [
                 model.register_forward_pre_hook(ModelHook(self._enter)),
                 model.register_forward_hook(ModelHook(self._exit), always_call=True),
