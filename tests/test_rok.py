@@ -38,7 +38,7 @@ def forced(monkeypatch, acts):
         off.set_actions(tuple(acts))
 
     monkeypatch.setattr(Adaptive, "__init__", start)
-    monkeypatch.setattr(Adaptive, "_adopt", lambda self, blocks, head, budget: None)
+    monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: None)
 
 
 def steps(cfg, ssd=None, batches=(2, 2, 2), on_step=None):
@@ -423,7 +423,8 @@ class _Ev:
 
 def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypatch):
     """A host ahead of the GPU: reading the last step's CUDA events at the next forward would
-    wait for its backward to end. Such steps are dropped, 3 in a row at most; the 4th waits."""
+    wait for its backward to end. Such steps are dropped, 3 in a row at most; the 4th waits.
+    A dropped step's peak is still learned, and its waits charged to no plan."""
     from ssdtier.offload.profile import Profile
 
     p = Profile(2, torch.device("cuda"), lambda: 0.0, False)
@@ -434,14 +435,31 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
 
     done = iter([False, False, False, False, True, False, True, True])
     monkeypatch.setattr(Profile, "ready", lambda self: next(done))
-    read = []
+    read, reads, learned, adopted = [], [], [], []
     blocks = Profile.blocks
     monkeypatch.setattr(Profile, "blocks", lambda self: read.append(len(reads)) or blocks(self))
-    reads = []
+
+    class Meter:  # the allocator's counters at each replan: the step's number
+        def counters(self):
+            return len(reads), len(reads)
+
+    init, adopt = Adaptive.__init__, Adaptive._adopt
+
+    def start(self, off):
+        init(self, off)
+        self.meter = Meter()
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, counters: learned.append((self.mark[0], counters[0])))
+    monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: adopted.append(a[-1]) or adopt(self, *a))
     got = steps(GPT, adaptive(store_dir), batches=(2,) * 9, on_step=lambda off: reads.append(None))
     assert_same(steps(GPT, batches=(2,) * 9), got)
     # Replans 2 to 9 (the first has nothing to read): the 4th unread step waits, then as ready.
     assert read == [4, 5, 7, 8], read
+    # The peak counters are read against the last read step's (a dropped step's peak is
+    # kept), and waits are not judged right after dropped steps (theirs spill over).
+    assert learned == [(0, 4), (4, 5), (5, 7), (7, 8)], learned
+    assert adopted == [False, True, False, True], adopted
 
 
 class _TickCopyBlock(_TickBlock):

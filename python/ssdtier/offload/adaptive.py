@@ -274,8 +274,8 @@ class Adaptive:
             self.auto.sample(self.gpu.allocated(), held)
 
     def sample_at(self, layer: int) -> None:
-        """As the backward reaches ``layer``: a sample at every few blocks, the first block
-        and each of the head's tensors (its gradients are large). What is allocated beside
+        """As the backward reaches ``layer``: a sample at every few blocks, the first block,
+        what runs before it, and each of the head's tensors (its gradients are large). What is allocated beside
         the activations grows through a backward as gradients accumulate: little is missed."""
         if layer > self.off.n_layers or layer == 1 or layer % self.stride == 0:
             self.sample()
@@ -288,12 +288,15 @@ class Adaptive:
         budget = self.budget()
         self.off.device_budget(budget)
         measured = None
+        # After dropped steps the peak counter's mark is older, and their waits spill into this one's.
+        feedback = self.unread == 0
         if self.profile.ended:
             if self.profile.ready() or self.unread >= UNREAD:
                 measured = self.profile.blocks()
                 self.unread = 0
             else:  # the host runs ahead of the GPU: a later step's timings, not a wait for these
                 self.unread += 1
+        read = measured is not None
         counters = self.meter.counters() if self.meter is not None else None
         if measured is not None:  # memory is right from the first step
             self._learn(measured[0], measured[1], counters)
@@ -303,8 +306,9 @@ class Adaptive:
             self.warm = True
             measured = None
         if measured is not None:
-            self._adopt(measured[0], measured[1], budget)
-        self.mark = counters
+            self._adopt(measured[0], measured[1], budget, feedback)
+        if read or self.mark is None:  # a dropped step's peak is learned at the next read
+            self.mark = counters
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()
@@ -329,10 +333,10 @@ class Adaptive:
         else:
             self.working = min(self.working, max(0, peak0 - base - predicted))
 
-    def _adopt(self, blocks: list, head: Head, budget: int | None) -> None:
+    def _adopt(self, blocks: list, head: Head, budget: int | None, feedback: bool = True) -> None:
         off = self.off
         step = sum(b.forward_s + b.backward_s for b in blocks) + head.forward_s + head.backward_s
-        if self.plan is not None:
+        if self.plan is not None and feedback:
             waited = off.io_wait() - self.wait0
             predicted = self.plan.outcome.forward_wait_s + self.plan.outcome.backward_wait_s
             moved = self.plan.outcome.moved
