@@ -806,3 +806,16 @@ def test_an_unpack_with_the_arena_pinned_by_copies_waits_for_one_not_a_pageable_
     assert not staged and len(transport.h2d) == 2  # one copy done and unpinned, z's added
     gpu.run()
     assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st)[: 384 << 10], source(384 << 10, 1))
+
+
+def test_an_unpack_larger_than_the_arena_waits_for_no_copy_back(transport, gpu, warned):
+    """Waiting for copies back cannot make room for more than the arena: it is read from
+    NVMe into pageable memory at once, said once."""
+    big = offload(transport, source(2 << 20, 5))  # written through: larger than the 1 MiB arena
+    e = offload(transport, source(64 << 10, 6))
+    gpu.run()
+    transport.poll()
+    transport.restore(e, None)  # its copy back not run: its slot pinned
+    st, _ = transport.restore(big, None)
+    assert len(transport.h2d) == 1 and warned("found no room in the host arena to be read back")
+    assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st), source(2 << 20, 5))

@@ -116,9 +116,10 @@ class Unpins:
             if not q:
                 del self.queues[stream]
 
-    def oldest(self) -> Any:
-        """The event of the first copy of some stream's queue."""
-        return next(iter(self.queues.values()))[0][0]
+    def oldest(self, prefer: Any = None) -> Any:
+        """The event of the first copy of ``prefer``'s queue, else of some stream's."""
+        q = self.queues.get(prefer) or next(iter(self.queues.values()))
+        return q[0][0]
 
     def events(self) -> list[Any]:
         return [ev for q in self.queues.values() for ev, _ in q]
@@ -480,10 +481,16 @@ class CudaTransport:
         resident = native.location(e.key)[0]
         t0 = time.perf_counter()
         off = native.acquire(e.key)
-        while off is None and self.h2d:  # copies back pin the arena: wait for one, not the stream
-            self.h2d.oldest().synchronize()
-            self.poll()
-            off = native.acquire(e.key)
+        arena = self.store.arena.numel() if self.store.arena is not None else 0
+        if off is None and e.nbytes <= arena and not torch.cuda.is_current_stream_capturing():
+            # Copies back pin the arena: wait for one (the prefetch stream's first, which run
+            # no kernels), not for the whole stream as a copy from pageable memory would.
+            prefetch = self._streams(e.device)[1]
+            while off is None and self.h2d:
+                self.poll()
+                off = native.acquire(e.key)
+                if off is None and self.h2d:
+                    self.h2d.oldest(prefetch).synchronize()
         current = torch.cuda.current_stream(e.device)
         # The GPU's part is timed from here on: the read above is the host's stall, not twice.
         if off is None:
