@@ -35,7 +35,7 @@
 # Parts: install (the carried wheels), import (the installed wheel, not the source tree, is what
 # tests import), info (ssdtier info: io_uring, O_DIRECT, CUDA, GDS), test_cuda (all but
 # torch.compile's), test_compile, test_graphs (CUDA graphs: reduce-overhead with copies out held
-# back, a capture by hand), pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
+# back), pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
 # largest micro-batch of keep, adaptive and checkpoint), fit_cpool (keep's and adaptive's with copies
 # ahead into the compute stream's pool), pin_rate (benches/pin_rate.py: how fast a host arena is
@@ -162,9 +162,9 @@ for p in "${parts[@]}"; do
         part test_compile "$(limit 240)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k torch_compile -v -rfEs --tb=short -o log_level=WARNING
         ;;
     test_graphs)
-        # CUDA graphs: reduce-overhead with copies out held back, and a capture by hand.
+        # CUDA graphs: reduce-overhead with copies out held back (test_cuda has the capture by hand).
         part test_graphs "$(limit 180)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-            -k "cuda_graphs or captured_by_hand" -v -rfEs --tb=short -o log_level=WARNING
+            -k "cuda_graphs" -v -rfEs --tb=short -o log_level=WARNING
         ;;
     pytest_all)
         par=()

@@ -110,9 +110,9 @@ def _waits(off) -> dict[str, float]:
     queue's bound, or for the store), the backward's for reads, the GPU's for copies back."""
     if off is None:
         return {}
-    r = off.res
+    r, st = off.res, off.stats()
     return {"held_back_s": r.held_back, "forward_wait_s": r.forward_wait, "stall_s": r.stall,
-            "gpu_wait_s": off.stats().gpu_wait_seconds, "offloaded": off.stats().tensors_offloaded}  # fmt: skip
+            "gpu_wait_s": st.gpu_wait_seconds, "offloaded": st.tensors_offloaded}  # fmt: skip
 
 
 def main() -> None:
@@ -129,9 +129,9 @@ def main() -> None:
     doc: dict = {}
     keep_peak = None
     for run in a.runs.split(","):
-        kind, _, b = run.partition(":")
-        pool = StagePool.COMPUTE if run.endswith("c") else StagePool.PREFETCH
-        kind, b = kind.removesuffix("c"), b.removesuffix("c")
+        compute = run.endswith("c") and run != "checkpoint"
+        kind, _, b = run.removesuffix("c" if compute else "").partition(":")
+        pool = StagePool.COMPUTE if compute else StagePool.PREFETCH
         batch = int(b) if b else a.batch
         handler = logging.FileHandler(a.out / f"{run.replace(':', '_')}.log", mode="w")
         logging.getLogger("ssdtier").addHandler(handler)

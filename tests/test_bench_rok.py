@@ -163,6 +163,8 @@ def test_interleaved_rounds_combine_by_their_medians():
     assert ours["tokens_per_s"] == pytest.approx(4.0 / 1.1)
     failed = [{**rounds[1][1], "status": "error", "error": "boom"}]
     assert train.combine([[rounds[0][1]], failed])[0]["status"] == "error"
+    late = [{**rounds[2][1], "status": "skipped", "error": "out of time"}]  # --budget-s ran out
+    assert train.combine([[rounds[0][1]], [rounds[1][1]], late])[0]["round_step_s"] == [1.3, 1.0]
     assert train.combine(rounds[:1]) is rounds[0]
 
 

@@ -668,24 +668,26 @@ TRAIN_MODES = (Mode.KEEP, Mode.SSDTIER, Mode.CHECKPOINT, Mode.SAVE_ON_CPU)
 
 def combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per setting from rounds of the same settings: the median of the rounds'
-    median steps and of their peaks; not ok if any round was not. On a shared machine a
-    setting's speed drifts between minutes: medians of interleaved rounds compare fairly."""
+    median steps and of their peaks; a failed round fails the setting, a round skipped (out
+    of time) is left out. On a shared machine a setting's speed drifts between minutes:
+    medians of interleaved rounds compare fairly."""
     if len(rounds) == 1:
         return rounds[0]
     out = []
     for runs in zip(*rounds, strict=True):
-        r = dict(runs[0])
-        bad = next((x for x in runs if x.get("status") != "ok"), None)
-        if bad is not None:
-            out.append(dict(bad))
+        ran = [x for x in runs if x.get("status") == "ok"]
+        bad = next((x for x in runs if x.get("status") not in ("ok", "skipped")), None)
+        if bad is not None or not ran:
+            out.append(dict(bad or runs[0]))
             continue
-        r["round_step_s"] = [x["median_step_s"] for x in runs]
-        r["round_peak_bytes"] = [x["peak_bytes"] for x in runs]
+        r = dict(ran[0])
+        r["round_step_s"] = [x["median_step_s"] for x in ran]
+        r["round_peak_bytes"] = [x["peak_bytes"] for x in ran]
         r["median_step_s"] = statistics.median(r["round_step_s"])
         r["peak_bytes"] = int(statistics.median(r["round_peak_bytes"]))
         r["s_per_sample"] = r["median_step_s"] / r["batch"]
-        r["tokens_per_s"] = r["tokens_per_s"] * runs[0]["median_step_s"] / r["median_step_s"]
-        r["losses_equal_rounds"] = all(x.get("losses") == runs[0].get("losses") for x in runs)
+        r["tokens_per_s"] = r["tokens_per_s"] * ran[0]["median_step_s"] / r["median_step_s"]
+        r["losses_equal_rounds"] = all(x.get("losses") == ran[0].get("losses") for x in ran)
         out.append(r)
     return out
 
