@@ -275,8 +275,8 @@ class Adaptive:
 
     def sample_at(self, layer: int) -> None:
         """As the backward reaches ``layer``: a sample at every few blocks, the first block,
-        what runs before it, and each of the head's tensors (its gradients are large). What is allocated beside
-        the activations grows through a backward as gradients accumulate: little is missed."""
+        what runs before it, and each of the head's tensors (its gradients are large). What
+        is allocated beside the activations grows through a backward: little is missed."""
         if layer > self.off.n_layers or layer == 1 or layer % self.stride == 0:
             self.sample()
 

@@ -46,7 +46,7 @@ class Gpu:
         return Memory(free, total, reserved, peak, st.get("num_alloc_retries", 0), now)
 
     def allocated(self) -> int:
-        return _stat(torch.cuda.memory_stats_as_nested_dict(self.device), "allocated_bytes", "current")
+        return self.counters()[1]
 
     def counters(self) -> tuple[int, int]:
         """The allocator's peak and current allocated bytes."""

@@ -188,6 +188,4 @@ def _ready(device: torch.device) -> Any:
 
 def _queue_bound(device: torch.device) -> int:
     """The most bytes of sources cuFile writes may hold: what copies to the arena may."""
-    if device.type != "cuda":
-        return cuda.QUEUE_MIN
-    return max(cuda.QUEUE_MIN, int(cuda.device_memory(device) * cuda.QUEUE_SHARE))
+    return cuda.queue_bound(device) if device.type == "cuda" else cuda.QUEUE_MIN

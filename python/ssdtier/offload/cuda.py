@@ -175,6 +175,11 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def queue_bound(device: torch.device) -> int:
+    """The most bytes of sources that copies or writes out of a GPU may hold at once."""
+    return max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
+
+
 class CudaTransport:
     stage_pool = StagePool.PREFETCH  # an instance's may differ (gpu_step.py --stage-pool)
 
@@ -227,7 +232,7 @@ class CudaTransport:
                 self.pinned = Pinned(arena, device)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
-            queue = max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
+            queue = queue_bound(device)
             if queue < self.bound:
                 self.bound = queue
                 log.info("ssdtier: copies out queued hold at most %s of %s's memory", format_size(queue), device)
