@@ -231,15 +231,11 @@ def test_settings_presets_and_options():
         train.resolve(s, TINY, [])
 
 
-def test_the_arena_follows_keep_on_cuda(monkeypatch):
-    from ssdtier import ram
-
-    assert train.auto_arena(TINY, 10 << 30) == "64MiB"  # the CPU: small, the bytes reach NVMe
+def test_the_arena_is_the_packages_default_on_cuda():
+    assert train.auto_arena(TINY) == "64MiB"  # the CPU: small, the bytes reach NVMe
     cuda = replace(TINY, device="cuda")
-    monkeypatch.setattr(ram, "available", lambda: ram.Available(100 << 30, "MemAvailable"))
-    assert int(train.auto_arena(cuda, 10 << 30)) == 11 << 30
-    assert int(train.auto_arena(cuda, 200 << 30)) == ram.pinnable(100 << 30)
-    assert int(train.auto_arena(cuda, None)) == 1 << 30
+    assert train.auto_arena(cuda) == "auto"
+    assert cuda.store_config(Setting(Mode.SSDTIER)).host.capacity == "auto"
     assert train.losses_compared(replace(cuda, sdpa=True)) == 1 and train.losses_compared(TINY) is None
 
 

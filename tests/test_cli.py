@@ -63,6 +63,7 @@ def test_info_reports_the_backend(store_dir):
     assert "\nfree            " in r.stdout
     assert "\nmemory left     " in r.stdout and "a GPU's host arena can take " in r.stdout
     assert "default policy  all: 'auto' on the CPU: every block is offloaded" in r.stdout  # (no CUDA here)
+    assert "default arena   1GiB: 'auto' off a GPU" in r.stdout
 
 
 def test_info_does_not_create_the_directory(store_dir):

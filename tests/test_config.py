@@ -182,7 +182,8 @@ def test_mode_auto_is_adaptive_on_a_gpu_or_with_a_budget_else_all():
 
 def test_defaults():
     cfg = Config()
-    assert cfg.host == HostConfig(capacity=GiB)
+    assert cfg.host == HostConfig(capacity="auto")
+    assert cfg.host.sized() == HostConfig(capacity=GiB) and HostConfig(capacity=0).sized(5) == HostConfig(capacity=0)
     assert cfg.nvme == ()
     assert cfg.io == IoConfig(
         backend="auto",
@@ -234,6 +235,8 @@ def test_direct_construction_normalises_and_validates(monkeypatch):
     assert cfg.nvme == (NvmeConfig("/a"), NvmeConfig("/b"))
     with pytest.raises(ConfigError, match=r"^host\.capacity: expected a non-negative size.*got -1$"):
         HostConfig(capacity=-1)
+    with pytest.raises(ConfigError, match=r"^host\.capacity: expected 'auto' or a size such as '8GiB', got 'atuo'$"):
+        HostConfig(capacity="atuo")
     with pytest.raises(ConfigError, match=r"^io\.threads: expected an integer in 1\.\.64"):
         IoConfig(threads=0)
     with pytest.raises(ConfigError, match=r"^nvme\.capacity: expected a size >= 1B, got 0$"):
@@ -798,7 +801,7 @@ def test_replace_positional_mapping_and_objects():
         ),
         (
             {"host.capacity": "big"},
-            r"host\.capacity: expected a non-negative size.*got 'big'$",
+            r"host\.capacity: expected 'auto' or a size such as '8GiB', got 'big'$",
         ),
     ],
 )
@@ -840,7 +843,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert lines[0] == f"{f}: 7 problems:"
     for want in (
         "unknown table [polcy]; did you mean 'policy'?",
-        "host.capacity: expected a non-negative size",
+        "host.capacity: expected 'auto' or a size",
         "io.queue_dept: unknown key; did you mean 'queue_depth'?",
         "io.backend: expected one of",
         "io.threads: expected an integer in 1..64, got 0",

@@ -658,6 +658,18 @@ def test_the_arena_is_pinned_at_attach(store_dir):
         assert off.cuda.registered or off.uses_cufile  # before the first forward (cuFile: no arena use)
 
 
+def test_an_auto_arena_is_sized_from_the_models_gpu(store_dir, monkeypatch):
+    from ssdtier import effective
+
+    monkeypatch.setattr(effective, "GPU_ARENA_SHARE", 1 / 64)  # the plumbing, not 1/4's seconds of pinning
+    model = build_model(CFG).cuda()
+    with ssdtier.attach(model, offload_config(store_dir, host="auto")) as off:
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert off.config.host.capacity <= total // 64 >> 20 << 20
+        assert any(c.startswith("host.capacity = ") and "'auto' on a GPU" in c for c in off.stats().chosen)
+        assert off.cuda.registered or off.uses_cufile
+
+
 def test_dataloader_fork_workers_get_no_copy_of_the_pinned_arena(store_dir):
     # cudaHostRegister pins the arena: a fork would copy all of it into every worker.
     from torch.utils.data import DataLoader, TensorDataset

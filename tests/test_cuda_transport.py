@@ -443,6 +443,18 @@ def test_the_arena_is_pinned_at_attach_for_a_model_on_a_gpu(store_dir, gpu, monk
         assert not gpu.registered  # keeps everything: the arena is not used
 
 
+def test_an_auto_arena_is_a_quarter_of_the_models_gpu(store_dir, gpu, monkeypatch):
+    sized = []
+    monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 1))
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(cuda, "device_memory", lambda device: sized.append(device) or 32 << 20)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with ssdtier.attach(model, offload_config(store_dir, host="auto")) as off:
+        assert off.store.arena.numel() == off.config.host.capacity == 8 << 20
+        assert torch.device("cuda", 1) in sized and gpu.registered == {off.store.arena.data_ptr(): 8 << 20}
+        assert "host.capacity = 8MiB: 'auto' on a GPU: a quarter of the GPU's memory" in off.stats().chosen
+
+
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_fork_child_leaves_the_parents_pinned_arena_and_copies_alone(store_dir, gpu, monkeypatch):
     monkeypatch.setattr(offloader, "cuda_device", lambda model: torch.device("cuda", 0))

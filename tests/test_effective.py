@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import tomllib
 import torch
 
 import ssdtier
 from ssdtier.config import Config
-from ssdtier.effective import Machine, effective
+from ssdtier.effective import Machine, arena_share, effective
 from ssdtier.errors import SsdtierWarning
 from ssdtier.ram import Available
 from ssdtier.sizes import GiB
@@ -101,3 +102,30 @@ def test_the_plan_takes_a_ranks_share_of_the_store_bandwidth(store_dir, monkeypa
     with ssdtier.attach(model, cfg) as off:
         assert off.adaptive.bw == (0.25e9, 0.5e9)
         assert "io.local_ranks" not in " ".join(off.stats().chosen)  # said in the config: no choice
+
+
+def test_an_auto_arena_on_a_gpu_is_a_quarter_of_it_cut_to_what_can_be_pinned(recwarn):
+    def gpu(left: int, ranks: int = 1) -> Machine:
+        memory = Available(left, "MemAvailable")
+        return Machine(True, False, True, lambda: memory, ranks=(ranks, "LOCAL_WORLD_SIZE"), gpu_memory=80 * GiB)
+
+    eff = effective(Config(), gpu(500 * GiB))
+    assert eff.config.host.capacity == 20 * GiB
+    said = {c.key: str(c) for c in eff.choices}
+    assert said["host.capacity"] == "host.capacity = 20GiB: 'auto' on a GPU: a quarter of the GPU's memory"
+    cut = effective(Config(), gpu(10 * GiB))  # 7.5 GiB can be pinned
+    assert cut.config.host.capacity == arena_share(10 * GiB) < 20 * GiB
+    assert "what can be pinned here, safely" in {c.key: c.why for c in cut.choices}["host.capacity"]
+    four = effective(Config(), gpu(100 * GiB, 4))
+    assert four.config.host.capacity == arena_share(100 * GiB, 4) < 20 * GiB
+    assert not [w for w in recwarn if issubclass(w.category, SsdtierWarning)]  # "auto" is cut without a warning
+    # The CPU, a GPU of unknown size, or nothing offloaded: 1 GiB, the memory read only if pinned.
+    assert effective(Config(), CPU).config.host.capacity == GiB
+    unknown = Machine(True, False, True, lambda: Available(500 * GiB, "MemAvailable"))
+    assert effective(Config(), unknown).config.host.capacity == GiB
+    none = Machine(True, False, True, lambda: 1 / 0, gpu_memory=80 * GiB)
+    off = effective(Config.from_dict({"policy": {"mode": "none"}}), none)
+    assert off.config.host.capacity == GiB and off.choices == ()
+    # The effective configuration is loadable again, with the bytes chosen.
+    assert 'capacity = "auto"' in Config().to_toml()
+    assert Config.from_dict(tomllib.loads(eff.config.to_toml())).host.capacity == 20 * GiB

@@ -158,8 +158,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .config import Config
     from .effective import Machine, effective
 
-    mode = next(c for c in effective(Config(), Machine.here()).choices if c.key == "policy.mode")
+    eff = effective(Config(), Machine.here())
+    mode = next(c for c in eff.choices if c.key == "policy.mode")
     print(f"default policy  {mode.value}: {mode.why}")
+    arena = next((c for c in eff.choices if c.key == "host.capacity"), None)
+    why = arena.why if arena else "'auto' off a GPU"
+    print(f"default arena   {format_size(eff.config.host.capacity)}: {why}")
     return 0
 
 

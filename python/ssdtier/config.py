@@ -33,6 +33,8 @@ from typing import Any, ClassVar
 from .errors import ConfigError, bad_value, where
 from .sizes import GiB, KiB, MiB, TiB, exact_size, format_size, parse_value
 
+ARENA_OFF_GPU = 1 * GiB  # host.capacity "auto" where the arena is not pinned for a GPU
+
 __all__ = [
     "Config",
     "HostConfig",
@@ -117,6 +119,17 @@ def _preallocate(value: Any, key: str, source: str | None) -> int | str:
     if value == "all" and isinstance(value, str):
         return value
     return _ANY_SIZE(value, key, source)  # type: ignore[return-value]
+
+
+def _host_capacity(value: Any, key: str, source: str | None) -> int | str:
+    if value == "auto" and isinstance(value, str):
+        return value
+    try:
+        return _size_range(0, TiB)(value, key, source)  # type: ignore[return-value]
+    except ConfigError:
+        if isinstance(value, str) and not value.strip()[:1].isdigit():  # a word: "atuo"
+            bad_value(source, key, value, "'auto' or a size such as '8GiB'")
+        raise
 
 
 def _device_budget(value: Any, key: str, source: str | None) -> int | str | None:
@@ -282,18 +295,23 @@ class HostConfig:
     Attributes:
         capacity: Bytes of pinned host memory (0 disables the host tier, so
             everything goes straight to NVMe); at most 1 TiB. Size strings such
-            as ``"8GiB"`` are accepted and stored as ints.
+            as ``"8GiB"`` are accepted and stored as ints. ``"auto"``: for a model on a
+            GPU a quarter of its memory, cut to what can be pinned; else 1 GiB.
         huge_pages: Map the arena in transparent huge pages: faster to fault in and pin
             where the kernel has them free, slower where it must compact memory first.
     """
 
     _TABLE: ClassVar[str] = "host"
 
-    capacity: int = _key(_size_range(0, TiB), 1 * GiB, size=True)
+    capacity: int | str = _key(_host_capacity, "auto", size=True)
     huge_pages: bool = _key(_bool, False)
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    def sized(self, auto: int = ARENA_OFF_GPU) -> HostConfig:
+        """This table with ``capacity = "auto"`` made ``auto`` bytes."""
+        return self if self.capacity != "auto" else replace(self, capacity=auto)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import Config, NvmeConfig
+from .config import ARENA_OFF_GPU, Config, NvmeConfig
 from .errors import warn
 from .ram import Available, available, pinnable
 from .sizes import format_size
@@ -24,6 +24,7 @@ class Machine:
     pinned: bool  # the arena would be pinned, for copies from a GPU
     memory: Callable[[], Available | None] = available  # memory left, read only if the arena is pinned
     ranks: tuple[int, str] = (1, "")  # training processes on this node, and what said so
+    gpu_memory: int = 0  # bytes of the model's GPU (0: unknown or none)
 
     @classmethod
     def here(cls) -> Machine:
@@ -31,8 +32,13 @@ class Machine:
         import torch
 
         gpu = torch.cuda.is_available()
-        return cls(gpu=gpu, cpu_model=not gpu, pinned=gpu, ranks=local_ranks())
+        memory = torch.cuda.get_device_properties(0).total_memory if gpu else 0
+        return cls(gpu=gpu, cpu_model=not gpu, pinned=gpu, ranks=local_ranks(), gpu_memory=memory)
 
+
+# host.capacity "auto" on a GPU: this share of its memory. The link moves about 0.5 GiB per
+# sample of a 1.3B GPT before the peak on an H200 (../shared/rok-model.md): ~1/5 of it at batch 50.
+GPU_ARENA_SHARE = 1 / 4
 
 # torchrun and accelerate; DeepSpeed's launcher; Open MPI
 RANK_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -68,7 +74,8 @@ class Effective:
 
 def effective(config: Config, machine: Machine) -> Effective:
     """``config`` for ``machine``: ``policy.mode = "auto"`` resolved, fixed buffers off for a
-    CPU model's zero-copy writes, the arena cut to what can be pinned (with a warning)."""
+    CPU model's zero-copy writes, ``host.capacity`` made bytes (``"auto"``: a quarter of the
+    GPU), the arena cut to what can be pinned (with a warning if the user sized it)."""
     choices: list[Choice] = []
     was, pol = config.policy, config.policy.resolved(machine.gpu)
     if pol.mode != was.mode:
@@ -100,7 +107,18 @@ def effective(config: Config, machine: Machine) -> Effective:
             choices.append(Choice("io.local_ranks", ranks, f"{said}: ranks on this node share its memory and disks"))
     share = f", a {ranks}th of it for each of {ranks} ranks on this node" if ranks > 1 else ""
     offloads = pol.mode != "none" or pol.device_budget is not None
-    if machine.pinned and offloads:
+    pinned = machine.pinned and offloads
+    if config.host.capacity == "auto":
+        cap, why = ARENA_OFF_GPU, ""
+        if pinned and machine.gpu_memory:
+            cap, why = int(machine.gpu_memory * GPU_ARENA_SHARE) >> 20 << 20, "a quarter of the GPU's memory"
+        avail = machine.memory() if pinned else None
+        if avail is not None and arena_share(avail.bytes, ranks) < cap:
+            cap, why = arena_share(avail.bytes, ranks), f"what can be pinned here, safely{share}"
+        config = dataclasses.replace(config, host=config.host.sized(cap))
+        if why:
+            choices.append(Choice("host.capacity", cap, f"'auto' on a GPU: {why}"))
+    elif pinned:
         fitted = fit_arena(config, machine.memory(), ranks)
         if fitted.host.capacity != config.host.capacity:
             choices.append(Choice("host.capacity", fitted.host.capacity, f"what can be pinned here, safely{share}"))

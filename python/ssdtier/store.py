@@ -6,7 +6,7 @@ import ctypes
 import logging
 import shutil
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -110,8 +110,8 @@ class ByteStore:
     """
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
-        self.config = resolve_config(config, **overrides)
-        cfg = self.config
+        cfg = resolve_config(config, **overrides)
+        self.config = cfg = replace(cfg, host=cfg.host.sized())  # attach sizes "auto" for a GPU
         self._devices = _devices(cfg)
         if cfg.io.fixed_buffers and cfg.host.capacity >= SLOW_ARENA:
             # Registering it with io_uring faults in every page: about 0.3 s per GiB, on one thread.

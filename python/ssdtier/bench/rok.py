@@ -232,8 +232,6 @@ def run_fit(
     the answer so far as each mode ends."""
     cap = parse_size(args.memory_cap, key="--memory-cap", source=CLI) if args.memory_cap else None
     modes = fit_settings(settings, cap, tuple(args.fit_modes or args.modes))
-    keep = next((r for r in results if r["mode"] == Mode.KEEP.value and r["status"] == "ok"), None)
-    per_sample = keep["peak_bytes"] / keep["batch"] if keep else None
     probe_w = replace(w, warmup=max(w.warmup, 1), steps=args.fit_steps)
 
     def run_at(label: str, b: int) -> dict[str, Any]:
@@ -243,7 +241,7 @@ def run_fit(
             if reason is not None:
                 raise Skipped(reason)
             if s.mode is Mode.SSDTIER and w.arena == "auto":
-                wb = replace(wb, arena=auto_arena(wb, int(per_sample * b) if per_sample else None))
+                wb = replace(wb, arena=auto_arena(wb))
             s, wb = resolve(s, wb, [])
             r = run_one(s, wb, lambda: None)
         except Skipped as e:

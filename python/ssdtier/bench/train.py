@@ -124,7 +124,7 @@ class Workload:
     warmup: int
     device: str  # "cpu" or "cuda"
     dir: str | None  # NVMe directory (None: the default one)
-    arena: str  # ssdtier's host.capacity; "auto": 64MiB on the CPU, keep's activations on CUDA
+    arena: str  # ssdtier's host.capacity; "auto": 64MiB on the CPU, the package's default on CUDA
     min_tensor_bytes: str
     threads: int | None
     sdpa: bool = False  # the GPT attends with scaled_dot_product_attention (fused on a GPU)
@@ -442,22 +442,14 @@ def resolve(s: Setting, w: Workload, results: list[dict[str, Any]]) -> tuple[Set
             raise Skipped("its budget is a share of keep's peak, and keep did not run")
         s = replace(s, budget=max(int(s.fraction * keep["peak_bytes"]), 0))
     if s.mode is Mode.SSDTIER and w.arena == "auto":
-        w = replace(w, arena=auto_arena(w, keep["peak_bytes"] if keep else None))
+        w = replace(w, arena=auto_arena(w))
     return s, w
 
 
-def auto_arena(w: Workload, keep_peak: int | None) -> str:
+def auto_arena(w: Workload) -> str:
     """``--arena auto``: on the CPU a small one (64 MiB, so that the bytes reach NVMe); on CUDA
-    room for keep's activations (at least 1 GiB), within what ssdtier would pin here."""
-    if w.device != "cuda":
-        return "64MiB"
-    from ..ram import available, pinnable
-
-    want = max(int(1.1 * (keep_peak or 0)), 1 << 30)
-    got = available()
-    if got is not None:
-        want = min(want, pinnable(got.bytes))
-    return str(max(want >> 20, 64) << 20)
+    the package's default, what a user gets (``host.capacity = "auto"``)."""
+    return "64MiB" if w.device != "cuda" else "auto"
 
 
 def run(settings: list[Setting], w: Workload, desc: str, deadline: float | None = None) -> list[dict[str, Any]]:
@@ -615,7 +607,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
     p.add_argument("--threads", type=positive, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR, else ~/.cache/ssdtier)")
     p.add_argument("--arena", default="auto", help="ssdtier's host arena (host.capacity); auto: 64MiB on the CPU, "
-                   "room for keep's activations on CUDA")  # fmt: skip
+                   "the package's default on CUDA")  # fmt: skip
     p.add_argument("--min-tensor-bytes", help=f"ssdtier's policy.min_tensor_bytes (default {d['min_tensor_bytes']})")
     p.add_argument("--throttle", metavar="RATE", help="ssdtier's io.throttle (bytes/s per directory): a disk that "
                    "hides only part of the activations, as a GPU's link does")  # fmt: skip

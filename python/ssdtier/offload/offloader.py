@@ -23,6 +23,7 @@ from ..plan import Action, Plan
 from ..ram import available
 from ..sizes import format_size
 from ..store import ByteStore
+from . import cuda
 from ._util import Once, cuda_device, imported, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
@@ -143,7 +144,9 @@ class Offloader:
         self.auto_on_cpu = config.policy.mode == "auto" and device is None  # said if CUDA tensors come
         tensors = itertools.chain(model.parameters(), model.buffers())
         streamed = any(t.device.type in self._streamed for t in tensors)
-        eff = effective(config, Machine(device is not None, _on_cpu(model), streamed, available, local_ranks()))
+        gpu_memory = cuda.device_memory(device) if device is not None else 0  # a module's: tests fake it
+        machine = Machine(device is not None, _on_cpu(model), streamed, available, local_ranks(), gpu_memory)
+        eff = effective(config, machine)
         config, self.choices = eff.config, eff.choices
         pol = config.policy
         offloads = pol.mode != "none" or pol.device_budget is not None
