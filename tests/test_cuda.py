@@ -414,6 +414,19 @@ def test_a_small_arena_holds_the_forward_back_not_a_copy_per_tensor(store_dir, w
         assert torch.equal(a, b)
 
 
+def test_activations_larger_than_the_arena_leave_without_holding_the_host_back(store_dir, warned):
+    """Each 4 MiB tensor is larger than a 1 MiB arena: it is copied to a pinned buffer of its
+    own, queued behind the sleep, and written from there, so the forward ends with copies
+    still queued, and the gradients are keep's."""
+    _, _, ref, _ = _busy_forward(None, n=6, batch=1024)
+    cfg = offload_config(store_dir, host="1MiB", keep_last_layers=0)
+    _, pending, got, (stats, live) = _busy_forward(cfg, n=6, batch=1024)
+    assert pending > 0 and live == 0 and stats.bytes_written_nvme > 0
+    assert warned("through a pinned copy of its own") and not warned("copied synchronously")
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fp16_with_grad_scaler(store_dir):
     def run(ssd):
         torch.manual_seed(0)

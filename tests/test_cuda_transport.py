@@ -5,10 +5,12 @@ stream ordering on real hardware, is tests/test_cuda.py's."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import random
 import re
+import threading
 import time
 
 import pytest
@@ -19,7 +21,7 @@ from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.errors import SsdtierError
 from ssdtier.offload import cuda, offloader
 from ssdtier.offload.cuda import GpuWaits, Pinned
-from ssdtier.offload.entry import Copying, Held
+from ssdtier.offload.entry import Bouncing, Copying, Held
 from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
 
@@ -131,6 +133,7 @@ def gpu(monkeypatch):
             return 0 if g.registered.pop(ptr, None) is not None else 713
 
     monkeypatch.setattr(cuda, "device_memory", lambda device: 1 << 40)  # the arena bounds the queue
+    monkeypatch.setattr(cuda, "pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
@@ -151,6 +154,16 @@ def transport(store_dir, gpu):
     off.detach()
 
 
+class _Native:
+    """The native store with some of its methods replaced."""
+
+    def __init__(self, native, **methods) -> None:
+        self._native, self._methods = native, methods
+
+    def __getattr__(self, name):
+        return self._methods.get(name) or getattr(self._native, name)
+
+
 def source(nbytes: int, value: int) -> torch.Tensor:
     return torch.full((nbytes,), value, dtype=torch.uint8)
 
@@ -167,6 +180,14 @@ def let_go(tr, *entries) -> None:
         e.refs, e.back = 0, None
         tr.off.drop_source(e)
         tr.free_key(e)
+
+
+def settle(tr, gpu) -> None:
+    """The fake GPU runs, and the writes of the pinned buffers end."""
+    gpu.run()
+    tr.poll()
+    concurrent.futures.wait([e.out.write for e in tr.bounces])
+    tr.poll()
 
 
 def in_store(tr, key) -> bool:
@@ -487,14 +508,91 @@ def test_an_offloader_collected_undetached_unregisters_its_arena(store_dir, gpu)
     assert not gpu.registered
 
 
-def test_an_activation_larger_than_the_arena_is_copied_through_once_said(transport, gpu, warned):
+def test_an_activation_larger_than_the_arena_goes_through_a_pinned_copy_of_its_own(transport, gpu, warned):
     src = source(2 << 20, 4)
     e = offload(transport, src)
-    assert e.out is None and not transport.pending  # written already, synchronously
-    assert warned("is larger than the host arena") and transport.native.location(e.key) == (False, True)
-    out = torch.empty(2 << 20, dtype=torch.uint8)
-    transport.native.read_staged(e.key, out.data_ptr(), out.numel(), out)
-    assert torch.equal(out, src)
+    # Nothing waited for: the copy is queued on the offload stream, the write after it lands.
+    assert type(e.out) is Bouncing and e.out.write is None and list(transport.pending) == [e]
+    assert warned("is larger than the host arena") and transport.bounced == 2 << 20
+    assert gpu.recorded == [(src.data_ptr(), transport.streams[src.device][0])]
+    settle(transport, gpu)
+    assert e.out is None and not transport.pending and not transport.bounces and transport.bounced == 0
+    assert transport.native.location(e.key) == (False, True)
+    st = transport.restore(e, None)[0]  # read back from NVMe
+    assert bytes(st) == bytes(src.numpy())
+
+
+def test_an_unpack_before_a_pinned_copy_is_written_is_served_from_it(transport, gpu):
+    src = source(2 << 20, 5)
+    e = offload(transport, src)
+    first = e.out.event
+    transport.start_read(e, False)
+    st = transport.restore(e, None)[0]
+    assert bytes(st) == bytes(src.numpy()) and first in gpu.current.waits  # after the copy out
+    let_go(transport, e)
+    key = e.key
+    assert in_store(transport, key)  # its key goes once the copy has landed
+    gpu.run()
+    transport.poll()
+    assert not in_store(transport, key) and not transport.bounces and transport.bounced == 0
+
+
+def test_a_pinned_copy_serves_reads_and_keeps_its_key_while_written(transport, gpu, monkeypatch):
+    real, go = transport.native, threading.Event()
+
+    def slow(key, ptr, owner):
+        assert go.wait(60)
+        real.write_staged(key, ptr, owner)
+
+    monkeypatch.setattr(transport, "native", _Native(real, write_staged=slow))
+    src = source(2 << 20, 7)
+    e = offload(transport, src)
+    gpu.run()
+    transport.poll()
+    assert type(e.out) is Bouncing and not e.out.write.done()
+    transport.start_read(e, False)
+    assert bytes(transport.restore(e, None)[0]) == bytes(src.numpy())  # from its buffer
+    key = e.key
+    let_go(transport, e)
+    assert in_store(transport, key)  # a write from the buffer is under way
+    go.set()
+    settle(transport, gpu)
+    assert not in_store(transport, key) and not transport.bounces and transport.bounced == 0
+
+
+def test_pinned_copies_hold_no_more_than_the_arena(transport, gpu, monkeypatch):
+    real, writes = transport.native, []
+
+    def write_staged(key, ptr, owner):
+        writes.append(key)
+        real.write_staged(key, ptr, owner)
+
+    monkeypatch.setattr(transport, "native", _Native(real, write_staged=write_staged))
+    monkeypatch.setattr(cuda, "QUEUE_MIN", 0)
+    es, held = [], []
+    for i in range(3):  # each larger than the 1 MiB arena: one buffer at a time
+        es.append(offload(transport, source(3 << 19, i)))
+        held.append(transport.bounced)
+    assert held == [3 << 19] * 3 and writes == [es[0].key, es[1].key]  # the host waited for each write
+    assert transport.off.res.held_back > 0
+    settle(transport, gpu)
+    for i, e in enumerate(es):
+        out = torch.empty(e.nbytes, dtype=torch.uint8)
+        transport.native.read_staged(e.key, out.data_ptr(), e.nbytes, out)
+        assert torch.equal(out, source(3 << 19, i))
+
+
+def test_a_failed_write_of_a_pinned_copy_leaves_it_serving_the_unpack(transport, gpu, warned, monkeypatch):
+    def full(key, ptr, owner):
+        raise SsdtierError("no space left on the device")
+
+    monkeypatch.setattr(transport, "native", _Native(transport.native, write_staged=full))
+    src = source(2 << 20, 6)
+    e = offload(transport, src)
+    settle(transport, gpu)
+    assert type(e.out) is Bouncing and e.key is None and warned("no space left on the device")
+    transport.start_read(e, False)
+    assert bytes(transport.restore(e, None)[0]) == bytes(src.numpy())
 
 
 def test_a_read_ahead_the_store_skipped_is_asked_again(store_dir, gpu):
@@ -823,10 +921,10 @@ def test_an_unpack_with_the_arena_pinned_by_copies_waits_for_one_not_a_pageable_
 def test_an_unpack_larger_than_the_arena_waits_for_no_copy_back(transport, gpu, warned):
     """Waiting for copies back cannot make room for more than the arena: it is read from
     NVMe into pageable memory at once, said once."""
-    big = offload(transport, source(2 << 20, 5))  # written through: larger than the 1 MiB arena
+    big = offload(transport, source(2 << 20, 5))  # larger than the 1 MiB arena: to NVMe from a buffer of its own
     e = offload(transport, source(64 << 10, 6))
-    gpu.run()
-    transport.poll()
+    settle(transport, gpu)
+    assert big.out is None  # on NVMe only
     transport.restore(e, None)  # its copy back not run: its slot pinned
     st, _ = transport.restore(big, None)
     assert len(transport.h2d) == 1 and warned("found no room in the host arena to be read back")

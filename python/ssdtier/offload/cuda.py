@@ -4,6 +4,7 @@ demand), with events for what each stream must wait for. docs/offloader.md has t
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import enum
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import SsdtierError
 from ..sizes import format_size
 from ..store import SLOW_ARENA
 from ._util import host_event, on_device, warn
-from .entry import Copying, Entry, Held, Made, Reading
+from .entry import Bouncing, Copying, Entry, Held, Made, Reading
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -175,6 +177,12 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """Page-locked host bytes from torch's caching host allocator: the same sizes each step
+    reuse its blocks, and a block goes back only once the copies using it are done."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 def queue_bound(device: torch.device) -> int:
     """The most bytes of sources that copies or writes out of a GPU may hold at once."""
     return max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
@@ -202,6 +210,9 @@ class CudaTransport:
         self.stage_off = False  # no copies ahead until the next forward (out of GPU memory)
         self.unused: list[tuple[torch.Tensor, Any]] = []  # copies ahead dropped unused, held until done
         self.waits = GpuWaits()
+        self.bounces: deque[Entry] = deque()  # Bouncing entries, in order: being copied, then written
+        self.bounced = 0  # their pinned buffers' bytes: at most the arena's, or QUEUE_MIN (one larger goes alone)
+        self.writer: concurrent.futures.ThreadPoolExecutor | None = None  # writes their buffers to NVMe
 
     @property
     def registered(self) -> bool:
@@ -253,15 +264,18 @@ class CudaTransport:
             native.free(key)  # no room: slots being filled or copied out; wait for the oldest
             self._wait_oldest()
         entry = Entry(key, nbytes, whole.device, True, f)
+        buf = None
         try:
             if off is None:
-                if nbytes:
-                    self._write_through(key, whole, nbytes)
-                return entry
-            slot = self.store.slot(off, nbytes)
+                buf = self._bounce_buffer(nbytes) if nbytes else None
+                if buf is None:
+                    if nbytes:
+                        self._write_through(key, whole, nbytes)
+                    return entry
+            dest = buf if buf is not None else self.store.slot(off, nbytes)
             stream.wait_stream(torch.cuda.current_stream(whole.device))
             with torch.cuda.stream(stream):
-                slot.copy_(whole, non_blocking=True)
+                dest.copy_(whole, non_blocking=True)
                 event = host_event()
                 event.record(stream)
             # The allocator reuses the source's block only once the copy is done.
@@ -272,24 +286,57 @@ class CudaTransport:
                     stream.synchronize()  # a copy into the slot may be queued: it ends first
             native.free(key)
             raise
-        entry.out = Copying(event, off, weakref.ref(whole.untyped_storage()), whole.data_ptr())
+        src = weakref.ref(whole.untyped_storage())
+        if buf is None:
+            entry.out = Copying(event, off, src, whole.data_ptr())
+        else:
+            entry.out = Bouncing(event, buf, src, whole.data_ptr())
+            self.bounces.append(entry)
+            self.bounced += nbytes
         self.inflight += nbytes
         if self.inflight > self.inflight_peak:
             self.inflight_peak = self.inflight
         self.pending.append(entry)
         return entry
 
-    def _write_through(self, key: int, whole: torch.Tensor, nbytes: int) -> None:
-        """No slot (bigger than the arena, or none free): a synchronous copy, streamed to NVMe."""
+    def _bounce_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """No slot (bigger than the arena, or none free): pinned bytes of its own to copy it
+        into, once the buffers still held leave room; None where it cannot have them."""
         size = self.store.arena.numel() if self.store.arena is not None else 0
         why = "is larger than" if nbytes > size else "found no free slot in"
         self.off.once.warn(
             "no slot",
-            f"a saved activation of {nbytes} bytes {why} the host arena ({size} bytes): it was "
-            "copied synchronously (said once); raise host.capacity",
+            f"a saved activation of {nbytes} bytes {why} the host arena ({size} bytes): it goes to "
+            "NVMe through a pinned copy of its own, at the disk's rate (said once); raise host.capacity",
         )
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        while self.bounces and self.bounced + nbytes > max(size, QUEUE_MIN):
+            self._wait_bounce()
+        try:
+            return pinned_buffer(nbytes)
+        except RuntimeError as err:  # out of pinnable memory
+            self.off.once.warn("unpinned", f"no pinned buffer of {nbytes} bytes ({err}): copied synchronously")
+            return None
+
+    def _write_through(self, key: int, whole: torch.Tensor, nbytes: int) -> None:
+        """A synchronous copy, streamed to NVMe."""
         host = whole.cpu()  # held by name: its bytes must outlive the write
         self.native.write_staged(key, host.data_ptr(), host)
+
+    def _wait_bounce(self) -> None:
+        """Back-pressure on pinned buffers: the host waits for the oldest's copy, or its write."""
+        t0 = time.perf_counter()
+        b = self.bounces[0].out
+        assert type(b) is Bouncing
+        if b.write is None:
+            b.event.synchronize()
+        else:
+            concurrent.futures.wait([b.write])
+        waited = time.perf_counter() - t0
+        self.off.res.held_back += waited
+        self.off.res.forward_wait += waited
+        self.poll()
 
     def _wait_oldest(self) -> None:
         """Back-pressure: the host waits for the oldest copy into or out of the arena."""
@@ -316,6 +363,8 @@ class CudaTransport:
                 off._free_key(key)
         while self.pending and self.pending[0].out.event.query():
             self._landed(self.pending.popleft())
+        while self.bounces and (w := self.bounces[0].out.write) is not None and w.done():
+            self._written(self.bounces.popleft())
         if self.waits.pairs:
             self.waits.collect()
         if self.unused:
@@ -323,10 +372,11 @@ class CudaTransport:
 
     def _landed(self, e: Entry) -> None:
         off = self.off
-        copy, e.out = e.out, None
-        assert type(copy) is Copying
+        copy = e.out
+        assert type(copy) is Copying or type(copy) is Bouncing
         self.inflight -= e.nbytes
         if not e.refs:  # released while in flight: its key was left to free now
+            self._unbounce(e)
             key, e.key = e.key, None
             off._free_key(key)
             return
@@ -335,16 +385,46 @@ class CudaTransport:
         if failed is not None:
             # The storage lives on with other bytes (freed or resized meanwhile): it serves
             # the unpack, as autograd without ssdtier would read it.
+            self._unbounce(e)
             e.out = Held(src)
             off.res.sources += e.nbytes
             off._copy_lost(e, failed)
             return
-        self.native.commit(e.key)
+        if type(copy) is Copying:
+            e.out = None
+            self.native.commit(e.key)
+            return
+        if self.writer is None:
+            self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ssdtier-write")
+        copy.write = self.writer.submit(self.native.write_staged, e.key, copy.buf.data_ptr(), copy.buf)
+
+    def _unbounce(self, e: Entry) -> None:
+        """An entry's pinned buffer is let go (or it had none)."""
+        if type(e.out) is Bouncing:
+            self.bounces.remove(e)
+            self.bounced -= e.nbytes
+        e.out = None
+
+    def _written(self, e: Entry) -> None:
+        """A pinned buffer's write to NVMe ended."""
+        b = e.out
+        assert type(b) is Bouncing
+        self.bounced -= e.nbytes
+        try:
+            b.write.result()
+        except SsdtierError as err:
+            if e.refs:
+                self.off._copy_lost(e, err)  # the buffer stays and serves the unpack
+                return
+        e.out = None
+        if not e.refs:  # released while written: its key was left to free now
+            key, e.key = e.key, None
+            self.off._free_key(key)
 
     # ---------------------------------------------------------------- backward
 
     def start_read(self, e: Entry, from_host: bool) -> None:
-        if type(e.out) is Copying:  # still being copied to the arena: copied back from its slot
+        if type(e.out) is Copying or type(e.out) is Bouncing:  # copied back from its slot or buffer
             e.back = Reading(None, 0, None, True)
             return
         # Asked even when in the arena: the store then keeps it there until its unpack.
@@ -369,7 +449,8 @@ class CudaTransport:
             if r.ticket is not None and not r.ticket.done():
                 waiting.append(e)
                 continue
-            if not r.from_host and type(e.out) is not Copying and not self.native.location(e.key)[0]:
+            landing = type(e.out) is Copying or type(e.out) is Bouncing
+            if not r.from_host and not landing and not self.native.location(e.key)[0]:
                 # The store skipped the read (no room in the arena then): ask again, as the
                 # backward frees slots and the writes under way end.
                 ticket = self.native.prefetch(e.key)
@@ -383,7 +464,7 @@ class CudaTransport:
     def _stage(self, e: Entry, r: Reading) -> None:
         prefetch = self._streams(e.device)[1]
         try:
-            if type(e.out) is Copying:
+            if type(e.out) is Copying or type(e.out) is Bouncing:
                 out, ev, pool = self._copy_landing(e, prefetch)
             else:
                 assert e.key is not None
@@ -440,14 +521,16 @@ class CudaTransport:
         return out, ev, pool
 
     def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any, Any]:
-        """Copy an entry back from the slot its copy to the arena is still filling: ``stream``
-        waits for that copy, and the slot is committed (may be evicted) only after this one."""
+        """Copy an entry back from the slot its copy to the arena is still filling, or from
+        its pinned buffer: ``stream`` waits for that copy, and the slot is committed (may be
+        evicted) only after this one."""
         copy = e.out
-        assert type(copy) is Copying
+        assert type(copy) is Copying or type(copy) is Bouncing
         out, pool = self._dest(e, stream)
         stream.wait_event(copy.event)
+        held = self.store.slot(copy.slot, e.nbytes) if type(copy) is Copying else copy.buf
         with torch.cuda.stream(stream):
-            out.copy_(self.store.slot(copy.slot, e.nbytes), non_blocking=True)
+            out.copy_(held, non_blocking=True)
             ev = host_event()
             ev.record(stream)
         copy.event = ev
@@ -464,7 +547,7 @@ class CudaTransport:
             return st, made
         self.poll()
         current = torch.cuda.current_stream(e.device)
-        if type(e.out) is Copying:
+        if type(e.out) is Copying or type(e.out) is Bouncing:
             before = self.waits.begin(current)
             out, ev, _ = self._copy_landing(e, current)
             self.waits.end(current, before)
@@ -545,8 +628,8 @@ class CudaTransport:
     def free_key(self, e: Entry) -> None:
         """Free a released entry's key, or once the copies into and out of its slot are done."""
         key = e.key
-        if type(e.out) is Copying:
-            pass  # poll frees it when its copy lands
+        if type(e.out) is Copying or type(e.out) is Bouncing and e.key is not None:
+            pass  # poll frees it when its copy lands, or its buffer's write ends
         elif key is not None and self.h2d.holds(key):
             self.free_later.add(key)  # the slot stays pinned until then (poll frees it)
         else:
@@ -558,6 +641,7 @@ class CudaTransport:
         """In a fork child: the arena is not mapped here, and CUDA is the parent's."""
         if self.pinned is not None:
             self.pinned.arena = None
+        self.writer = None  # its thread is the parent's
 
     def close(self) -> None:
         for e in self.pending:  # copies into the arena still running
@@ -566,6 +650,11 @@ class CudaTransport:
             ev.synchronize()
         for _, ev in self.unused:
             ev.synchronize()
+        if self.writer is not None:
+            self.writer.shutdown()  # the buffers' writes end before the store closes
+            self.writer = None
+        self.bounces.clear()
+        self.bounced = 0
         self.unused.clear()
         self.pending.clear()
         self.inflight = 0

@@ -134,6 +134,19 @@ class Copying:
         self.event, self.slot, self.src, self.wrote = event, slot, src, wrote
 
 
+class Bouncing:
+    """CUDA: too large for a free arena slot, so copied to pinned host bytes of its own
+    (``buf``) on the offload stream, then written from them to NVMe on a thread (``write``,
+    None until the copy lands). ``buf`` serves reads until then, and for good if the write
+    failed. ``event``, ``src`` and ``wrote`` as :class:`Copying`'s."""
+
+    __slots__ = ("buf", "event", "src", "write", "wrote")
+
+    def __init__(self, event: Any, buf: torch.Tensor, src: weakref.ref, wrote: int) -> None:
+        self.event, self.buf, self.src, self.wrote = event, buf, src, wrote
+        self.write: Any = None  # a concurrent.futures.Future of the NVMe write
+
+
 class Writing:
     """Written to NVMe from its source's own memory (zero copy, cuFile): the source is held
     until the write is done. ``wrote``: the source's data pointer when the write was issued."""
@@ -221,7 +234,7 @@ class Entry:
     def __init__(self, key: int, nbytes: int, device: torch.device, cuda: bool, fwd: Fwd) -> None:
         self.key: int | None = key  # None once the store has no copy (a failed write)
         self.nbytes, self.device, self.cuda = nbytes, device, cuda
-        self.out: Copying | Writing | Held | None = None
+        self.out: Copying | Bouncing | Writing | Held | None = None
         self.back: Reading | Restored | None = None
         self.dkey: tuple[torch.device, int] | None = None  # its key in the dedup map
         # Its forward and layer, and the forward's backwards, which start each layer's read-ahead once.

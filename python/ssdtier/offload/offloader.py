@@ -717,8 +717,8 @@ class Offloader:
 
     def _start_read(self, e: Entry) -> None:
         """Begin bringing an entry back."""
-        if e.cuda:
-            self.cuda.start_read(e, self._native.location(e.key)[0])
+        if e.cuda:  # no key: a pinned copy whose write failed serves it (cuda.Bouncing)
+            self.cuda.start_read(e, e.key is not None and self._native.location(e.key)[0])
         else:
             self.cpu.start_read(e)
 
