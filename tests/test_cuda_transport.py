@@ -233,7 +233,7 @@ def test_copies_in_flight_are_bounded_by_half_the_arena(transport, gpu, monkeypa
 def test_copies_in_flight_hold_a_share_of_the_gpus_memory_at_most(store_dir, gpu, monkeypatch, caplog):
     """A queued copy's source stays reserved until copied: a large arena does not let the
     queue hold more than QUEUE_SHARE of the GPU."""
-    monkeypatch.setattr(cuda, "device_memory", lambda device: 8 << 20)
+    monkeypatch.setattr(cuda, "device_memory", lambda device: 4 << 20)
     monkeypatch.setattr(cuda, "QUEUE_MIN", 128 << 10)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     off = ssdtier.attach(model, offload_config(store_dir, host="64MiB"))
@@ -241,7 +241,7 @@ def test_copies_in_flight_hold_a_share_of_the_gpus_memory_at_most(store_dir, gpu
         tr = off.cuda
         with caplog.at_level("INFO", logger="ssdtier"):
             es = [offload(tr, source(96 << 10, i)) for i in range(4)]
-        assert tr.bound == 256 << 10  # 8 MiB / 32, not half the arena
+        assert tr.bound == 256 << 10  # 4 MiB / 16, not half the arena
         assert "copies out queued hold at most 256KiB" in caplog.text
         assert tr.inflight <= 256 << 10 and tr.inflight_peak <= 256 << 10
         assert es[0].out is None and type(es[-1].out) is Copying  # the oldest waited for
