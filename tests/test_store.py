@@ -267,6 +267,17 @@ def test_a_large_arena_is_said_before_it_is_registered_and_timed(store_dir, monk
     assert text.index("mapping and registering") < text.index("ready in")
 
 
+def test_a_large_arena_is_said_on_stderr_where_the_log_shows_nothing(store_dir, monkeypatch, capsys):
+    import logging
+
+    import ssdtier.store as st
+
+    monkeypatch.setattr(st, "SLOW_ARENA", 1 << 20)
+    assert not logging.getLogger("ssdtier").isEnabledFor(logging.INFO)  # as in a plain script
+    TieredStore(store_config(store_dir, host="2MiB")).close()
+    assert "ssdtier: mapping and registering a 2MiB host arena..." in capsys.readouterr().err
+
+
 def test_stats_count_traffic(store_dir):
     t = torch.zeros(1 << 20, dtype=torch.uint8)
     with TieredStore(store_config(store_dir)) as store:

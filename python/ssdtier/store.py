@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import shutil
+import sys
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -80,6 +81,15 @@ _PREALLOC_ALL = 1 << 62
 SLOW_ARENA = 8 * GiB  # arenas this large take seconds to register: said before
 
 
+def say_slow(text: str) -> None:
+    """Before work that takes seconds: logged where the log shows it, else printed to stderr
+    (a silent pause at attach looks like a hang)."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 def _devices(cfg: Config) -> list[tuple[str, int]]:
     """(directory, capacity) per NVMe device; the default directory when none is configured."""
     paths = check_paths(cfg)
@@ -115,7 +125,7 @@ class ByteStore:
         self._devices = _devices(cfg)
         if cfg.io.fixed_buffers and cfg.host.capacity >= SLOW_ARENA:
             # Registering it with io_uring faults in every page: about 0.3 s per GiB, on one thread.
-            log.info("ssdtier: mapping and registering a %s host arena...", format_size(cfg.host.capacity))
+            say_slow(f"ssdtier: mapping and registering a {format_size(cfg.host.capacity)} host arena...")
         for path, _ in self._devices:
             remove_stale_links(path)  # a store file that outlived a crash under cuFile
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import SsdtierError
 from ..sizes import format_size
-from ..store import SLOW_ARENA
+from ..store import SLOW_ARENA, say_slow
 from ._util import host_event, on_device, warn
 from .entry import Bouncing, Copying, Entry, Held, Made, Reading
 
@@ -240,7 +240,7 @@ class CudaTransport:
             arena = self.store.arena
             if self.pinned is None and arena is not None and not self.off.uses_cufile:
                 if arena.numel() >= SLOW_ARENA:
-                    log.info("ssdtier: pinning the %s host arena for CUDA...", format_size(arena.numel()))
+                    say_slow(f"ssdtier: pinning the {format_size(arena.numel())} host arena for CUDA...")
                 self.pinned = Pinned(arena, device)
             s = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.streams[device] = s
