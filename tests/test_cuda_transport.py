@@ -560,7 +560,7 @@ def test_a_pinned_copy_serves_reads_and_keeps_its_key_while_written(transport, g
     assert not in_store(transport, key) and not transport.bounces and transport.bounced == 0
 
 
-def test_pinned_copies_hold_no_more_than_the_arena(transport, gpu, monkeypatch):
+def test_pinned_buffers_held_at_once_are_bounded(transport, gpu, monkeypatch):
     real, writes = transport.native, []
 
     def write_staged(key, ptr, owner):
@@ -568,9 +568,9 @@ def test_pinned_copies_hold_no_more_than_the_arena(transport, gpu, monkeypatch):
         real.write_staged(key, ptr, owner)
 
     monkeypatch.setattr(transport, "native", _Native(real, write_staged=write_staged))
-    monkeypatch.setattr(cuda, "QUEUE_MIN", 0)
+    monkeypatch.setattr(cuda, "QUEUE_MIN", 2 << 20)
     es, held = [], []
-    for i in range(3):  # each larger than the 1 MiB arena: one buffer at a time
+    for i in range(3):  # each larger than the 1 MiB arena, two past the 2 MiB bound: one at a time
         es.append(offload(transport, source(3 << 19, i)))
         held.append(transport.bounced)
     assert held == [3 << 19] * 3 and writes == [es[0].key, es[1].key]  # the host waited for each write

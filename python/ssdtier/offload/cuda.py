@@ -212,7 +212,9 @@ class CudaTransport:
         self.unused: list[tuple[torch.Tensor, Any]] = []  # copies ahead dropped unused, held until done
         self.waits = GpuWaits()
         self.bounces: deque[Entry] = deque()  # Bouncing entries, in order: being copied, then written
-        self.bounced = 0  # their pinned buffers' bytes: at most the arena's, or QUEUE_MIN (one larger goes alone)
+        # Their buffers' bytes: at most QUEUE_MIN (one larger goes alone). Pinned memory beside the
+        # arena, which torch's host allocator keeps cached (in powers of two): kept small.
+        self.bounced = 0
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None  # writes their buffers to NVMe
 
     @property
@@ -312,7 +314,7 @@ class CudaTransport:
         )
         if torch.cuda.is_current_stream_capturing():
             return None
-        while self.bounces and self.bounced + nbytes > max(size, QUEUE_MIN):
+        while self.bounces and self.bounced + nbytes > QUEUE_MIN:
             self._wait_bounce()
         try:
             return pinned_buffer(nbytes)
