@@ -474,6 +474,9 @@ def test_an_auto_arena_is_a_quarter_of_the_models_gpu(store_dir, gpu, monkeypatc
         assert off.store.arena.numel() == off.config.host.capacity == 8 << 20
         assert torch.device("cuda", 1) in sized and gpu.registered == {off.store.arena.data_ptr(): 8 << 20}
         assert "host.capacity = 8MiB: 'auto' on a GPU: a quarter of the GPU's memory" in off.stats().chosen
+    monkeypatch.setattr(offloader, "carries", lambda config, device: True)  # cuFile: the arena carries nothing
+    with ssdtier.attach(model, offload_config(store_dir, host="auto")) as off:
+        assert off.config.host.capacity == 1 << 30 and not any("host.capacity" in c for c in off.stats().chosen)
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

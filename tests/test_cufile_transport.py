@@ -347,6 +347,24 @@ def test_auto_takes_cufile_only_where_gds_is_usable(store_dir, gds, monkeypatch)
             assert (off.cpu.gds is not None) is used, state
 
 
+def test_cufile_carries_a_gpu_models_activations_where_it_would_be_taken(monkeypatch):
+    from ssdtier.config import Config
+
+    cuda0, nvme = torch.device("cuda", 0), [{"path": "/x", "capacity": "1GiB"}]
+    for state, backend, carried in (
+        (GdsState.USABLE, "auto", True),
+        (GdsState.COMPAT, "auto", False),
+        (GdsState.COMPAT, "cufile", True),
+        (GdsState.UNAVAILABLE, "cufile", False),
+        (GdsState.USABLE, "io_uring", False),
+    ):
+        monkeypatch.setattr(cufile, "probe_once", lambda s=state: Gds(s, "stand-in"))
+        cfg = Config.from_dict({"io": {"backend": backend}, "nvme": nvme})
+        assert cufile.carries(cfg, cuda0) is carried, (state, backend)
+        no_nvme = Config.from_dict({"io": {"backend": backend}})
+        assert not cufile.carries(cfg, None) and not cufile.carries(no_nvme, cuda0)
+
+
 def test_out_of_memory_reading_ahead_leaves_the_reads_to_the_unpacks(store_dir, gds, monkeypatch):
     """cuFile reads into new GPU memory: a read-ahead that finds none stops reading ahead
     until the next forward, and each unpack reads its own entry."""

@@ -296,7 +296,8 @@ class HostConfig:
         capacity: Bytes of pinned host memory (0 disables the host tier, so
             everything goes straight to NVMe); at most 1 TiB. Size strings such
             as ``"8GiB"`` are accepted and stored as ints. ``"auto"``: for a model on a
-            GPU a quarter of its memory, cut to what can be pinned; else 1 GiB.
+            GPU a quarter of its memory, cut to what can be pinned; else (or where cuFile
+            carries the activations) 1 GiB.
         huge_pages: Map the arena in transparent huge pages: faster to fault in and pin
             where the kernel has them free, slower where it must compact memory first.
     """

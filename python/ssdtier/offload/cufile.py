@@ -257,6 +257,16 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
     return None
 
 
+def carries(config: Any, device: torch.device | None) -> bool:
+    """Whether cuFile would carry a model's CUDA activations under ``config`` (the probe's
+    answer, as :func:`open_cufile` asks it): then the host arena carries none of them."""
+    backend = config.io.backend
+    if backend not in ("cufile", "auto") or device is None or device.type != "cuda" or not config.nvme:
+        return False
+    state = probe_once().state
+    return state is GdsState.USABLE or (backend == "cufile" and state is GdsState.COMPAT)
+
+
 def open_cufile(model: torch.nn.Module, config: Any, native: Any) -> CuFile | None:
     """cuFile for this offloader's CUDA activations, or None (the pinned arena's path).
     ``io.backend = "cufile"`` asks for it (in compatibility mode too; a fallback is said

@@ -28,7 +28,7 @@ from ._util import Once, cuda_device, imported, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
-from .cufile import open_cufile
+from .cufile import carries, open_cufile
 from .entry import Distributed, Entry, Kept, Reading, Restored, Same, Saved, Writing, check_version, version_of
 from .forward import (
     NO_OFFLOAD,
@@ -144,7 +144,8 @@ class Offloader:
         self.auto_on_cpu = config.policy.mode == "auto" and device is None  # said if CUDA tensors come
         tensors = itertools.chain(model.parameters(), model.buffers())
         streamed = any(t.device.type in self._streamed for t in tensors)
-        gpu_memory = cuda.device_memory(device) if device is not None else 0  # a module's: tests fake it
+        # The arena's "auto" size: a share of the GPU's memory, unless cuFile carries its activations.
+        gpu_memory = cuda.device_memory(device) if device is not None and not carries(config, device) else 0
         machine = Machine(device is not None, _on_cpu(model), streamed, available, local_ranks(), gpu_memory)
         eff = effective(config, machine)
         config, self.choices = eff.config, eff.choices
