@@ -497,15 +497,16 @@ def solve(
     return _plan(blocks, acts, got, tr, head, budget, step, False, reason)
 
 
-IMPROVE_MAX_BLOCKS = 64  # one round of single-block changes costs 4n simulations of n blocks
+IMPROVE_MAX_BLOCKS = 64  # a sweep of single-block changes costs 3n simulations of n blocks
 
 
 def _improve(
     blocks: Sequence[Block], acts: list[Action], got: Outcome, tr: Transfers, head: Head, budget: int
 ) -> tuple[list[Action], Outcome]:
-    """Single-block changes while one helps: first toward the budget, then toward speed.
-    The structured search assumes alike blocks; unlike ones (a block that saves much for
-    little compute, a large head) leave it short of the best."""
+    """Single-block changes while one helps, sweep after sweep, each block's best taken as
+    found: first toward the budget, then toward speed. The structured search assumes alike
+    blocks; unlike ones (a block that saves much for little compute, a large head) leave it
+    short of the best."""
     if len(blocks) > IMPROVE_MAX_BLOCKS:
         return acts, got
 
@@ -517,9 +518,11 @@ def _improve(
             return over(o) < over(cur)
         return _better(o, cur)
 
-    for _ in range(4 * len(blocks)):
-        step: tuple[Outcome, int, Action] | None = None
+    acts = acts.copy()
+    for _ in range(4 * len(blocks)):  # sweeps, each block's best change taken as it is found
+        changed = False
         for i in range(len(blocks)):
+            step: tuple[Outcome, Action] | None = None
             for a in Action:
                 if a is acts[i]:
                     continue
@@ -527,12 +530,12 @@ def _improve(
                 trial[i] = a
                 o = simulate(blocks, trial, tr, head, budget)
                 if beats(o, got) and (step is None or beats(o, step[0])):
-                    step = (o, i, a)
-        if step is None:
+                    step = (o, a)
+            if step is not None:
+                got, acts[i] = step
+                changed = True
+        if not changed:
             break
-        got, i, a = step
-        acts = acts.copy()
-        acts[i] = a
     return acts, got
 
 
