@@ -714,6 +714,20 @@ def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatc
     assert (s.bytes_read_nvme > 0) == (host != "64MiB"), s
 
 
+@pytest.mark.parametrize("bound", [256 << 20, 0])
+def test_training_with_every_tensor_larger_than_the_arena_is_exact(store_dir, gpu, monkeypatch, bound):
+    # Each goes through a pinned buffer of its own, copies landing at random, at most one at
+    # a time with no room for buffers (bound 0).
+    ref = train(CONFIGS["gpt"], micro=3)
+    through_the_cuda_transport(gpu, monkeypatch)
+    monkeypatch.setattr(cuda, "QUEUE_MIN", bound)
+    made, real = [], cuda.CudaTransport._bounce_buffer
+    monkeypatch.setattr(cuda.CudaTransport, "_bounce_buffer", lambda self, n: made.append(n) or real(self, n))
+    got = train(CONFIGS["gpt"], offload_config(store_dir, host="8KiB"), micro=3)
+    assert_same(ref, got)
+    assert made and got[2].bytes_written_nvme >= sum(made), (len(made), got[2])
+
+
 def test_an_auto_device_budget_leaves_room_for_the_copies_queued(store_dir, gpu, monkeypatch):
     # The sources of copies still queued are freed, yet their memory is held until copied:
     # the most queued at once in a step is taken off the next step's budget.
