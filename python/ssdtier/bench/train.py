@@ -434,8 +434,8 @@ def run_one(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, A
 
 
 def resolve(s: Setting, w: Workload, results: list[dict[str, Any]]) -> tuple[Setting, Workload]:
-    """What depends on keep's run: a budget given as a share of keep's peak; on CUDA the
-    arena ``auto`` (keep's activation bytes, within what this machine can pin)."""
+    """What depends on keep's run: a budget given as a share of keep's peak; and the arena
+    ``auto`` made concrete (``auto_arena``)."""
     keep = next((r for r in results if r["mode"] == Mode.KEEP.value and r["status"] == "ok"), None)
     if s.fraction is not None and s.budget is None:
         if keep is None:
