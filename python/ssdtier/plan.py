@@ -9,7 +9,7 @@ held at once. :func:`solve` searches assignments for the fastest within a device
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .sizes import format_size
@@ -497,16 +497,15 @@ def solve(
     return _plan(blocks, acts, got, tr, head, budget, step, False, reason)
 
 
-IMPROVE_MAX_BLOCKS = 64  # a sweep of single-block changes costs 3n simulations of n blocks
+IMPROVE_MAX_BLOCKS = 64  # a round of single-block changes costs 3n simulations of n blocks
 
 
 def _improve(
     blocks: Sequence[Block], acts: list[Action], got: Outcome, tr: Transfers, head: Head, budget: int
 ) -> tuple[list[Action], Outcome]:
-    """Single-block changes while one helps, sweep after sweep, each block's best taken as
-    found: first toward the budget, then toward speed. The structured search assumes alike
-    blocks; unlike ones (a block that saves much for little compute, a large head) leave it
-    short of the best."""
+    """Single-block changes while one helps, the best first: toward the budget, then toward
+    speed. The structured search assumes alike blocks; unlike ones (a block that saves much
+    for little compute, a large head) leave it short of the best."""
     if len(blocks) > IMPROVE_MAX_BLOCKS:
         return acts, got
 
@@ -518,24 +517,38 @@ def _improve(
             return over(o) < over(cur)
         return _better(o, cur)
 
-    acts = acts.copy()
-    for _ in range(4 * len(blocks)):  # sweeps, each block's best change taken as it is found
-        changed = False
-        for i in range(len(blocks)):
-            step: tuple[Outcome, Action] | None = None
-            for a in Action:
-                if a is acts[i]:
-                    continue
+    def tie(o: Outcome, cur: Outcome) -> bool:  # as fast and as low, fewer bytes moved
+        return (
+            over(o) == over(cur)
+            and abs(o.extra_s - cur.extra_s) <= EPS
+            and abs(o.peak - cur.peak) <= SAME_PEAK * max(o.peak, cur.peak)
+            and o.moved < cur.moved
+        )
+
+    def trials(i: int) -> Iterator[tuple[Outcome, Action]]:
+        for a in Action:
+            if a is not acts[i]:
                 trial = acts.copy()
                 trial[i] = a
-                o = simulate(blocks, trial, tr, head, budget)
+                yield simulate(blocks, trial, tr, head, budget), a
+
+    acts = acts.copy()
+    for _ in range(4 * len(blocks)):
+        step: tuple[Outcome, int, Action] | None = None
+        for i in range(len(blocks)):
+            for o, a in trials(i):
                 if beats(o, got) and (step is None or beats(o, step[0])):
-                    step = (o, a)
-            if step is not None:
-                got, acts[i] = step
-                changed = True
-        if not changed:
+                    step = (o, i, a)
+        if step is None:
             break
+        was, (got, i, acts[i]) = got, step
+        if tie(got, was):
+            # Only fewer bytes moved: the other blocks' such changes are taken in one sweep,
+            # not a scan of every block each (a long chain of them is common).
+            for i in range(len(blocks)):
+                best = min((x for x in trials(i) if tie(x[0], got)), key=lambda x: x[0].moved, default=None)
+                if best is not None:
+                    got, acts[i] = best
     return acts, got
 
 
