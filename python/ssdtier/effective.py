@@ -36,8 +36,8 @@ class Machine:
         return cls(gpu=gpu, cpu_model=not gpu, pinned=gpu, ranks=local_ranks(), gpu_memory=memory)
 
 
-# host.capacity "auto" on a GPU: this share of its memory. The link moves about 0.5 GiB per
-# sample of a 1.3B GPT before the peak on an H200 (../shared/rok-model.md): ~1/5 of it at batch 50.
+# host.capacity "auto" on a GPU: this share of its memory. An H200's link moves ~25 GiB out of
+# a 1.3B GPT's forward at batch 50, a fifth of the GPU (docs/planner.md has what more buys).
 GPU_ARENA_SHARE = 1 / 4
 
 # torchrun and accelerate; DeepSpeed's launcher; Open MPI
