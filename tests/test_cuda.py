@@ -420,8 +420,8 @@ def test_activations_larger_than_the_arena_leave_without_holding_the_host_back(s
     still queued, and the gradients are keep's."""
     _, _, ref, _ = _busy_forward(None, n=6, batch=1024)
     cfg = offload_config(store_dir, host="1MiB", keep_last_layers=0)
-    _, pending, got, (stats, live) = _busy_forward(cfg, n=6, batch=1024)
-    assert pending > 0 and live == 0 and stats.bytes_written_nvme > 0
+    _, pending, got, _ = _busy_forward(cfg, n=6, batch=1024)  # the writes may still run: no counts
+    assert pending > 0
     assert warned("through a pinned copy of its own") and not warned("copied synchronously")
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
@@ -676,7 +676,9 @@ def test_an_auto_arena_is_sized_from_the_models_gpu(store_dir, monkeypatch):
 
     monkeypatch.setattr(effective, "GPU_ARENA_SHARE", 1 / 64)  # the plumbing, not 1/4's seconds of pinning
     model = build_model(CFG).cuda()
-    with ssdtier.attach(model, offload_config(store_dir, host="auto")) as off:
+    cfg = offload_config(store_dir, host="auto")
+    cfg["io"]["backend"] = "io_uring"  # not cuFile, which would leave the arena at 1 GiB
+    with ssdtier.attach(model, cfg) as off:
         total = torch.cuda.get_device_properties(0).total_memory
         assert off.config.host.capacity <= total // 64 >> 20 << 20
         assert any(c.startswith("host.capacity = ") and "'auto' on a GPU" in c for c in off.stats().chosen)
