@@ -273,8 +273,13 @@ def test_a_large_arena_is_said_on_stderr_where_the_log_shows_nothing(store_dir, 
     import ssdtier.store as st
 
     monkeypatch.setattr(st, "SLOW_ARENA", 1 << 20)
-    assert not logging.getLogger("ssdtier").isEnabledFor(logging.INFO)  # as in a plain script
-    TieredStore(store_config(store_dir, host="2MiB")).close()
+    log = logging.getLogger("ssdtier")
+    level = log.level
+    log.setLevel(logging.WARNING)  # as in a plain script
+    try:
+        TieredStore(store_config(store_dir, host="2MiB")).close()
+    finally:
+        log.setLevel(level)
     assert "ssdtier: mapping and registering a 2MiB host arena..." in capsys.readouterr().err
 
 
