@@ -184,6 +184,12 @@ def pinned_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def landing(out: object) -> bool:
+    """An entry's bytes are in the transport's own host memory, or on their way there: an
+    arena slot being filled, or a pinned buffer of its own. Reads copy back from there."""
+    return type(out) is Copying or type(out) is Bouncing
+
+
 def queue_bound(device: torch.device) -> int:
     """The most bytes of sources that copies or writes out of a GPU may hold at once."""
     return max(QUEUE_MIN, int(device_memory(device) * QUEUE_SHARE))
@@ -212,9 +218,6 @@ class CudaTransport:
         self.unused: list[tuple[torch.Tensor, Any]] = []  # copies ahead dropped unused, held until done
         self.waits = GpuWaits()
         self.bounces: deque[Entry] = deque()  # Bouncing entries, in order: being copied, then written
-        # Their buffers' bytes: at most QUEUE_MIN (one larger goes alone). Pinned memory beside the
-        # arena, which torch's host allocator keeps cached (in powers of two): kept small.
-        self.bounced = 0
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None  # writes their buffers to NVMe
 
     @property
@@ -295,12 +298,17 @@ class CudaTransport:
         else:
             entry.out = Bouncing(event, buf, src, whole.data_ptr())
             self.bounces.append(entry)
-            self.bounced += nbytes
         self.inflight += nbytes
         if self.inflight > self.inflight_peak:
             self.inflight_peak = self.inflight
         self.pending.append(entry)
         return entry
+
+    @property
+    def bounced(self) -> int:
+        """Bytes of the pinned buffers held: at most QUEUE_MIN (one larger goes alone). torch's
+        host allocator keeps them cached (in powers of two) beside the arena: kept small."""
+        return sum(e.nbytes for e in self.bounces)
 
     def _bounce_buffer(self, nbytes: int) -> torch.Tensor | None:
         """No slot (bigger than the arena, or none free): pinned bytes of its own to copy it
@@ -376,7 +384,7 @@ class CudaTransport:
     def _landed(self, e: Entry) -> None:
         off = self.off
         copy = e.out
-        assert type(copy) is Copying or type(copy) is Bouncing
+        assert landing(copy)
         self.inflight -= e.nbytes
         if not e.refs:  # released while in flight: its key was left to free now
             self._unbounce(e)
@@ -405,14 +413,12 @@ class CudaTransport:
         """An entry's pinned buffer is let go (or it had none)."""
         if type(e.out) is Bouncing:
             self.bounces.remove(e)
-            self.bounced -= e.nbytes
         e.out = None
 
     def _written(self, e: Entry) -> None:
         """A pinned buffer's write to NVMe ended."""
         b = e.out
         assert type(b) is Bouncing
-        self.bounced -= e.nbytes
         try:
             b.write.result()
         except SsdtierError as err:
@@ -427,7 +433,7 @@ class CudaTransport:
     # ---------------------------------------------------------------- backward
 
     def start_read(self, e: Entry, from_host: bool) -> None:
-        if type(e.out) is Copying or type(e.out) is Bouncing:  # copied back from its slot or buffer
+        if landing(e.out):  # copied back from its slot or buffer
             e.back = Reading(None, 0, None, True)
             return
         # Asked even when in the arena: the store then keeps it there until its unpack.
@@ -452,8 +458,7 @@ class CudaTransport:
             if r.ticket is not None and not r.ticket.done():
                 waiting.append(e)
                 continue
-            landing = type(e.out) is Copying or type(e.out) is Bouncing
-            if not r.from_host and not landing and not self.native.location(e.key)[0]:
+            if not r.from_host and not landing(e.out) and not self.native.location(e.key)[0]:
                 # The store skipped the read (no room in the arena then): ask again, as the
                 # backward frees slots and the writes under way end.
                 ticket = self.native.prefetch(e.key)
@@ -467,7 +472,7 @@ class CudaTransport:
     def _stage(self, e: Entry, r: Reading) -> None:
         prefetch = self._streams(e.device)[1]
         try:
-            if type(e.out) is Copying or type(e.out) is Bouncing:
+            if landing(e.out):
                 out, ev, pool = self._copy_landing(e, prefetch)
             else:
                 assert e.key is not None
@@ -528,7 +533,7 @@ class CudaTransport:
         its pinned buffer: ``stream`` waits for that copy, and the slot is committed (may be
         evicted) only after this one."""
         copy = e.out
-        assert type(copy) is Copying or type(copy) is Bouncing
+        assert landing(copy)
         out, pool = self._dest(e, stream)
         stream.wait_event(copy.event)
         held = self.store.slot(copy.slot, e.nbytes) if type(copy) is Copying else copy.buf
@@ -550,7 +555,7 @@ class CudaTransport:
             return st, made
         self.poll()
         current = torch.cuda.current_stream(e.device)
-        if type(e.out) is Copying or type(e.out) is Bouncing:
+        if landing(e.out):
             before = self.waits.begin(current)
             out, ev, _ = self._copy_landing(e, current)
             self.waits.end(current, before)
@@ -631,7 +636,7 @@ class CudaTransport:
     def free_key(self, e: Entry) -> None:
         """Free a released entry's key, or once the copies into and out of its slot are done."""
         key = e.key
-        if type(e.out) is Copying or type(e.out) is Bouncing and e.key is not None:
+        if landing(e.out) and key is not None:
             pass  # poll frees it when its copy lands, or its buffer's write ends
         elif key is not None and self.h2d.holds(key):
             self.free_later.add(key)  # the slot stays pinned until then (poll frees it)
@@ -657,7 +662,6 @@ class CudaTransport:
             self.writer.shutdown()  # the buffers' writes end before the store closes
             self.writer = None
         self.bounces.clear()
-        self.bounced = 0
         self.unused.clear()
         self.pending.clear()
         self.inflight = 0
