@@ -38,7 +38,6 @@ from .train import (
     Setting,
     Skipped,
     Workload,
-    auto_arena,
     describe,
     failed,
     losses_compared,
@@ -240,8 +239,6 @@ def run_fit(
             reason = skip_reason(s, wb)
             if reason is not None:
                 raise Skipped(reason)
-            if s.mode is Mode.SSDTIER and w.arena == "auto":
-                wb = replace(wb, arena=auto_arena(wb))
             s, wb = resolve(s, wb, [])
             r = run_one(s, wb, lambda: None)
         except Skipped as e:
