@@ -434,7 +434,8 @@ class _Ev:
 def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypatch):
     """A host ahead of the GPU: reading the last step's CUDA events at the next forward would
     wait for its backward to end. Such steps are dropped, 3 in a row at most; the 4th waits.
-    A dropped step's peak is still learned, and its waits charged to no plan."""
+    Each read step's peak is learned from its own counters, and a dropped step's waits are
+    charged to no plan."""
     from ssdtier.offload.profile import Profile
 
     p = Profile(2, torch.device("cuda"), lambda: 0.0, False)
@@ -449,7 +450,7 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
     blocks = Profile.blocks
     monkeypatch.setattr(Profile, "blocks", lambda self: read.append(len(reads)) or blocks(self))
 
-    class Meter:  # the allocator's counters at each replan: the step's number
+    class Meter:  # the allocator's counters: the step's number
         def counters(self):
             return len(reads), len(reads)
 
@@ -460,15 +461,15 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
         self.meter = Meter()
 
     monkeypatch.setattr(Adaptive, "__init__", start)
-    monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, counters: learned.append((self.mark[0], counters[0])))
+    monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, start, end: learned.append((start[0], end[0])))
     monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: adopted.append(a[-1]) or adopt(self, *a))
     got = steps(GPT, adaptive(store_dir), batches=(2,) * 9, on_step=lambda off: reads.append(None))
     assert_same(steps(GPT, batches=(2,) * 9), got)
     # Replans 2 to 9 (the first has nothing to read): the 4th unread step waits, then as ready.
     assert read == [4, 5, 7, 8], read
-    # The peak counters are read against the last read step's (a dropped step's peak is
-    # kept), and waits are not judged right after dropped steps (theirs spill over).
-    assert learned == [(0, 4), (4, 5), (5, 7), (7, 8)], learned
+    # The last step's counters, as it began and in its backward; waits are not judged right
+    # after dropped steps (theirs spill over).
+    assert learned == [(3, 3), (4, 4), (6, 6), (7, 7)], learned
     assert adopted == [False, True, False, True], adopted
 
 
@@ -511,18 +512,20 @@ def test_a_fixed_budget_learns_the_peak_the_model_misses():
     tr = Transfers(1e9, 1e9, 10e9, 10e9, 1 << 30)
     head = Head(30 * mb)
     model = simulate(blocks, [K] * 4, tr, head).peak
-    me = SimpleNamespace(mark=(0, 0), ran=[K] * 4, working=0, transfers=lambda: tr)
+    me = SimpleNamespace(ran=[K] * 4, working=0, transfers=lambda: tr)
     base = 2 * GiB
-    me.mark = (base, base)
-    Adaptive._learn(me, blocks, head, (base + model + 500 * mb, base))  # a new peak
+    peak = base + model + 500 * mb
+    Adaptive._learn(me, blocks, head, (base, base), (peak, base))  # a new peak
     assert me.working == 500 * mb
-    me.mark = (base + model + 500 * mb, base + 300 * mb)  # the same peak, from 300 MiB higher
-    Adaptive._learn(me, blocks, head, (base + model + 500 * mb, base))
+    Adaptive._learn(me, blocks, head, (peak, base + 300 * mb), (peak, base))  # the same, from 300 MiB higher
     assert me.working == 200 * mb
-    Adaptive._learn(me, blocks, head, (base + mb, base + mb))  # the loop reset the counters
+    Adaptive._learn(me, blocks, head, (peak, base), (base + mb, base + mb))  # reset within the step
     assert me.working == 200 * mb
-    Adaptive._learn(me, blocks, head, None)  # no meter: no fixed budget, or not on a GPU
+    Adaptive._learn(me, blocks, head, (peak, base), None)  # no backward reached the first block
     assert me.working == 200 * mb
+    # A loop that resets the counters before each step (as benches do): the step's own peak.
+    Adaptive._learn(me, blocks, head, (base + mb, base), (base + model + 700 * mb, base))
+    assert me.working == 700 * mb
 
 
 def test_the_guard_expects_the_sources_a_plan_leaves_leaving():

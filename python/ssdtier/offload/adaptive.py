@@ -88,6 +88,7 @@ class Adaptive:
         self.meter = Gpu(self.device) if self.device is not None and fixed else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
         self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
+        self.end: tuple[int, int] | None = None  # ... as its backward reached the first block
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solved: tuple | None = None  # what the plan in force was solved from
 
@@ -177,6 +178,8 @@ class Adaptive:
         """The backward's first unpack of layer ``tag`` (once per layer and backward)."""
         if self._timing():
             self.profile.backward_reached(tag)
+            if tag <= 1 and self.meter is not None:  # the step's peak is behind: read before a loop resets it
+                self.end = self.meter.counters()
 
     def forward_end(self) -> None:
         if self._timing():
@@ -288,7 +291,7 @@ class Adaptive:
         budget = self.budget()
         self.off.device_budget(budget)
         measured = None
-        # After dropped steps the peak counter's mark is older, and their waits spill into this one's.
+        # After dropped steps, their waits spill into this one's.
         feedback = self.unread == 0
         if self.profile.ended:
             if self.profile.ready() or self.unread >= UNREAD:
@@ -296,10 +299,8 @@ class Adaptive:
                 self.unread = 0
             else:  # the host runs ahead of the GPU: a later step's timings, not a wait for these
                 self.unread += 1
-        read = measured is not None
-        counters = self.meter.counters() if self.meter is not None else None
         if measured is not None:  # memory is right from the first step
-            self._learn(measured[0], measured[1], counters)
+            self._learn(measured[0], measured[1], self.mark, self.end)
         if measured is not None and self.device is not None and not self.warm:
             # A GPU's first iteration loads kernels and tunes cuBLAS: its times would plan the
             # next steps wrong (on an H200, 12 of 24 blocks kept, then 17, 19, 22).
@@ -307,8 +308,8 @@ class Adaptive:
             measured = None
         if measured is not None:
             self._adopt(measured[0], measured[1], budget, feedback)
-        if read or self.mark is None:  # a dropped step's peak is learned at the next read
-            self.mark = counters
+        self.mark = self.meter.counters() if self.meter is not None else None
+        self.end = None
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()
@@ -318,14 +319,15 @@ class Adaptive:
         f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)
 
-    def _learn(self, blocks: list, head: Head, counters: tuple[int, int] | None) -> None:
-        """A fixed budget on a GPU: the last step's peak (the allocator's counters) against the
-        model's for what it ran; the difference is ``Head.working`` from now on. A step that set
-        no new peak only bounds it from above; counters reset meanwhile say nothing."""
-        if counters is None or self.mark is None or self.ran is None or len(self.ran) != len(blocks):
+    def _learn(self, blocks: list, head: Head, start: tuple[int, int] | None, end: tuple[int, int] | None) -> None:
+        """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began
+        and as its backward reached the first block) against the model's for what it ran; the
+        difference is ``Head.working`` from now on. A step that set no new peak only bounds it
+        from above; counters reset within the step say nothing."""
+        if start is None or end is None or self.ran is None or len(self.ran) != len(blocks):
             return
-        (peak, now), (peak0, base) = counters, self.mark
-        if peak < peak0 or peak == now:  # the loop reset the counters since: nothing to learn
+        (peak0, base), (peak, _) = start, end
+        if peak < peak0:  # the loop reset the counters within the step: nothing to learn
             return
         predicted = simulate(blocks, self.ran, self.transfers(), head).peak
         if peak > peak0:
