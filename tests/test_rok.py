@@ -305,6 +305,27 @@ def test_an_auto_device_budget_does_not_depend_on_the_plan(store_dir, monkeypatc
     assert all(b == [50 * GiB] * 3 for b in budgets.values()), budgets
 
 
+def test_an_auto_device_budget_says_what_it_is_made_of(store_dir, monkeypatch, caplog):
+    # What is allocated beside the activations grows by 1 MiB a block through the backward:
+    # the most is seen past the blocks, in the backward of what runs before them. Said when
+    # the budget moves.
+    def beside(off):
+        return 3 * GiB + len(off.adaptive.profile.marks) * (1 << 20)
+
+    fake_gpu(monkeypatch, lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, 1 * GiB, 0, 2 * GiB), beside)
+    with caplog.at_level("INFO", logger="ssdtier"):
+        steps(GPT, adaptive(store_dir, device_budget="auto"), batches=(2,) * 4)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ssdtier: device budget")]
+    assert said == [
+        "ssdtier: device budget 25.5GiB: 50GiB free and 8GiB cached, less a margin of 5GiB and 0B of copies "
+        "queued; less 2GiB allocated as the step began and nothing measured yet the last step added beside "
+        "the activations held",
+        "ssdtier: device budget 50.0GiB: 50GiB free and 8GiB cached, less a margin of 5GiB and 0B of copies "
+        "queued; less 2GiB allocated as the step began and 1.0GiB the last step added beside the activations "
+        "held (at the backward of what runs before the blocks)",
+    ], said
+
+
 def test_an_auto_device_budget_follows_the_memory_left(store_dir, monkeypatch):
     gpu = {"free": 0, "retries": 0}
     fake_gpu(monkeypatch, lambda: Memory(gpu["free"], 100 * GiB, 8 * GiB, 1 * GiB, gpu["retries"]), lambda off: 3 * GiB)

@@ -38,6 +38,7 @@ SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
 UNREAD = 3  # steps whose GPU timings are dropped, not waited for, before the host waits for one
 SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (each read: tens of us)
+SAY = 0.1  # an auto budget this share away from the one last logged is logged, with its parts
 
 
 class Adaptive:
@@ -61,6 +62,7 @@ class Adaptive:
         self.before: list[int] | None = None
         self.switched = 0  # blocks the guard recomputed in this forward
         self.held_peak = 0  # the most held() seen since the last budget
+        self.said_budget: int | None = None  # the auto budget last logged, with what it was made of
         write, read = self.calibrate()
         ranks = off.config.io.local_ranks
         if isinstance(ranks, int) and ranks > 1:  # measured alone; in training the ranks share the disks
@@ -251,7 +253,12 @@ class Adaptive:
         held, self.held_peak = self.held_peak, self.held()
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
         got = self.auto.next(held, queued, self.gpu.memory())
-        return self.auto.first() if got is None else got
+        got = self.auto.first() if got is None else got
+        said = self.said_budget
+        if got is not None and (said is None or abs(got - said) > SAY * max(said, 1)):
+            self.said_budget = got
+            log.info("ssdtier: device budget %s: %s", format_size(got), self.auto.explain())
+        return got
 
     def grew(self) -> None:
         """A forward whose first block takes more input than the last one's (a larger batch,
@@ -268,20 +275,25 @@ class Adaptive:
             )
             self.off.device_budget(grown)
 
-    def sample(self) -> None:
+    def sample(self, layer: int = -1) -> None:
         """device_budget = "auto": what is allocated now and is not activations the offloader
         holds (at the forward's end, and as the backward reaches each layer)."""
         if self.gpu is not None and (self.device is None or self._timing()):
             held = self.held()
             self.held_peak = max(self.held_peak, held)
-            self.auto.sample(self.gpu.allocated(), held)
+            where = f"block {layer}'s backward"
+            if layer > self.off.n_layers:
+                where = "the head's backward"
+            elif layer < 1:
+                where = "the forward's end" if layer < 0 else "the backward of what runs before the blocks"
+            self.auto.sample(self.gpu.allocated(), held, where)
 
     def sample_at(self, layer: int) -> None:
         """As the backward reaches ``layer``: a sample at every few blocks, the first block,
         what runs before it, and each of the head's tensors (its gradients are large). What
         is allocated beside the activations grows through a backward: little is missed."""
         if layer > self.off.n_layers or layer == 1 or layer % self.stride == 0:
-            self.sample()
+            self.sample(layer)
 
     # ---------------------------------------------------------------- the plan
 

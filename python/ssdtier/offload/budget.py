@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sizes import GiB
+from ..sizes import GiB, format_size
 
 MARGIN_SHARE = 0.05  # of the memory this process may use, left for fragmentation and what varies
 MARGIN_MIN = 1 * GiB  # ... but at most MARGIN_CAP of it: a process capped to little memory
@@ -81,17 +81,20 @@ class AutoBudget:
         self.peak = -1  # the allocator's peak counter at the last look
         self.made: int | None = None  # the most bytes a step added at once that were not held activations
         self.sampled: int | None = None  # ... in the step under way, from the samples
+        self.where = ""  # the sample that set ``sampled``: its layer, or the forward's end
+        self.made_at = ""  # ... that set ``made``: a sample's, or the peak counter
         self.retries: int | None = None
         self.cut: int | None = None  # what the last step held when a retry cut the budget
         self.extra = 0  # a margin more after a retry: the GPU ran full with what was seen
         self.quiet = 0  # steps since the last retry
         self.room: int | None = None  # at the last look: the memory for activations and the rest
         self.base = 0  # at the last look: allocated before the step (an optimizer's state appears after the first)
+        self.parts = (0, 0, 0, 0)  # at the last look: free, cached, margin, queued
 
-    def sample(self, allocated: int, held: int) -> None:
+    def sample(self, allocated: int, held: int, where: str = "") -> None:
         other = allocated - held
         if self.sampled is None or other > self.sampled:
-            self.sampled = other
+            self.sampled, self.where = other, where
 
     def first(self) -> int | None:
         """Before any step was measured: half of what is neither in use nor the margin."""
@@ -106,17 +109,19 @@ class AutoBudget:
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
-        seen = [] if self.sampled is None else [self.sampled]
+        seen = [] if self.sampled is None else [(self.sampled, self.where)]
         if not first and mem.allocated_peak > self.peak:  # a new peak: in the last step
-            seen.append(mem.allocated_peak - held)
+            seen.append((mem.allocated_peak - held, "the peak counter"))
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
-            self.made = max(0, *seen) - self.base
+            most, self.made_at = max(seen)
+            self.made = max(0, most) - self.base
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
         self.quiet = 0 if retried else self.quiet + 1
         if self.quiet >= self.QUIET:
             self.extra, self.cut = 0, None
         self.room, self.base = mem.free + mem.reserved - margin - self.extra - queued, mem.allocated
+        self.parts = (mem.free, mem.reserved, margin + self.extra, queued)
         if self.made is None or first:
             return None
         budget = max(0, self.room - self.base - max(self.made, 0))
@@ -127,6 +132,19 @@ class AutoBudget:
             self.cut = held
             budget = min(budget, int(held * RETRY_CUT))
         return budget
+
+    def explain(self) -> str:
+        """What the last budget was made of, for the log."""
+        if self.room is None:
+            return "not measured yet"
+        free, reserved, margin, queued = (format_size(x) for x in self.parts)
+        made = "nothing measured yet" if self.made is None else format_size(max(self.made, 0))
+        at = f" (at {self.made_at})" if self.made is not None and self.made_at else ""
+        return (
+            f"{free} free and {reserved} cached, less a margin of {margin} and {queued} of copies queued; "
+            f"less {format_size(self.base)} allocated as the step began and {made} the last step added "
+            f"beside the activations held{at}"
+        )
 
     def grown(self, ratio: float) -> int | None:
         """The budget for a step that saves ``ratio`` times what the last one did: what was not
