@@ -221,12 +221,12 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # settings at --budget-s (half of it for the side-by-side run, half for --fit); the rest of
         # the limit is for the last one. --fit searches the modes that may fit more at keep's speed.
         # --fit searches keep, checkpointing and ssdtier: compile's cold builds would take a probe each.
-        # Five warmup steps: adaptive mode's plan settles by the fourth (warm, profiled, planned,
-        # its peak learned).
+        # Six warmup steps: adaptive mode's plans changed through the first 4-6 (H100 run 3), and
+        # 2 timed that churn.
         secs=$(limit 540)
         part rok "$secs" "$PY" -m ssdtier bench rok --device cuda --layers 24 --d-model 2048 --heads 16 --seq 2048 \
             --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 \
-            --warmup 2 --fractions 0.8,0.6,0.4,0.25 --dir benches/out/rok-nvme --out "$LOGS/rok" \
+            --warmup 6 --fractions 0.8,0.6,0.4,0.25 --dir benches/out/rok-nvme --out "$LOGS/rok" \
             --fit --fit-max-batch 160 --fit-modes keep,checkpoint,ssdtier \
             --budget-s $((secs > 80 ? secs - 70 : 10))
         ;;
