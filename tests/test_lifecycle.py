@@ -264,6 +264,33 @@ def test_buffers_swapped_by_to_are_still_recognised(store_dir):
         assert all(e.nbytes != scale.untyped_storage().nbytes() for g in off.entries.by_layer.values() for e in g)
 
 
+@pytest.mark.parametrize("mode", ["all", "adaptive"])
+def test_a_detached_model_is_freed_when_the_user_lets_go_of_it(store_dir, mode):
+    # The offloader's parts refer to it (a cycle the collector would break only later):
+    # they must not hold the model, whose GPU memory a next run needs now.
+    import gc
+    import weakref
+
+    from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=3, n_heads=4, dropout=0.0)
+    model = build_model(cfg)
+    data = make_batch(cfg, 2, torch.Generator().manual_seed(1), device="cpu")
+    policy = {"mode": mode} if mode == "adaptive" else {}
+    off = ssdtier.attach(model, offload_config(store_dir, **policy))
+    for _ in range(3):
+        batch_loss(model, data).backward()
+    off.detach()
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert off.model is None and "gone" in repr(off)
+
+
 def test_a_failed_attach_leaves_nothing_behind(store_dir):
     """attach() fails half-way (here a block refuses its hook, after the model's and another
     block's were added): the model has no hook of ssdtier's, so it trains as before and can

@@ -153,7 +153,7 @@ class Offloader:
         offloads = pol.mode != "none" or pol.device_budget is not None
         # Pushed by the model's forward pre-hook, popped by its forward hook (always_call).
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.model = model
+        self._model = weakref.ref(model)  # the offloader's own cycles must not hold the model
         self.config = config
         self.store = ByteStore(config)
         self._native = self.store.native
@@ -822,13 +822,22 @@ class Offloader:
             f.scopes -= 1
             self._exit(self.model, (), None)
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The model attached to (None once it is gone)."""
+        return self._model()
+
+    def _unregister(self) -> None:
+        model = self.model
+        if model is not None and attached(model) is self:
+            del _ATTACHED[model]
+
     def detach(self) -> None:
         """Remove every hook and restore the module; the store closes once no graph holds an entry."""
         if self._closed:
             return
         self._unhook()
-        if attached(self.model) is self:
-            del _ATTACHED[self.model]
+        self._unregister()
         if any(self._tls.fwd.pushed):
             drop_interrupted(self._tls.fwd, "was not finished at detach()")
         self._closed = True
@@ -844,8 +853,7 @@ class Offloader:
         self._closed = True
         self._release = _let_go_of_nothing
         self._unhook()
-        if attached(self.model) is self:
-            del _ATTACHED[self.model]
+        self._unregister()
         self.cuda.forget_pin()
 
     def _unhook(self) -> None:
@@ -855,6 +863,7 @@ class Offloader:
         for r in self._recompute:
             r.remove()
         self._recompute.clear()
+        self._params.forget()  # the model's parameters, held by their dicts
 
     def _close_store(self) -> None:
         self.cuda.close()
@@ -875,7 +884,9 @@ class Offloader:
         self.detach()
 
     def __repr__(self) -> str:
-        return f"<Offloader {type(self.model).__name__} layers={self.layers_path!r} store={self.store!r}>"
+        model = self.model
+        name = type(model).__name__ if model is not None else "gone"
+        return f"<Offloader {name} layers={self.layers_path!r} store={self.store!r}>"
 
 
 # Each model's offloader, weakly both ways: nothing of ssdtier's is stored in the model.

@@ -91,6 +91,9 @@ class Params:
             self.dicts = [d for m in model.modules() for d in (m._parameters, m._buffers) if d]
         self.ptrs = storages_of([t for d in self.dicts for t in d.values() if t is not None])
 
+    def forget(self) -> None:
+        self.ptrs, self.dicts = set(), []
+
 
 def storages_of(tensors: list[torch.Tensor]) -> set[StorageKey]:
     ptrs = set()
