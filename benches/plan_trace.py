@@ -7,11 +7,13 @@ A run is ``keep``, ``checkpoint``, a share of keep's peak (a fixed device budget
 ``auto`` (device_budget = "auto"), each at ``--batch`` or ``:B``; a run ending in ``c``
 (``auto:16c``) copies read-aheads into the compute stream's pool, not the prefetch
 stream's. Each step records the memory reserved per stream. Writes DIR/trace.json,
-DIR/<run>.log (ssdtier's INFO log) and DIR/profile_<run>.txt (--profile)."""
+DIR/<run>.log (ssdtier's INFO log), DIR/profile_<run>.txt (--profile: torch.profiler's
+tables of the last step) and DIR/profile_<run>_python.txt (cProfile of one step more)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import time
@@ -89,9 +91,35 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
                 + "\n\n"
                 + prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
             )
+            py = profile.with_name(profile.stem + "_python.txt")
+            py.write_text(_python_profile(model, loss_of, opt, off))
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
+
+
+def _python_profile(model, loss_of, opt, off) -> str:
+    """One more step under cProfile: the hooks' Python time, and any wait for the GPU
+    inside the forward (a synchronize would show as the GPU's time in one call)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    opt.zero_grad(set_to_none=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_of()
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    out = io.StringIO()
+    st = pstats.Stats(pr, stream=out)
+    st.sort_stats("cumulative").print_stats(45)
+    st.sort_stats("tottime").print_stats(30)
+    return out.getvalue()
 
 
 def _reserved_by_stream() -> dict[str, float]:
@@ -137,7 +165,12 @@ def main() -> None:
         logging.getLogger("ssdtier").addHandler(handler)
         logging.getLogger("ssdtier").setLevel(logging.INFO)
         model = off = loss_of = None
-        print(f"== {run} (batch {batch})", flush=True)
+        # A cycle may hold the last run's model and optimizer (20 GiB): said, then collected.
+        left = torch.cuda.memory_allocated() / 2**30
+        gc.collect()
+        torch.cuda.empty_cache()
+        gone = left - torch.cuda.memory_allocated() / 2**30
+        print(f"== {run} (batch {batch}); {left:.2f} GiB allocated before, {gone:.2f} of it in cycles", flush=True)
         try:
             model, loss_of = gpt(batch, every=1 if kind == "checkpoint" else 0)
             if kind not in ("keep", "checkpoint"):
