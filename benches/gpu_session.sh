@@ -11,16 +11,15 @@
 #   SESSION_S=350 bash benches/gpu_session.sh call1   # timeout_s 360: install import udev_shim info
 #                                                     #   test_cuda test_compile cufile (cufile_probe if cuFile
 #                                                     #   failed) pin_rate
-#   SESSION_S=... bash benches/gpu_session.sh call3   # install fit fit_cpool: the device time left less 20 s
-#                                                     #   (>= 300; 570 for both)
+#   SESSION_S=... bash benches/gpu_session.sh call3   # install fit: the device time left less 20 s (>= 330)
 #   SESSION_S=... bash benches/gpu_session.sh call2   # install bench_1b (every mode), then with the time
-#                                                     #   left bench_cpool, bench_expandable (>= 300; 600 for all)
+#                                                     #   left bench_expandable (>= 300; 600 for both)
 #   SESSION_S=... bash benches/gpu_session.sh call4   # install test_cuda rok: the planner's session, alone
 #                                                     #   (the device time left less 20 s; >= 400, 700 for all)
 #   SESSION_S=... bash benches/gpu_session.sh call5   # install import plan_trace test_cuda compile_peak rok:
 #                                                     #   the next planner session (>= 420, 800 for all)
 #   SESSION_S=... bash benches/gpu_session.sh call6   # install import plan_trace rok: a first call of 590
-#                                                     #   (the planner's fixes and both stage pools, the judge)
+#                                                     #   (the planner's trace and profile, the judge)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
@@ -37,12 +36,10 @@
 # torch.compile's), test_compile, test_graphs (CUDA graphs: reduce-overhead with copies out held
 # back), pytest_all, bench_quick (benches/gpu_step.py --quick), cufile
 # (benches/cufile_bandwidth.py: fio, the store and cuFile on this disk), bench_1b, fit (the
-# largest micro-batch of keep, adaptive and checkpoint), fit_cpool (keep's and adaptive's with copies
-# ahead into the compute stream's pool), pin_rate (benches/pin_rate.py: how fast a host arena is
+# largest micro-batch of keep, adaptive and checkpoint), pin_rate (benches/pin_rate.py: how fast a host arena is
 # pinned, and whether faulting it in first, over threads or in huge pages, is faster; a store's
 # open without and with host.huge_pages),
-# bench_cpool (bench_1b's keep, adaptive and host modes with copies ahead into the compute
-# stream's pool), bench_expandable (its keep, adaptive and checkpoint with the allocator's
+# bench_expandable (its keep, adaptive and checkpoint with the allocator's
 # expandable segments: the reserved memory a second stream's pool adds), rok (`ssdtier bench rok`, the judge,
 # on the 1.3B GPT: every mode side by side, the dominance table, then --fit; rok.csv, rok.png and
 # rok.json in the archive's rok/); on request only: bench_wide
@@ -59,13 +56,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} test_graphs fit_cpool pin_rate bench_cpool bench_expandable bench_wide rok rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} test_graphs pin_rate bench_expandable bench_wide rok rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
     call1) parts+=(install import udev_shim info test_cuda test_compile cufile cufile_probe pin_rate) ;;
-    call2) parts+=(install bench_1b bench_cpool bench_expandable) ;;
-    call3) parts+=(install fit fit_cpool) ;;
+    call2) parts+=(install bench_1b bench_expandable) ;;
+    call3) parts+=(install fit) ;;
     call4) parts+=(install import test_cuda rok) ;;
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     call6) parts+=(install import plan_trace rok) ;;
@@ -193,23 +190,19 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         part cufile_probe "$(limit 90)" "$PY" benches/cufile_probe.py benches/out/cufile-probe \
             --json "$LOGS/cufile_probe.json"
         ;;
-    bench_quick | bench_1b | bench_cpool | bench_expandable | bench_wide | fit | fit_cpool)
+    bench_quick | bench_1b | bench_expandable | bench_wide | fit)
         # The bench stops starting modes at --budget-s; the rest of the limit is for the last one.
         case "$p" in
         bench_quick) secs=$(limit 75) args=(--quick) margin=25 ;;
         bench_1b) secs=$(limit 560) args=(--batch 8 --steps 3 --fio-size 2GiB --disk-step-s 8) margin=70 ;;
-        # Copies ahead into the compute stream's pool: less reserved, perhaps less overlap.
-        bench_cpool) secs=$(limit 240) args=(--batch 8 --steps 3 --no-fio --stage-pool compute
-            --modes keep,ssdtier_adaptive,ssdtier_host) margin=50 ;;
         bench_expandable) secs=$(limit 240) args=(--batch 8 --steps 3 --no-fio --modes keep,ssdtier_adaptive,checkpoint)
             margin=50 ;;
         # Wider blocks: more compute per byte saved, so more of it can cross the link in time.
         bench_wide) secs=$(limit 300) args=(--layers 8 --d-model 4096 --heads 32 --batch 8 --steps 3 --no-fio
             --modes keep,ssdtier_adaptive,ssdtier_host,checkpoint) margin=60 ;;
         # The modes that may fit more at keep's speed, and checkpointing: the rest are many times
-        # slower (runs 2 and 3). Then adaptive's with one pool: 43 GiB sat free in the prefetch one (run 3).
+        # slower (runs 2 and 3).
         fit) secs=$(limit 320) args=(--fit --modes keep,ssdtier_adaptive,checkpoint) margin=60 ;;
-        fit_cpool) secs=$(limit 240) args=(--fit --modes keep,ssdtier_adaptive --stage-pool compute) margin=50 ;;
         esac
         env=()
         [ "$p" = bench_expandable ] && env=(env "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")

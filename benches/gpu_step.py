@@ -217,11 +217,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--keep-last-layers", type=_int_or_auto, help="policy.keep_last_layers (default: ssdtier's)")
     g.add_argument("--prefetch-layers", type=_int_or_auto, help="policy.prefetch_layers (default: ssdtier's)")
     g.add_argument("--min-tensor-bytes", help="policy.min_tensor_bytes (default: ssdtier's)")
-    g.add_argument(
-        "--stage-pool",
-        choices=("prefetch", "compute"),
-        help="whose pool a copy ahead to the GPU takes its block from (default: ssdtier's, the prefetch stream's)",
-    )
     g.add_argument("--fio-size", help="bytes fio writes then reads in --dir (default 4GiB; --quick 256MiB)")
     g.add_argument("--no-fio", action="store_true", help="skip fio")
     g = p.add_argument_group("output")
@@ -569,10 +564,6 @@ class Setup:
             import ssdtier
 
             self.off = ssdtier.attach(self.model, ssd)
-            if args.stage_pool is not None:
-                from ssdtier.offload.cuda import StagePool
-
-                self.off.cuda.stage_pool = StagePool(args.stage_pool)
         elif mode == "save_on_cpu":
             self.ctx = lambda: torch.autograd.graph.save_on_cpu(pin_memory=DEVICE == "cuda")  # pinning needs CUDA
         elif mode == "torchtune":
@@ -1090,8 +1081,6 @@ def header(results: dict[str, Any]) -> list[str]:
     ]
     if m.get("alloc_conf"):
         lines.append(f"PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']}")
-    if a.get("stage_pool"):
-        lines.append(f"ssdtier: copies ahead to the GPU take their blocks from the {a['stage_pool']} stream's pool")
     for mode, note in results.get("config_notes", {}).items():
         lines.append(f"{mode}: {note}")
     return lines

@@ -4,9 +4,8 @@ and a profile of one settled step against checkpointing (research extra, not a b
     python benches/plan_trace.py --out DIR [--steps 10] [--runs keep,0.8,0.25,auto:16,keep:13]
 
 A run is ``keep``, ``checkpoint``, a share of keep's peak (a fixed device budget) or
-``auto`` (device_budget = "auto"), each at ``--batch`` or ``:B``; a run ending in ``c``
-(``auto:16c``) copies read-aheads into the compute stream's pool, not the prefetch
-stream's. Each step records the memory reserved per stream. Writes DIR/trace.json,
+``auto`` (device_budget = "auto"), each at ``--batch`` or ``:B``. Each step records the
+memory reserved per stream. Writes DIR/trace.json,
 DIR/<run>.log (ssdtier's INFO log), DIR/profile_<run>.txt (--profile: torch.profiler's
 tables of the last step) and DIR/profile_<run>_python.txt (cProfile of one step more)."""
 
@@ -24,7 +23,6 @@ import torch
 
 import ssdtier
 from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
-from ssdtier.offload.cuda import StagePool
 
 
 def gpt(batch: int, every: int = 0) -> tuple[torch.nn.Module, object]:
@@ -157,9 +155,7 @@ def main() -> None:
     doc: dict = {}
     keep_peak = None
     for run in a.runs.split(","):
-        compute = run.endswith("c") and run != "checkpoint"
-        kind, _, b = run.removesuffix("c" if compute else "").partition(":")
-        pool = StagePool.COMPUTE if compute else StagePool.PREFETCH
+        kind, _, b = run.partition(":")
         batch = int(b) if b else a.batch
         handler = logging.FileHandler(a.out / f"{run.replace(':', '_')}.log", mode="w")
         logging.getLogger("ssdtier").addHandler(handler)
@@ -181,7 +177,6 @@ def main() -> None:
                     "nvme": [{"path": a.dir, "capacity": "32GiB"}],
                 }
                 off = ssdtier.attach(model, cfg)
-                off.cuda.stage_pool = pool
             prof = a.out / f"profile_{run.replace(':', '_')}.txt" if run in a.profile.split(",") else None
             rows = steps(model, loss_of, a.steps, off, prof)
             last = sorted(r["s"] for r in rows[-3:])[1]

@@ -12,7 +12,7 @@ import torch
 
 import ssdtier
 from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
-from ssdtier.offload.cuda import CudaTransport, StagePool
+from ssdtier.offload.cuda import CudaTransport
 
 from .test_attach import (
     TINY,
@@ -96,13 +96,12 @@ def test_exact_gradients_on_cuda(store_dir, host):
         assert s.forwarded + s.copied_ahead > 0
 
 
-def run_with_copies_pending(store_dir, block, evict, pool="prefetch"):
+def run_with_copies_pending(store_dir, block, evict):
     """Six ``block``s, trained with and without ssdtier: every copy to the arena is done
     before the backward (synchronize); with ``evict`` every entry is then on NVMe only. The
     GPU sleep keeps the compute stream busy, so the copies back to the GPU on the prefetch
-    stream may still be pending when the unpacks come (into the prefetch stream's pool they
-    wait for nothing; into the compute stream's, for the sleep). The unpack must wait for
-    them. Asserts exact gradients; returns the offloader's stats."""
+    stream may still be pending when the unpacks come. The unpack must wait for them.
+    Asserts exact gradients; returns the offloader's stats."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
@@ -110,7 +109,6 @@ def run_with_copies_pending(store_dir, block, evict, pool="prefetch"):
         model.load_state_dict(ref.state_dict())
         x = torch.randn(128, 64, device="cuda")
         with ssdtier.attach(model, offload_config(store_dir, host="64MiB", prefetch_layers=2)) as off:
-            off.cuda.stage_pool = StagePool(pool)
             for m in (ref, model):
                 loss = m(x).square().sum()
                 torch.cuda.synchronize()
@@ -131,13 +129,12 @@ def run_with_copies_pending(store_dir, block, evict, pool="prefetch"):
     return s
 
 
-@pytest.mark.parametrize("pool", ["prefetch", "compute"])
 @pytest.mark.parametrize("evict", [False, True])
-def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict, pool):
+def test_read_ahead_copies_on_the_prefetch_stream(store_dir, evict):
     # Each block's backward takes 30 ms on the host, so the read-ahead's reads are done before
     # their unpack and the entries are copied to the GPU on the prefetch stream ahead of it:
     # an unpack that did not make the compute stream wait for that copy would read garbage.
-    s = run_with_copies_pending(store_dir, _SlowBlock, evict, pool)
+    s = run_with_copies_pending(store_dir, _SlowBlock, evict)
     # Two saved tensors per block; the last block's are read when its backward starts, the
     # next two blocks' are in the arena (or on their way) then: at least blocks 1..4 go ahead.
     assert s.tensors_offloaded == 12
@@ -173,13 +170,12 @@ class _TwoStreamBlock(torch.nn.Module):
         return _SlowBackward.apply(torch.cat([left, right], 1))
 
 
-@pytest.mark.parametrize("pool", ["prefetch", "compute"])
 @pytest.mark.parametrize("evict", [False, True])
-def test_an_entry_unpacked_on_two_streams_is_waited_for_on_both(store_dir, evict, pool):
+def test_an_entry_unpacked_on_two_streams_is_waited_for_on_both(store_dir, evict):
     # The copies ahead are still pending when the unpacks come: whichever stream unpacks the
     # entry second must wait for the copy as well as the first, or it reads a block still
     # being filled.
-    s = run_with_copies_pending(store_dir, _TwoStreamBlock, evict, pool)
+    s = run_with_copies_pending(store_dir, _TwoStreamBlock, evict)
     assert s.dedup_hits > 0 and s.copied_ahead > 0, s
 
 

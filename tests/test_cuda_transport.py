@@ -372,37 +372,17 @@ def copied_ahead(tr, gpu, src: torch.Tensor):
     return e
 
 
-def test_a_copy_ahead_into_the_compute_streams_pool_waits_for_its_queued_work(transport, gpu):
-    # The block may be one the compute stream's queued work still uses: the copy on the
-    # prefetch stream comes after that work; the unpack waits for the copy, and records no
-    # use of another stream's block.
-    transport.stage_pool = cuda.StagePool.COMPUTE
-    src = source(64 << 10, 5)
-    e = copied_ahead(transport, gpu, src)
-    out, ev, pool = e.back.staged
-    prefetch = transport.streams[src.device][1]
-    assert pool is gpu.current and ev in prefetch.events and torch.equal(out, src)
-    (ready,) = prefetch.waits
-    assert ready in gpu.current.events and ready is not ev
-    gpu.recorded.clear()
-    st = transport.restore(e, e.back.staged)[0]
-    assert ev in gpu.current.waits and torch.equal(torch.empty(0, dtype=torch.uint8).set_(st), src)
-    assert not gpu.recorded
-
-
-@pytest.mark.parametrize("pool", list(cuda.StagePool))
-def test_a_copy_ahead_never_unpacked_keeps_its_block_until_done(transport, gpu, pool):
-    # Released unused (a graph dropped before its backward ended): a block of the compute
-    # stream's pool must not go back to it while the copy into it may still run.
-    transport.stage_pool = pool
+def test_a_copy_ahead_never_unpacked_keeps_its_slot_until_done(transport, gpu):
+    # Released unused (a graph dropped before its backward ended): its block goes back to
+    # the prefetch stream's pool, in that stream's order; the arena slot the copy reads
+    # stays pinned, and its key, until the copy is done.
     e = copied_ahead(transport, gpu, source(64 << 10, 9))
-    out, ev, _ = e.back.staged
+    key = e.key
     transport.off._release(e)
-    held = [t for t, _ in transport.unused]
-    assert held == ([out] if pool is cuda.StagePool.COMPUTE else [])  # the prefetch stream's: in its order
+    assert key in transport.free_later
     gpu.run()
     transport.poll()
-    assert not transport.unused
+    assert key not in transport.free_later
 
 
 def test_the_byte_window_learns_from_reads_into_the_arena(transport, gpu):
@@ -692,21 +672,19 @@ def through_the_cuda_transport(gpu, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "host", "policy", "pool"),
+    ("model", "host", "policy"),
     [
-        *((m, h, {"prefetch_layers": "auto"}, "prefetch") for m in ("gpt", "t5") for h in ("64KiB", "64MiB")),
-        ("gpt", "64MiB", {"prefetch_layers": "auto"}, "compute"),
-        ("bert", "128KiB", {"prefetch_layers": 2}, "compute"),
-        ("bert", "128KiB", {"mode": "adaptive"}, "prefetch"),
+        *((m, h, {"prefetch_layers": "auto"}) for m in ("gpt", "t5") for h in ("64KiB", "64MiB")),
+        ("bert", "128KiB", {"prefetch_layers": 2}),
+        ("bert", "128KiB", {"mode": "adaptive"}),
     ],
 )
-def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatch, model, host, policy, pool):
+def test_training_through_the_cuda_transport_is_exact(store_dir, gpu, monkeypatch, model, host, policy):
     # CPU tensors take the CUDA transport's whole path, on fake streams whose events end at
     # random as the transport asks: copies still landing at their unpack, spills to NVMe
     # (small arenas), reads ahead staged on the prefetch stream, and exact gradients.
     ref = train(CONFIGS[model], micro=3)
     through_the_cuda_transport(gpu, monkeypatch)
-    monkeypatch.setattr(cuda.CudaTransport, "stage_pool", cuda.StagePool(pool))
     got = train(CONFIGS[model], offload_config(store_dir, host=host, **policy), micro=3)
     assert_same(ref, got)
     s = got[2]

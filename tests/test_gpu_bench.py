@@ -16,9 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ssdtier
 from ssdtier.bench.models import build_model
-from ssdtier.offload.cuda import StagePool
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--vocab", "64", "--batch", "2"]
@@ -204,14 +202,11 @@ def test_reserved_memory_is_split_by_the_stream_it_was_reserved_for(gs, monkeypa
     )
 
 
-def test_the_header_names_the_allocator_settings_and_the_stage_pool(gs, monkeypatch):
+def test_the_header_names_the_allocator_settings(gs, monkeypatch):
     res = fake_results(gs)
-    assert "stream's pool" not in gs.render_steps(res) and "PYTORCH_CUDA_ALLOC_CONF" not in gs.render_steps(res)
-    res["args"] = gs.args_dict(gs.parse_args(["--quick", "--stage-pool", "compute"]))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in gs.render_steps(res)
     res["machine"]["alloc_conf"] = "expandable_segments:True"
-    text = gs.render_steps(res)
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text
-    assert "ssdtier: copies ahead to the GPU take their blocks from the compute stream's pool" in text
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in gs.render_steps(res)
 
 
 def test_the_goal_counts_blocks_still_being_copied_out(gs):
@@ -354,17 +349,7 @@ def test_every_mode_runs_on_the_cpu(on_cpu, store_dir, monkeypatch, capsys):
     monkeypatch.setattr(gs, "torchtune_maker", lambda: (lambda model: hooks, "stand-in hooks"))
     out = store_dir / "r.json"
     argv = [*TINY, "--dir", str(store_dir / "nvme"), "--nvme-arena", "0", "--no-fio", "--json", str(out)]
-    attach = ssdtier.attach
-    pools = []
-
-    def attach_and_see(*a, **k):
-        off = attach(*a, **k)
-        pools.append(off.cuda)  # its stage_pool is set after attach
-        return off
-
-    monkeypatch.setattr(ssdtier, "attach", attach_and_see)
-    assert gs.main([*argv, "--stage-pool", "compute"]) == 0
-    assert pools and all(c.stage_pool is StagePool.COMPUTE for c in pools)
+    assert gs.main(argv) == 0
     res = json.loads(out.read_text())
     for mode in gs.MODES:
         assert res["modes"][mode]["status"] == "ok", res["modes"][mode]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
-import enum
 import logging
 import time
 import weakref
@@ -161,18 +160,6 @@ class GpuWaits:
             self.seconds += before.elapsed_time(after) / 1e3
 
 
-class StagePool(enum.Enum):
-    """Whose pool a copy ahead to the GPU takes its block from (``benches/gpu_step.py
-    --stage-pool`` compares them on a GPU)."""
-
-    # The prefetch stream's: the copy waits for nothing, but the blocks stay that stream's,
-    # reserved beside the compute stream's (which the backward's frees leave unused).
-    PREFETCH = "prefetch"
-    # The unpacking stream's, which the backward's frees refill: the copy waits for the work
-    # that stream had queued when it was asked for.
-    COMPUTE = "compute"
-
-
 def device_memory(device: torch.device) -> int:
     """A GPU's memory in bytes (a function of its own: the CPU tests stand in for it)."""
     return torch.cuda.get_device_properties(device).total_memory
@@ -196,8 +183,6 @@ def queue_bound(device: torch.device) -> int:
 
 
 class CudaTransport:
-    stage_pool = StagePool.PREFETCH  # an instance's may differ (gpu_step.py --stage-pool)
-
     def __init__(self, off: CudaOwner) -> None:
         self.off = off
         self.store = off.store
@@ -215,7 +200,6 @@ class CudaTransport:
         self.free_later: set[int] = set()  # keys of released entries freed once their h2d copies are done
         self.staging: list[Entry] = []  # read-aheads not copied to the GPU yet
         self.stage_off = False  # no copies ahead until the next forward (out of GPU memory)
-        self.unused: list[tuple[torch.Tensor, Any]] = []  # copies ahead dropped unused, held until done
         self.waits = GpuWaits()
         self.bounces: deque[Entry] = deque()  # Bouncing entries, in order: being copied, then written
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None  # writes their buffers to NVMe
@@ -365,7 +349,7 @@ class CudaTransport:
         """Commit the arena slots whose device-to-host copy has landed, and unpin the slots
         whose host-to-device copy is done."""
         off, native = self.off, self.native
-        if (self.h2d or self.pending or self.waits.pairs or self.unused) and torch.cuda.is_current_stream_capturing():
+        if (self.h2d or self.pending or self.waits.pairs) and torch.cuda.is_current_stream_capturing():
             return  # querying an event is not allowed while a CUDA graph is captured
         for key in self.h2d.done() if self.h2d else ():
             native.release(key)
@@ -378,8 +362,6 @@ class CudaTransport:
             self._written(self.bounces.popleft())
         if self.waits.pairs:
             self.waits.collect()
-        if self.unused:
-            self.unused = [(t, ev) for t, ev in self.unused if not ev.query()]
 
     def _landed(self, e: Entry) -> None:
         off = self.off
@@ -473,7 +455,7 @@ class CudaTransport:
         prefetch = self._streams(e.device)[1]
         try:
             if landing(e.out):
-                out, ev, pool = self._copy_landing(e, prefetch)
+                out, ev = self._copy_landing(e, prefetch)
             else:
                 assert e.key is not None
                 if not self.native.location(e.key)[0]:
@@ -481,14 +463,14 @@ class CudaTransport:
                 off = self.native.acquire(e.key)
                 if off is None:
                     return
-                out, ev, pool = self._copy_from_slot(e, off, prefetch)
+                out, ev = self._copy_from_slot(e, off, prefetch)
         except torch.cuda.OutOfMemoryError:
             # Reading ahead is a bet: the unpack copies it on demand (the slot was released). Each
             # failed allocation empties the allocator's cache, so no more copies ahead until the
             # next forward.
             self.stage_off = True
             return
-        r.staged = (out, ev, pool)
+        r.staged = (out, ev, prefetch)  # from that stream's pool: the copy waits for nothing
         self.off.res.track(out.untyped_storage(), e.nbytes)
         self.off.c["copied_ahead"] += 1
 
@@ -499,25 +481,12 @@ class CudaTransport:
         with torch.cuda.stream(stream):
             return torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
 
-    def _dest(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
-        """GPU bytes for an entry copied on ``stream``, and the stream whose pool they are from."""
-        current = torch.cuda.current_stream(e.device)
-        if self.stage_pool is StagePool.PREFETCH or stream == current:
-            return self._new_on(e, stream), stream
-        out = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-        # Work queued on ``current`` may still use the block (or fill it, under deterministic
-        # algorithms): the copy comes after it.
-        ready = host_event()
-        ready.record(current)
-        stream.wait_event(ready)
-        return out, current
-
-    def _copy_from_slot(self, e: Entry, off: int, stream: Any) -> tuple[torch.Tensor, Any, Any]:
-        """Copy an entry's acquired arena slot to new GPU bytes on ``stream``; returns them, the
-        copy's event and the stream whose pool they are from. The slot stays pinned until the
-        copy has read it (poll unpins it); on failure it is released at once."""
+    def _copy_from_slot(self, e: Entry, off: int, stream: Any) -> tuple[torch.Tensor, Any]:
+        """Copy an entry's acquired arena slot to new GPU bytes of ``stream``'s pool; returns
+        them and the copy's event. The slot stays pinned until the copy has read it (poll
+        unpins it); on failure it is released at once."""
         try:
-            out, pool = self._dest(e, stream)
+            out = self._new_on(e, stream)
             with torch.cuda.stream(stream):
                 out.copy_(self.store.slot(off, e.nbytes), non_blocking=True)
                 ev = host_event()
@@ -526,15 +495,15 @@ class CudaTransport:
             self.native.release(e.key)
             raise
         self.h2d.add(stream, ev, e.key)
-        return out, ev, pool
+        return out, ev
 
-    def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any, Any]:
+    def _copy_landing(self, e: Entry, stream: Any) -> tuple[torch.Tensor, Any]:
         """Copy an entry back from the slot its copy to the arena is still filling, or from
         its pinned buffer: ``stream`` waits for that copy, and the slot is committed (may be
         evicted) only after this one."""
         copy = e.out
         assert landing(copy)
-        out, pool = self._dest(e, stream)
+        out = self._new_on(e, stream)
         stream.wait_event(copy.event)
         held = self.store.slot(copy.slot, e.nbytes) if type(copy) is Copying else copy.buf
         with torch.cuda.stream(stream):
@@ -542,7 +511,7 @@ class CudaTransport:
             ev = host_event()
             ev.record(stream)
         copy.event = ev
-        return out, ev, pool
+        return out, ev
 
     def restore(self, e: Entry, staged: tuple[torch.Tensor, Any, Any] | None) -> tuple[torch.UntypedStorage, Made]:
         """The entry back on the GPU: the copy made ahead (``staged``), or one made now on the
@@ -557,7 +526,7 @@ class CudaTransport:
         current = torch.cuda.current_stream(e.device)
         if landing(e.out):
             before = self.waits.begin(current)
-            out, ev, _ = self._copy_landing(e, current)
+            out, ev = self._copy_landing(e, current)
             self.waits.end(current, before)
         else:
             out, ev = self._copy_now(e)
@@ -605,7 +574,7 @@ class CudaTransport:
         if not resident:
             res.stall += time.perf_counter() - t0
         before = self.waits.begin(current)
-        out, ev, _ = self._copy_from_slot(e, off, current)
+        out, ev = self._copy_from_slot(e, off, current)
         self.waits.end(current, before)
         return out, ev
 
@@ -624,14 +593,6 @@ class CudaTransport:
             torch.empty(0, dtype=torch.uint8, device=device).set_(st).record_stream(current)
 
     # ---------------------------------------------------------------- release, close
-
-    def let_go(self, e: Entry, staged: tuple[torch.Tensor, Any, Any]) -> None:
-        """A copy ahead never unpacked. A block of the prefetch stream's pool is done with
-        in that stream's order; another stream's goes back to it once the copy into it is done."""
-        out, ev, pool = staged
-        if pool != self.streams[e.device][1]:
-            self.unused.append((out, ev))
-            self.poll()
 
     def free_key(self, e: Entry) -> None:
         """Free a released entry's key, or once the copies into and out of its slot are done."""
@@ -656,13 +617,10 @@ class CudaTransport:
             e.out.event.synchronize()
         for ev in self.h2d.events():  # copies out of the arena still running (their keys freed later)
             ev.synchronize()
-        for _, ev in self.unused:
-            ev.synchronize()
         if self.writer is not None:
             self.writer.shutdown()  # the buffers' writes end before the store closes
             self.writer = None
         self.bounces.clear()
-        self.unused.clear()
         self.pending.clear()
         self.inflight = 0
         self.h2d = Unpins()

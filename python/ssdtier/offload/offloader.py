@@ -731,8 +731,6 @@ class Offloader:
             if e.refs:
                 return
             back, e.back = e.back, None
-            if type(back) is Reading and back.staged is not None:
-                self.cuda.let_go(e, back.staged)  # a copy made ahead and never unpacked
             e.hold = e.view = e.first = None
             if type(back) is Reading and back.ticket is not None:
                 # The buffer must outlive its read. A read that failed is of no concern here:
