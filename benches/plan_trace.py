@@ -49,10 +49,14 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
     for i in range(n):
         prof = None
         if profile is not None and i == n - 1:
-            prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            )
-            prof.__enter__()
+            try:
+                prof = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                )
+                prof.__enter__()
+            except Exception:  # noqa: BLE001 - a profiler that fails costs its tables, not the run's rows
+                profile.write_text(traceback.format_exc())
+                prof = None
         torch.cuda.synchronize()
         before = _waits(off)
         base = torch.cuda.memory_allocated()
@@ -83,14 +87,21 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             row["predicted_peak_gib"] = None if plan is None else plan.outcome.peak / 2**30
             row["guard_switched"] = off.adaptive.switched
         if prof is not None:
-            prof.__exit__(None, None, None)
-            profile.write_text(
-                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-                + "\n\n"
-                + prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-            )
+            try:
+                prof.__exit__(None, None, None)
+                profile.write_text(
+                    prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                    + "\n\n"
+                    + prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+                )
+            except Exception:  # noqa: BLE001
+                profile.write_text(traceback.format_exc())
+        if profile is not None and i == n - 1:
             py = profile.with_name(profile.stem + "_python.txt")
-            py.write_text(_python_profile(model, loss_of, opt, off))
+            try:
+                py.write_text(_python_profile(model, loss_of, opt, off))
+            except Exception:  # noqa: BLE001
+                py.write_text(traceback.format_exc())
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
