@@ -228,6 +228,31 @@ def test_the_runtimes_defaults_on_an_h200_reach_the_targets():
     assert plan(112).slowdown <= 41.4 / 34.7 and plan(120).slowdown < 1.2
 
 
+def test_the_h100_model_reaches_the_targets_its_runtime_missed():
+    # The same GPT from the H100's run 3 (benches/results/h100/): 0.425 ms a sample per
+    # block's forward, recomputed for 0.325 (checkpointing's 1.21x), keep's 37.5 ms a sample,
+    # 55 GiB for activations (keep fits 13), 54.8 GB/s, the runtime's arena and queue. The
+    # model reaches 19 within 1.05x and 25 within 1.10x (targets 18.2, 23.4). At batch 16 it
+    # plans 5 blocks offloaded at 1.01x; the runtime ran such a plan (17 kept, 5 offloaded, 2
+    # recomputed) at 1.41x: the gap is the runtime's.
+    def plan(batch):
+        f = 0.425e-3 * batch
+        blocks = [
+            Block(i, int(0.1406 * GiB * batch), int(0.0156 * GiB * batch), f, 2 * f, 0.325e-3 * batch)
+            for i in range(24)
+        ]
+        rest = 37.5e-3 * batch - 24 * 3 * f
+        head = Head(int(0.77 * GiB * batch), rest / 3, 2 * rest / 3)
+        tr = Transfers(write=1.4e9, read=1.4e9, out=54.8e9, back=54.8e9, host=int(19.8 * GiB), queue=int(4.95 * GiB))
+        return solve(blocks, tr, 55 * GiB, head)
+
+    assert plan(13).actions == (K,) * 24
+    assert plan(19).fits and plan(19).slowdown <= 1.05
+    assert plan(25).fits and plan(25).slowdown <= 1.10
+    p = plan(16)
+    assert p.slowdown <= 1.02 and p.count(OF) == 5 and p.count(K) >= 17
+
+
 def test_the_plan_explains_itself():
     p = h200(40)
     text = p.table()
