@@ -62,18 +62,11 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of()
-        t1 = time.perf_counter()
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        forward_s = _step(loss_of, opt)
         row = {
             "step": i,
-            "s": t2 - t0,
-            "forward_host_s": t1 - t0,
+            "s": time.perf_counter() - t0,
+            "forward_host_s": forward_s,
             "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "reserved_gib": torch.cuda.memory_reserved() / 2**30,
             "reserved_by_stream_gib": _reserved_by_stream(),
@@ -99,7 +92,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
         if profile is not None and i == n - 1:
             py = profile.with_name(profile.stem + "_python.txt")
             try:
-                py.write_text(_python_profile(model, loss_of, opt, off))
+                py.write_text(_python_profile(loss_of, opt))
             except Exception:  # noqa: BLE001
                 py.write_text(traceback.format_exc())
         print(json.dumps(row), flush=True)
@@ -107,7 +100,20 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
     return out
 
 
-def _python_profile(model, loss_of, opt, off) -> str:
+def _step(loss_of, opt) -> float:
+    """One training step, the GPU's part waited for; returns the forward's host seconds."""
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_of()
+    t1 = time.perf_counter()
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    return t1 - t0
+
+
+def _python_profile(loss_of, opt) -> str:
     """One more step under cProfile: the hooks' Python time, and any wait for the GPU
     inside the forward (a synchronize would show as the GPU's time in one call)."""
     import cProfile
@@ -117,12 +123,7 @@ def _python_profile(model, loss_of, opt, off) -> str:
     torch.cuda.synchronize()
     pr = cProfile.Profile()
     pr.enable()
-    opt.zero_grad(set_to_none=False)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = loss_of()
-    loss.backward()
-    opt.step()
-    torch.cuda.synchronize()
+    _step(loss_of, opt)
     pr.disable()
     out = io.StringIO()
     st = pstats.Stats(pr, stream=out)
