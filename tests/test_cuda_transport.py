@@ -706,6 +706,36 @@ def test_training_with_every_tensor_larger_than_the_arena_is_exact(store_dir, gp
     assert made  # (the stats are read before the writes of the last buffers need have ended)
 
 
+def test_a_copy_landed_after_the_last_unpack_is_not_held_at_the_next_forward(store_dir, gpu, monkeypatch):
+    # Blocks kept, the head's logits offloaded past the budget: their unpack polls before the
+    # copy lands and no later one polls. On the H100 the stale 3.9 GiB made the guard recompute
+    # block 0 and cut every other step's auto budget.
+    from ssdtier.bench.models import GPTConfig
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.plan import Action
+
+    from .test_rok import forced
+
+    cfg = GPTConfig(n_layers=4, vocab_size=2048, seq_len=16, d_model=32, n_heads=4)
+    guard, seen = Adaptive.guard, []
+
+    def at_first_block(self, f, tag):
+        if tag == 1:
+            cu = self.off.cuda
+            seen.append((cu.inflight, sum(e.nbytes for e in cu.pending if not e.out.event.done)))
+        return guard(self, f, tag)
+
+    ref = train(cfg, sizes=[2] * 4)
+    forced(monkeypatch, (Action.KEEP,) * 4)
+    monkeypatch.setattr(Adaptive, "guard", at_first_block)
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    ssd = offload_config(store_dir, host="64MiB", mode="adaptive", device_budget=100_000)
+    got = train(cfg, ssd, sizes=[2] * 4, on_step=lambda off: gpu.run())  # the GPU ends each step
+    assert_same(ref, got)
+    assert got[2].tensors_offloaded > 0
+    assert all(inflight == queued for inflight, queued in seen), seen
+
+
 def test_an_auto_device_budget_leaves_room_for_the_copies_queued(store_dir, gpu, monkeypatch):
     # The sources of copies still queued are freed, yet their memory is held until copied:
     # the most queued at once in a step is taken off the next step's budget.

@@ -279,6 +279,7 @@ class Adaptive:
         """device_budget = "auto": what is allocated now and is not activations the offloader
         holds (at the forward's end, and as the backward reaches each layer)."""
         if self.gpu is not None and (self.device is None or self._timing()):
+            self.off.landed()
             held = self.held()
             self.held_peak = max(self.held_peak, held)
             where = f"block {layer}'s backward"
@@ -300,6 +301,8 @@ class Adaptive:
     def replan(self, f: Fwd) -> None:
         """At the start of a forward: plan from the last one's measurements, with stall
         feedback; then the actions of this forward (``f.acts``, ``f.off_tag``)."""
+        # The last step's copies out may have landed after its last unpack: not held now.
+        self.off.landed()
         budget = self.budget()
         self.off.device_budget(budget)
         measured = None

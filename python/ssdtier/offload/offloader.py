@@ -290,6 +290,12 @@ class Offloader:
             return None
         return max(self._budget - self.adaptive.held(), 0)
 
+    def landed(self) -> None:
+        """Copies out that landed since the last unpack or save leave the bytes held."""
+        if self.cuda.pending:
+            with self._lock:
+                self.cuda.poll()
+
     def store_wait(self) -> float:
         """Seconds the store has waited on transfers so far."""
         return self._native.wait_seconds
