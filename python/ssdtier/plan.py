@@ -141,10 +141,14 @@ def simulate(
     spans: list[tuple[float, float, int, int]] = []  # (begin, end, bytes, block) of sources held
     done = [0.0] * n
     held = [b.held(a) for b, a in zip(blocks, actions, strict=True)]
+    again = [a is Action.RECOMPUTE or a is Action.RECOMPUTE_OFFLOAD for a in actions]  # recomputed
     before, kept = [], 0
+    live = 0  # spans before it have ended: their ends come in order, as ``t`` does
     for i, (b, a) in enumerate(zip(blocks, actions, strict=True)):
         start = t
-        before.append(kept + _leaving(spans, t))
+        while live < len(spans) and spans[live][1] <= t:
+            live += 1
+        before.append(kept + (_leaving(spans[live:], t) if live < len(spans) else 0))
         kept += held[i]
         t += b.forward_s
         o = b.moved(a)
@@ -205,9 +209,7 @@ def simulate(
         below, limit = sum(held), peak
         for j in range(n - 1, -1, -1):
             below -= held[j]
-            limit = max(
-                limit, below + max(blocks[j].bytes, held[j]) + (blocks[j].inputs if actions[j].recomputes else 0)
-            )
+            limit = max(limit, below + max(blocks[j].bytes, held[j]) + (blocks[j].inputs if again[j] else 0))
         limit += max(moved, default=0)
     order = [i for i in range(n - 1, -1, -1) if moved[i]]
     ready = [max(t_fwd, done[i]) for i in range(n)]
@@ -243,7 +245,7 @@ def simulate(
     below = sum(held)
     if n:  # during the head's backward, with room for the last block's
         last = blocks[-1]
-        first = below - held[-1] + max(last.bytes, held[-1]) + (last.inputs if actions[-1].recomputes else 0)
+        first = below - held[-1] + max(last.bytes, held[-1]) + (last.inputs if again[-1] else 0)
         fill(t_fwd, max(head.bytes + below, first))
     t = t_fwd + head.backward_s
     wait_b = rec = 0.0
@@ -266,12 +268,12 @@ def simulate(
                 late.append(b.index)
                 t += lateness
                 wait_b += lateness
-        working = max(b.bytes, held[j]) + (b.inputs if a.recomputes else 0)
+        working = max(b.bytes, held[j]) + (b.inputs if again[j] else 0)
         gone = leaving(t, j) if late_spans else 0
         fill(t, below + working + gone)
         peak = max(peak, below + working + ahead + gone)
         t += b.backward_s
-        if a.recomputes:
+        if again[j]:
             t += b.recompute_s
             rec += b.recompute_s
     total = sum(moved)
@@ -295,7 +297,11 @@ def simulate(
 
 def _leaving(spans: Sequence[tuple[float, float, int, int]], t: float, skip: int = -1) -> int:
     """Bytes of sources whose copies out are under way at ``t``, as much as is left of each."""
-    return int(sum(o * min(1.0, (end - t) / max(end - b, EPS)) for b, end, o, i in spans if end > t and i != skip))
+    total = 0.0
+    for b, end, o, i in spans:
+        if end > t and i != skip:
+            total += o if b >= t else o * min(1.0, (end - t) / max(end - b, EPS))
+    return int(total)
 
 
 @dataclass(frozen=True)
