@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SsdtierWarning
-from ..plan import Action, Decision, Head, Plan, Transfers, simulate, solve
+from ..plan import Action, Decision, Head, Outcome, Plan, Transfers, simulate, solve
 from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
@@ -33,6 +33,7 @@ GROWTH = 1.1  # a first block taking this much more input than the last forward'
 SWITCH = 0.02  # a new plan replaces the one in force when it is predicted this share of a step faster
 STALL = 0.05  # waits past the predicted by this share of a step are charged to the bytes moved
 SAME = 0.05  # measurements this close to those the plan was solved from: it stands (a solve takes ms)
+RESOLVE = 32  # steps a plan stands on measurements that moved before it is solved again
 FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
 SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
@@ -93,6 +94,10 @@ class Adaptive:
         self.end: tuple[int, int] | None = None  # ... as its backward reached the first block
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solved: tuple | None = None  # what the plan in force was solved from
+        self.at_solve: Plan | None = None  # ... and the plan then, as predicted
+        self.stood = 0  # steps the plan stood, measurements moved, since it was solved
+        self.solves = 0
+        self.replan_s = 0.0  # host seconds spent planning at forwards' starts
 
     def calibrate(self) -> tuple[float, float]:
         """The store's write and read bandwidth, measured at attach through a store of its own
@@ -301,6 +306,7 @@ class Adaptive:
     def replan(self, f: Fwd) -> None:
         """At the start of a forward: plan from the last one's measurements, with stall
         feedback; then the actions of this forward (``f.acts``, ``f.off_tag``)."""
+        t0 = time.perf_counter()
         # The last step's copies out may have landed after its last unpack: not held now.
         self.off.landed()
         budget = self.budget()
@@ -333,6 +339,7 @@ class Adaptive:
         self.switched = 0
         f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)
+        self.replan_s += time.perf_counter() - t0
 
     def _learn(self, blocks: list, head: Head, start: tuple[int, int] | None, end: tuple[int, int] | None) -> None:
         """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began
@@ -364,32 +371,55 @@ class Adaptive:
                 self.per_byte /= 2
         tr = dataclasses.replace(self.transfers(), per_byte_s=self.per_byte)
         head = dataclasses.replace(head, working=self.working)
-        if self.plan is not None and self.solved is not None and same_inputs(self.solved, (blocks, tr, head, budget)):
+        plan, inputs = self.plan, (blocks, tr, head, budget)
+        if plan is not None and self.solved is not None and same_inputs(self.solved, inputs):
             return
-        self.solved = (blocks, tr, head, budget)
+        now = None
+        if plan is not None and len(plan.decisions) == len(blocks):
+            now = simulate(blocks, plan.actions, tr, head, budget)
+            if self._stands(now, budget, step):
+                self.stood += 1
+                self._use(self._again(now, *inputs, step))
+                return
+        self.solved, self.at_solve, self.stood = inputs, None, 0
+        self.solves += 1
         new = solve(blocks, tr, budget, head)
-        if self.plan is not None and len(self.plan.decisions) == len(blocks):
-            acts = self.plan.actions
-            now = simulate(blocks, acts, tr, head, budget)
+        if plan is not None and now is not None:
             fits = budget is None or now.peak <= budget
             better = new.outcome.extra_s < now.extra_s - SWITCH * step
             lower = budget is None and new.outcome.peak < now.peak * (1 - SWITCH) and new.outcome.extra_s <= now.extra_s
             if fits and not better and not lower:
-                new = Plan(
-                    tuple(Decision(b, a, d.reason) for d, b, a in zip(self.plan.decisions, blocks, acts, strict=True)),
-                    now,
-                    tr,
-                    head,
-                    budget,
-                    step,
-                    True,
-                    self.plan.reason,
-                )
-        if self.plan is None or new.actions != self.plan.actions:
+                new = self._again(now, *inputs, step)
+        if plan is None or new.actions != plan.actions:
             log.info("%s", new.table())
-        self.plan = new
-        self.before = list(new.outcome.before)
-        off.set_actions(new.actions)
+        self.at_solve = new
+        self._use(new)
+
+    def _stands(self, now: Outcome, budget: int | None, step: float) -> bool:
+        """Whether the plan in force, under measurements that moved, is kept unsolved: it
+        fits (or, solved as the least memory found, holds no more), is no slower than when
+        solved, the budget did not grow (room for a faster plan), and it was solved within
+        ``RESOLVE`` steps."""
+        at, was = self.at_solve, self.solved[3] if self.solved is not None else None
+        if at is None or self.stood >= RESOLVE or (budget is None) != (was is None):
+            return False
+        if budget is not None and was is not None:
+            limit = budget if at.fits else max(budget, int(at.outcome.peak * (1 + SAME)))
+            if now.peak > limit or budget > was * (1 + SAME):
+                return False
+        return now.fits_host and now.extra_s <= at.outcome.extra_s + SWITCH * step
+
+    def _again(self, now: Outcome, blocks: list, tr: Transfers, head: Head, budget: int | None, step: float) -> Plan:
+        """The plan in force, predicted anew."""
+        plan = self.plan
+        assert plan is not None
+        decisions = tuple(Decision(b, d.action, d.reason) for d, b in zip(plan.decisions, blocks, strict=True))
+        return Plan(decisions, now, tr, head, budget, step, budget is None or now.peak <= budget, plan.reason)
+
+    def _use(self, plan: Plan) -> None:
+        self.plan = plan
+        self.before = list(plan.outcome.before)
+        self.off.set_actions(plan.actions)
 
 
 def same_inputs(a: tuple, b: tuple) -> bool:
