@@ -33,7 +33,7 @@ GROWTH = 1.1  # a first block taking this much more input than the last forward'
 SWITCH = 0.02  # a new plan replaces the one in force when it is predicted this share of a step faster
 STALL = 0.05  # waits past the predicted by this share of a step are charged to the bytes moved
 SAME = 0.05  # measurements this close to those the plan was solved from: it stands (a solve takes ms)
-RESOLVE = 32  # steps a plan stands on measurements that moved before it is solved again
+RESOLVE = 32  # steps a plan stands on measurements that moved before it is solved again (at most)
 FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
 SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
@@ -399,9 +399,10 @@ class Adaptive:
         """Whether the plan in force, under measurements that moved, is kept unsolved: it
         fits (or, solved as the least memory found, holds no more), is no slower than when
         solved, the budget did not grow (room for a faster plan), and it was solved within
-        ``RESOLVE`` steps."""
+        2, 4, 8... steps by the solves so far, up to ``RESOLVE``: the first measurements, taken
+        as plans change, are the least sure."""
         at, was = self.at_solve, self.solved[3] if self.solved is not None else None
-        if at is None or self.stood >= RESOLVE or (budget is None) != (was is None):
+        if at is None or self.stood >= min(RESOLVE, 2**self.solves) or (budget is None) != (was is None):
             return False
         if budget is not None and was is not None:
             limit = budget if at.fits else max(budget, int(at.outcome.peak * (1 + SAME)))
