@@ -539,6 +539,7 @@ def _improve(
                 yield simulate(blocks, trial, tr, head, budget), a
 
     acts = acts.copy()
+    seen = {tuple(acts)}
     for _ in range(4 * len(blocks)):
         step: tuple[Outcome, int, Action] | None = None
         for i in range(len(blocks)):
@@ -548,6 +549,9 @@ def _improve(
         if step is None:
             break
         was, (got, i, acts[i]) = got, step
+        if tuple(acts) in seen:  # the tolerances let changes come round again: a cycle, not progress
+            break
+        seen.add(tuple(acts))
         if tie(got, was):
             # Only fewer bytes moved: the other blocks' such changes are taken in one sweep,
             # not a scan of every block each (a long chain of them is common).
