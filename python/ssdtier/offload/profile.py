@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,8 @@ from ..plan import Block, Head
 
 BACKWARD = 2.0  # a block's backward against its forward until one is measured (SSDTrain's rule)
 OFFLOAD_TENSOR_S = 15e-6  # the hooks' time per offloaded tensor on the CPU (benches/hook_profile.py)
+RECENT = 3  # steps whose times of a block are taken together (their median): one odd step is noise
+SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence changed: times did too)
 
 
 def input_bytes(args: tuple) -> int:
@@ -94,6 +97,9 @@ class Profile:
         self.recompute_s: list[float | None] = [None] * n
         self.backward_s: list[float | None] = [None] * n
         self.head_back: float | None = None
+        # Each block's last few (seconds, inputs) forward and backward (see steady).
+        self.fwd_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
+        self.back_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.rec_spans: list[tuple[int, Any]] = []
         self.io_per_byte: float | None = None  # what offloading costs the step per byte, past its waits
         self.end_mark: Any = None  # the forward's end, where the backward's marks start from
@@ -110,6 +116,7 @@ class Profile:
         self.recomputed = [False] * n
         self.offloaded = [False] * n  # blocks whose saved tensors this forward offloaded whole
         self.ended = False
+        self.recorded = False  # this forward's times are in fwd_recent
 
     # ---------------------------------------------------------------- forward
 
@@ -163,6 +170,7 @@ class Profile:
             elif nxt == tag - 1:
                 rec = self.recompute_s[tag - 1] if recomputed[tag - 1] else None
                 self.backward_s[tag - 1] = max(secs - (rec or 0.0), 0.0)
+                self.back_recent[tag - 1].append((self.backward_s[tag - 1], self.inputs[tag - 1]))
         self.marks = []
 
     def _io_cost(self, fwd: list[float]) -> None:
@@ -229,9 +237,12 @@ class Profile:
                 nbytes = known[0]
             if i == 0:
                 nbytes += self.saved[0]  # what is saved before the first block goes with it
-            f = fwd[i + 1]
+            if fwd[i + 1] > 0 and not self.recorded:
+                self.fwd_recent[i].append((fwd[i + 1], inputs))
+            f = steady(self.fwd_recent[i], inputs, fwd[i + 1])
             r = self.recompute_s[i] if self.recompute_s[i] is not None else f * rec_share
             b = self.backward_s[i] if self.backward_s[i] is not None else f * back_share
+            b = steady(self.back_recent[i], inputs, b)
             if per_byte is None:  # the hooks' time alone (an offloaded block's forward has it already)
                 cost = self.kept[i + 1] * OFFLOAD_TENSOR_S if self.cpu_hooks else 0.0
             else:
@@ -240,6 +251,18 @@ class Profile:
                     keep = max(f + b - cost, 0.0) / (f + b)
                     f, b = f * keep, b * keep
             blocks.append(Block(i, nbytes, min(inputs, nbytes), f, b, r, cost))
+        self.recorded = True
         head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
         head_b = self.head_back if self.head_back is not None else BACKWARD * head_s
         return blocks, Head(self.saved[n + 1], head_s, head_b)
+
+
+def steady(recent: deque[tuple[float, int]], inputs: int, last: float) -> float:
+    """The median of a block's recent times taken with inputs like ``inputs`` (older ones
+    dropped), or ``last`` if none: on a GPU one step's time can be off by the host's waits
+    (a 6 ms block read as 0 or 23 ms on the H100), and a plan solved from it is too."""
+    like = [(t, x) for t, x in recent if abs(x - inputs) <= SAME_INPUTS * max(inputs, 1)]
+    if len(like) < len(recent):
+        recent.clear()
+        recent.extend(like)
+    return statistics.median(t for t, _ in like) if like else last
