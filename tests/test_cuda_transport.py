@@ -10,6 +10,7 @@ import contextlib
 import gc
 import random
 import re
+import sys
 import threading
 import time
 
@@ -733,6 +734,46 @@ def test_a_copy_landed_after_the_last_unpack_is_not_held_at_the_next_forward(sto
     got = train(cfg, ssd, sizes=[2] * 4, on_step=lambda off: gpu.run())  # the GPU ends each step
     assert_same(ref, got)
     assert got[2].tensors_offloaded > 0
+    assert all(inflight == queued for inflight, queued in seen), seen
+
+
+def test_the_guard_counts_no_copy_that_landed_within_the_forward(store_dir, gpu, monkeypatch):
+    # Block 0 offloaded, the rest kept: no later save polls, so copies that landed as block
+    # 1 ran stayed counted as held, and the guard recomputed blocks that had room.
+    from ssdtier.bench.models import GPTConfig
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.plan import Action
+
+    from .test_rok import forced
+
+    cfg = GPTConfig(n_layers=4, vocab_size=64, seq_len=16, d_model=32, n_heads=4)
+    guard, seen = Adaptive.guard, []
+
+    def at_each_block(self, f, tag):
+        if tag > 2:
+            cu = self.off.cuda
+            seen.append((cu.inflight, sum(e.nbytes for e in cu.pending if not e.out.event.done)))
+        return guard(self, f, tag)
+
+    def run_the_gpu(module, args):
+        gpu.run()
+
+    ref = train(cfg, sizes=[2] * 3)
+    forced(monkeypatch, (Action.OFFLOAD,) + (Action.KEEP,) * 3)
+    monkeypatch.setattr(Adaptive, "guard", at_each_block)
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    ssd = offload_config(store_dir, host="64MiB", mode="adaptive", device_budget=1 << 30)
+    build = build_model
+
+    def built(c):  # the fake GPU finishes block 0's copies as block 1 starts
+        model = build(c)
+        model.blocks[1].register_forward_pre_hook(run_the_gpu)
+        return model
+
+    monkeypatch.setattr(sys.modules[train.__module__], "build_model", built)
+    got = train(cfg, ssd, sizes=[2] * 3)
+    assert_same(ref, got)
+    assert got[2].tensors_offloaded > 0 and seen
     assert all(inflight == queued for inflight, queued in seen), seen
 
 

@@ -210,6 +210,7 @@ class Adaptive:
         i = tag - 1
         if budget is None or acts is None or acts[i] is Action.RECOMPUTE_OFFLOAD:
             return
+        self.off.landed()  # a block that saves nothing offloaded does not poll
         now = self.held()
         if self.before is not None and self.plan is not None:
             growth = max(1.0, self.growth)
