@@ -22,6 +22,8 @@
 #                                                     #   (the planner's trace and profile, the judge)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
+#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda rok_long rok_wide: call6's second
+#                                                     #   since run 4 (compile and graphs were measured; >= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
@@ -67,13 +69,14 @@ for a in "$@"; do
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     call6) parts+=(install import plan_trace rok) ;;
     call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
+    call8) parts+=(install test_cuda rok_long rok_wide) ;;
     *) parts+=("$a") ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
     if [[ "$KNOWN" != *" $p "* ]]; then
-        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4, call5, call6, call7" >&2
+        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4, call5, call6, call7, call8" >&2
         exit 2
     fi
 done
