@@ -45,6 +45,24 @@ def test_an_auto_device_budget_leaves_what_is_not_held_activations_and_a_margin(
     assert small.next(1 * g, 0, Memory(0, 8 * g, 2 * g, 9 * g, 0)) == 0
 
 
+def test_an_auto_budget_counts_a_steps_peak_read_in_its_backward():
+    # A loop that resets the peak counters before each step (as plan_trace does) leaves the
+    # next look only the reset: the samples between blocks miss the loss's backward (its
+    # gradient of the logits, 3.9 GiB at batch 16 on the H100). The peak read as the
+    # backward reached the first block has it.
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(60 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(30 * g, 14 * g)  # 16 GiB beside the activations, 10 of them before the step
+    reset = Memory(50 * g, 100 * g, 20 * g, 10 * g, 0, 10 * g)  # the counter reset: 10 GiB
+    assert ab.next(14 * g, 0, reset) == (70 - 5 - 10 - 6) * g
+    ab.sample(30 * g, 14 * g)
+    assert ab.next(14 * g, 0, reset, step_peak=34 * g) == (70 - 5 - 10 - 10) * g
+    assert "the step's peak counter" in ab.explain()
+
+
 def test_an_auto_budget_counts_what_was_allocated_after_the_step_it_measured():
     # The optimizer's state appears after the first step (20 GiB for AdamW): the 6 GiB the
     # step added beside its activations come on top of it, not in place of it.

@@ -513,7 +513,10 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, start, end: learned.append((start[0], end[0])))
     monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: adopted.append(a[-1]) or adopt(self, *a))
-    got = steps(GPT, adaptive(store_dir), batches=(2,) * 9, on_step=lambda off: reads.append(None))
+    # A fixed budget: it learns the peak its model misses from the counters.
+    got = steps(
+        GPT, adaptive(store_dir, device_budget=1 << 30), batches=(2,) * 9, on_step=lambda off: reads.append(None)
+    )
     assert_same(steps(GPT, batches=(2,) * 9), got)
     # Replans 2 to 9 (the first has nothing to read): the 4th unread step waits, then as ready.
     assert read == [4, 5, 7, 8], read
@@ -521,6 +524,57 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
     # after dropped steps (theirs spill over).
     assert learned == [(3, 3), (4, 4), (6, 6), (7, 7)], learned
     assert adopted == [False, True, False, True], adopted
+
+
+def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypatch):
+    # A loop resets the allocator's peak counter before each step: the counters read as the
+    # step began say 1 GiB, as its backward reached the first block 9 GiB. The budget of the
+    # next step counts those 9, as a fixed budget learns from them.
+    from ssdtier.offload.budget import AutoBudget
+
+    gib = 1 << 30
+    seen = []
+
+    class Meter:  # the allocator's (peak, allocated): reset as each step begins
+        backward = False
+
+        def counters(self):
+            return (9 * gib, 2 * gib) if self.backward else (1 * gib, 1 * gib)
+
+    class FakeGpu:
+        def memory(self):
+            return Memory(50 * gib, 100 * gib, 8 * gib, 1 * gib, 0)
+
+        def allocated(self):
+            return 2 * gib
+
+    init, next_budget = Adaptive.__init__, AutoBudget.next
+
+    def start(self, off):
+        init(self, off)
+        self.meter, self.gpu = Meter(), FakeGpu()
+
+    def recorded(self, held, queued, mem, step_peak=None):
+        seen.append(step_peak)
+        return next_budget(self, held, queued, mem, step_peak=step_peak)
+
+    replan, reached = Adaptive.replan, Adaptive.backward_reached
+
+    def in_forward(self, f):
+        self.meter.backward = False
+        replan(self, f)
+
+    def in_backward(self, tag):
+        self.meter.backward = True
+        reached(self, tag)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "replan", in_forward)
+    monkeypatch.setattr(Adaptive, "backward_reached", in_backward)
+    monkeypatch.setattr(AutoBudget, "next", recorded)
+    got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=(2,) * 4)
+    assert_same(steps(GPT, batches=(2,) * 4), got)
+    assert seen == [None] + [9 * gib] * 3, seen
 
 
 class _TickCopyBlock(_TickBlock):

@@ -88,7 +88,8 @@ class Adaptive:
         self.auto = AutoBudget()
         # A fixed budget bounds the step's whole peak: what the model misses is measured.
         fixed = isinstance(off.config.policy.device_budget, int)
-        self.meter = Gpu(self.device) if self.device is not None and fixed else None
+        self.fixed = fixed
+        self.meter = Gpu(self.device) if self.device is not None else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
         self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
         self.end: tuple[int, int] | None = None  # ... as its backward reached the first block
@@ -258,7 +259,10 @@ class Adaptive:
         # The next step's highs are counted from what is held and queued now.
         held, self.held_peak = self.held_peak, self.held()
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
-        got = self.auto.next(held, queued, self.gpu.memory())
+        # The step's own peak, read in its backward: a loop may reset the counters before the next.
+        mark, end = self.mark, self.end
+        step_peak = end[0] if mark is not None and end is not None and end[0] > mark[0] else None
+        got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak)
         got = self.auto.first() if got is None else got
         said = self.said_budget
         if got is not None and (said is None or abs(got - said) > SAY * max(said, 1)):
@@ -321,7 +325,7 @@ class Adaptive:
                 self.unread = 0
             else:  # the host runs ahead of the GPU: a later step's timings, not a wait for these
                 self.unread += 1
-        if measured is not None:  # memory is right from the first step
+        if measured is not None and self.fixed:  # memory is right from the first step
             self._learn(measured[0], measured[1], self.mark, self.end)
         if measured is not None and self.device is not None and not self.warm:
             # A GPU's first iteration loads kernels and tunes cuBLAS: its times would plan the

@@ -69,7 +69,9 @@ class AutoBudget:
     restored, read ahead, sources in flight) at the forward's end and as the backward reaches
     each layer: the same whatever the plan keeps, offloads or recomputes, and robust to a loop
     that resets the peak counters. A step that raised ``max_memory_allocated`` also counts
-    (its peak less the most held), for what happens between samples. After a retried
+    (its peak less the most held), for what happens between samples (inside the loss's
+    backward): read at the next step's start, and as the backward reached the first block,
+    for a loop that resets the counters before each step. After a retried
     allocation (the GPU ran full), less than the last step held, and a margin more until
     ``QUIET`` steps pass without one; not less again while allocations are retried at what a
     cut left. A step found to save r times more than the last (a larger batch) gets
@@ -102,16 +104,19 @@ class AutoBudget:
             return None
         return max(0, self.room - self.base) // 2
 
-    def next(self, held: int, queued: int, mem: Memory) -> int | None:
+    def next(self, held: int, queued: int, mem: Memory, step_peak: int | None = None) -> int | None:
         """The budget for the step about to start, after a step that held at most ``held``
-        bytes of activations with at most ``queued`` bytes of copies out queued; None at the
-        first look, before any step was seen."""
+        bytes of activations with at most ``queued`` bytes of copies out queued and, if it set
+        a new one, reached the allocator's peak ``step_peak`` (read in its backward); None at
+        the first look, before any step was seen."""
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
         seen = [] if self.sampled is None else [(self.sampled, self.where)]
         if not first and mem.allocated_peak > self.peak:  # a new peak: in the last step
             seen.append((mem.allocated_peak - held, "the peak counter"))
+        if not first and step_peak is not None:  # ... where a loop resets the counter before each step
+            seen.append((step_peak - held, "the step's peak counter"))
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
             most, self.made_at = max(seen)
