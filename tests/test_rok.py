@@ -577,6 +577,30 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
     assert seen == [None] + [9 * gib] * 3, seen
 
 
+def test_an_auto_budget_holds_while_it_grows_by_under_5_percent(store_dir, monkeypatch):
+    # The plan a budget was solved for stands while the budget only grows (the copies queued
+    # and the samples move it a little each step); growth past 5% and any cut are taken.
+    from types import SimpleNamespace
+
+    from ssdtier.offload import offloader
+    from ssdtier.offload.budget import AutoBudget
+
+    mb = 1 << 20
+    made = iter([None, 100 * mb, 102 * mb, 104 * mb, 106 * mb, 90 * mb])
+    used, init, set_budget = [], Adaptive.__init__, offloader.Offloader.device_budget
+
+    def start(self, off):
+        init(self, off)
+        self.gpu = SimpleNamespace(memory=lambda: None, allocated=lambda: 0)  # the budgets are scripted
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(AutoBudget, "next", lambda self, *a, **k: next(made))
+    monkeypatch.setattr(offloader.Offloader, "device_budget", lambda self, b: used.append(b) or set_budget(self, b))
+    got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=(2,) * 6)
+    assert_same(steps(GPT, batches=(2,) * 6), got)
+    assert used == [None, 100 * mb, 100 * mb, 100 * mb, 106 * mb, 90 * mb], used
+
+
 class _TickCopyBlock(_TickBlock):
     def forward(self, x):
         return torch.tanh(self.fc(_Tick.apply(x, 0.01, self.bwd)).clone())

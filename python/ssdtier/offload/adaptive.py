@@ -64,6 +64,7 @@ class Adaptive:
         self.switched = 0  # blocks the guard recomputed in this forward
         self.held_peak = 0  # the most held() seen since the last budget
         self.said_budget: int | None = None  # the auto budget last logged, with what it was made of
+        self.auto_last: int | None = None  # the auto budget of the last step
         write, read = self.calibrate()
         ranks = off.config.io.local_ranks
         if isinstance(ranks, int) and ranks > 1:  # measured alone; in training the ranks share the disks
@@ -264,6 +265,10 @@ class Adaptive:
         step_peak = end[0] if mark is not None and end is not None and end[0] > mark[0] else None
         got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak)
         got = self.auto.first() if got is None else got
+        last = self.auto_last  # not a larger batch's cut of it (grew)
+        if got is not None and last is not None and last < got <= last * (1 + SAME):
+            got = last  # a budget that grew by under 5% (copies queued, samples): the plan stands
+        self.auto_last = got
         said = self.said_budget
         if got is not None and (said is None or abs(got - said) > SAY * max(said, 1)):
             self.said_budget = got
