@@ -194,9 +194,11 @@ def main() -> None:
             rows = steps(model, loss_of, a.steps, off, prof)
             last = sorted(r["s"] for r in rows[-3:])[1]
             doc[run] = {"status": "ok", "steps": rows, "median_last3_s": last, "ms_per_sample": 1e3 * last / batch}
+            end = rows[-1]
+            planned = f"{end['solves']} solves, {end['replan_s']:.3f} s planning, " if "solves" in end else ""
             print(
                 f"== {run}: {1e3 * last / batch:.2f} ms/sample, peak {max(r['peak_gib'] for r in rows[-3:]):.1f} GiB, "
-                f"plan {rows[-1].get('plan')}",
+                f"{planned}plan {rows[-1].get('plan')}",
                 flush=True,
             )
             if run == "keep":
