@@ -79,7 +79,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             row["plan"] = None if plan is None else [d.action.value for d in plan.decisions]
             row["predicted_peak_gib"] = None if plan is None else plan.outcome.peak / 2**30
             row["guard_switched"] = off.adaptive.switched
-            row["solves"], row["replan_s"] = off.adaptive.solves, off.adaptive.replan_s  # running totals
+            row["solves"], row["replan_s"] = off.adaptive.solving.count, off.adaptive.replan_s  # running totals
         if prof is not None:
             try:
                 prof.__exit__(None, None, None)

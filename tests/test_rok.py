@@ -708,20 +708,20 @@ def test_a_plan_stands_on_noisy_measurements_until_it_no_longer_serves(store_dir
         ad.transfers = lambda: Transfers(1e9, 1e9, 10e9, 10e9, 1 << 30)  # not the store's measured speed
         ad._adopt(measured(), head, 250 * mb, False)
         plan = ad.plan
-        assert ad.solves == 1 and plan.fits and plan.count(K) < 4, plan.table()
+        assert ad.solving.count == 1 and plan.fits and plan.count(K) < 4, plan.table()
         for _ in range(10):  # 40% of noise: not the same inputs; solved again after 2, then 4 steps
             ad._adopt(measured(0.4), head, 250 * mb, False)
-        assert ad.solves == 3 and ad.plan.actions == plan.actions
+        assert ad.solving.count == 3 and ad.plan.actions == plan.actions
         assert ad.plan.decisions[0].block != plan.decisions[0].block  # predicted anew: the guard reads it
         ad._adopt(measured(), head, 240 * mb, False)  # a smaller budget it still fits
-        assert ad.solves == 3
+        assert ad.solving.count == 3
         ad._adopt(measured(), head, 120 * mb, False)  # one it passes: a kept block and the head
-        assert ad.solves == 4 and ad.plan.fits and ad.plan.count(K) == 0, ad.plan.table()
+        assert ad.solving.count == 4 and ad.plan.fits and ad.plan.count(K) == 0, ad.plan.table()
         ad._adopt(measured(), head, 500 * mb, False)  # room for everything: a faster plan may fit
-        assert ad.solves == 5
+        assert ad.solving.count == 5
         for _ in range(adaptive_mode.RESOLVE + 1):  # from the fifth solve on, every RESOLVE steps
             ad._adopt(measured(0.4), head, 500 * mb, False)
-        assert ad.solves == 6
+        assert ad.solving.count == 6
 
 
 def test_a_plan_stands_while_its_measurements_do():

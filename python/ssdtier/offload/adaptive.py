@@ -87,18 +87,15 @@ class Adaptive:
                     f"this {type(off.model).__name__} is not on a GPU: no budget"
                 )
         self.auto = AutoBudget()
-        # A fixed budget bounds the step's whole peak: what the model misses is measured.
-        fixed = isinstance(off.config.policy.device_budget, int)
-        self.fixed = fixed
+        # A fixed budget bounds the step's whole peak: what the model misses is measured from
+        # the allocator's counters (an auto budget reads them too).
+        self.fixed = isinstance(off.config.policy.device_budget, int)
         self.meter = Gpu(self.device) if self.device is not None else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
         self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
         self.end: tuple[int, int] | None = None  # ... as its backward reached the first block
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
-        self.solved: tuple | None = None  # what the plan in force was solved from
-        self.at_solve: Plan | None = None  # ... and the plan then, as predicted
-        self.stood = 0  # steps the plan stood, measurements moved, since it was solved
-        self.solves = 0
+        self.solving = Solving()
         self.replan_s = 0.0  # host seconds spent planning at forwards' starts
 
     def calibrate(self) -> tuple[float, float]:
@@ -381,19 +378,16 @@ class Adaptive:
                 self.per_byte /= 2
         tr = dataclasses.replace(self.transfers(), per_byte_s=self.per_byte)
         head = dataclasses.replace(head, working=self.working)
-        plan, inputs = self.plan, (blocks, tr, head, budget)
-        if plan is not None and self.solved is not None and same_inputs(self.solved, inputs):
+        plan, inputs, solving = self.plan, (blocks, tr, head, budget), self.solving
+        if plan is not None and solving.inputs is not None and same_inputs(solving.inputs, inputs):
             return
         now = None
         if plan is not None and len(plan.decisions) == len(blocks):
             now = simulate(blocks, plan.actions, tr, head, budget)
-            if self._stands(now, budget, step):
-                self.stood += 1
+            if solving.stands(now, budget, step):
                 self._use(self._again(now, *inputs, step))
                 return
-        self.solved, self.at_solve, self.stood = inputs, None, 0
-        self.solves += 1
-        new = solve(blocks, tr, budget, head)
+        new = solving.solve(inputs)
         if plan is not None and now is not None:
             fits = budget is None or now.peak <= budget
             better = new.outcome.extra_s < now.extra_s - SWITCH * step
@@ -402,23 +396,8 @@ class Adaptive:
                 new = self._again(now, *inputs, step)
         if plan is None or new.actions != plan.actions:
             log.info("%s", new.table())
-        self.at_solve = new
+        solving.plan = new
         self._use(new)
-
-    def _stands(self, now: Outcome, budget: int | None, step: float) -> bool:
-        """Whether the plan in force, under measurements that moved, is kept unsolved: it
-        fits (or, solved as the least memory found, holds no more), is no slower than when
-        solved, the budget did not grow (room for a faster plan), and it was solved within
-        2, 4, 8... steps by the solves so far, up to ``RESOLVE``: the first measurements, taken
-        as plans change, are the least sure."""
-        at, was = self.at_solve, self.solved[3] if self.solved is not None else None
-        if at is None or self.stood >= min(RESOLVE, 2**self.solves) or (budget is None) != (was is None):
-            return False
-        if budget is not None and was is not None:
-            limit = budget if at.fits else max(budget, int(at.outcome.peak * (1 + SAME)))
-            if now.peak > limit or budget > was * (1 + SAME):
-                return False
-        return now.fits_host and now.extra_s <= at.outcome.extra_s + SWITCH * step
 
     def _again(self, now: Outcome, blocks: list, tr: Transfers, head: Head, budget: int | None, step: float) -> Plan:
         """The plan in force, predicted anew."""
@@ -431,6 +410,41 @@ class Adaptive:
         self.plan = plan
         self.before = list(plan.outcome.before)
         self.off.set_actions(plan.actions)
+
+
+class Solving:
+    """When the plan in force is solved again: what it was solved from, the plan then (as
+    predicted), and the steps it has stood since on measurements that moved."""
+
+    def __init__(self) -> None:
+        self.inputs: tuple | None = None  # (blocks, transfers, head, budget)
+        self.plan: Plan | None = None
+        self.stood = 0
+        self.count = 0  # solves so far
+
+    def solve(self, inputs: tuple) -> Plan:
+        self.inputs, self.plan, self.stood = inputs, None, 0
+        self.count += 1
+        blocks, tr, head, budget = inputs
+        return solve(blocks, tr, budget, head)
+
+    def stands(self, now: Outcome, budget: int | None, step: float) -> bool:
+        """Whether the plan in force, predicted anew as ``now``, is kept unsolved: it fits (or,
+        solved as the least memory found, holds no more), is no slower than when solved, the
+        budget did not grow (room for a faster plan), and it was solved within 2, 4, 8...
+        steps by the solves so far, up to ``RESOLVE``: the first measurements, taken as plans
+        change, are the least sure."""
+        at, was = self.plan, self.inputs[3] if self.inputs is not None else None
+        if at is None or self.stood >= min(RESOLVE, 2**self.count) or (budget is None) != (was is None):
+            return False
+        if budget is not None and was is not None:
+            limit = budget if at.fits else max(budget, int(at.outcome.peak * (1 + SAME)))
+            if now.peak > limit or budget > was * (1 + SAME):
+                return False
+        if not now.fits_host or now.extra_s > at.outcome.extra_s + SWITCH * step:
+            return False
+        self.stood += 1
+        return True
 
 
 def same_inputs(a: tuple, b: tuple) -> bool:
