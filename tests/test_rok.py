@@ -671,7 +671,7 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
     for held, switched in ((plan.outcome.before[1], 0), (int(plan.outcome.before[1] * 1.1) + 40 * mb, 1)):
         f = SimpleNamespace(acts=list(plan.actions), off_tag=[False] * 6)
         me = SimpleNamespace(
-            off=SimpleNamespace(_budget=320 * mb, landed=lambda: None),
+            off=SimpleNamespace(_budget=320 * mb),
             held=lambda held=held: held,
             before=list(plan.outcome.before),
             plan=plan,

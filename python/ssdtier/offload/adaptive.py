@@ -197,6 +197,9 @@ class Adaptive:
     def held(self) -> int:
         """Activation bytes on the device now that the offloader knows of: kept, restored or
         read ahead, and sources not yet copied out."""
+        # Copies that landed after the last save or unpack polled (the backward's last, or
+        # a forward's blocks after the offloaded ones) are not held.
+        self.off.landed()
         res = self.off.res
         return res.kept + res.sources + res.restored + self.off.cuda.inflight
 
@@ -209,7 +212,6 @@ class Adaptive:
         i = tag - 1
         if budget is None or acts is None or acts[i] is Action.RECOMPUTE_OFFLOAD:
             return
-        self.off.landed()  # a block that saves nothing offloaded does not poll
         now = self.held()
         if self.before is not None and self.plan is not None:
             growth = max(1.0, self.growth)
@@ -291,7 +293,6 @@ class Adaptive:
         """device_budget = "auto": what is allocated now and is not activations the offloader
         holds (at the forward's end, and as the backward reaches each layer)."""
         if self.gpu is not None and (self.device is None or self._timing()):
-            self.off.landed()
             held = self.held()
             self.held_peak = max(self.held_peak, held)
             where = f"block {layer}'s backward"
@@ -314,8 +315,7 @@ class Adaptive:
         """At the start of a forward: plan from the last one's measurements, with stall
         feedback; then the actions of this forward (``f.acts``, ``f.off_tag``)."""
         t0 = time.perf_counter()
-        # The last step's copies out may have landed after its last unpack: not held now.
-        self.off.landed()
+        self.off.landed()  # the step begins with what its last one left in flight, not more
         budget = self.budget()
         self.off.device_budget(budget)
         measured = None
