@@ -41,14 +41,25 @@ def offload_config(path, host="64KiB", zero_copy=True, **policy):
 
 
 def train(
-    model_cfg, ssd_cfg=None, micro=3, batch=2, autocast=False, backward=None, wrap=None, sizes=None, on_step=None
+    model_cfg,
+    ssd_cfg=None,
+    micro=3,
+    batch=2,
+    autocast=False,
+    backward=None,
+    wrap=None,
+    sizes=None,
+    on_step=None,
+    prepare=None,
 ):
     """Build from seed 0, run `micro` micro-batches of gradient accumulation (or one of each
     of `sizes`) with seed 1 for dropout; returns losses, grads and the offloader's stats.
-    `wrap` (e.g. torch.compile) is applied to the model after attaching; `on_step(offloader)`
-    runs after each backward."""
+    `prepare(model)` runs before attaching (each block compiled, say), `wrap` (e.g.
+    torch.compile) after; `on_step(offloader)` runs after each backward."""
     torch.manual_seed(0)
     model = build_model(model_cfg)
+    if prepare is not None:
+        prepare(model)
     gen = torch.Generator().manual_seed(2)
     batches = [make_batch(model_cfg, b, gen) for b in sizes or [batch] * micro]
     off = ssdtier.attach(model, ssd_cfg) if ssd_cfg is not None else None

@@ -353,13 +353,14 @@ def test_fit_reads_the_memory_cap_and_gives_ssdtier_it_as_its_budget(monkeypatch
 
     monkeypatch.setattr(rok, "run_one", fake_run_one)
     monkeypatch.setattr(train, "run_one", fake_run_one)
-    a = parse("--device", "cpu", "--layers", "2", "--modes", "keep,checkpoint,ssdtier", "--fractions", "0.5", "--fit")
+    a = parse("--device", "cpu", "--layers", "2", "--modes", "keep,checkpoint,ssdtier", "--fractions", "0.5", "--fit",
+              "--ssdtier-compile", "0.5")  # fmt: skip
     a.memory_cap, a.fit_max_batch, a.out = "2.5MiB", 16, str(tmp_path / "out")
     a.dir = str(store_dir)
     assert rok.cmd_rok(a) == 0
     doc = json.loads((tmp_path / "out" / "rok.json").read_text())
     modes = doc["fit"]["modes"]
-    assert list(modes) == ["keep", "ssdtier budget 2.5MiB", "checkpoint"]
+    assert list(modes) == ["keep", "ssdtier budget 2.5MiB", "ssdtier on compile 0.5 budget 2.5MiB", "checkpoint"]
     assert (modes["keep"]["largest"], modes["keep"]["failed"]) == (2, 3)
     assert (modes["checkpoint"]["largest"], modes["checkpoint"]["failed"]) == (10, 11)
     assert all(s.budget == int(2.5 * 2**20) for s, _ in seen if s.mode is Mode.SSDTIER and s.fraction is None)
@@ -383,3 +384,42 @@ def test_fit_with_a_memory_cap_on_the_cpu(store_dir, tmp_path):
     assert "fit: the largest micro-batch of each mode (peak activation memory <= 1GiB)" in r.stdout
     r = ssdtier("bench", "rok", *SMALL, *FAST, "--fit", "--out", str(out))
     assert r.returncode == 1 and "--fit on the CPU needs --memory-cap SIZE" in r.stderr
+
+
+def test_ssdtier_on_compiled_blocks_trains_as_compile_does(store_dir):
+    """Each block compiled, then attached: the plan recomputes or offloads the compiled blocks
+    (the disk throttled, the budget tiny), and the losses equal compile's alone, bit for bit."""
+    w = replace(TINY, layers=3, d_model=64, seq=32, batch=4, steps=2, warmup=4, dir=str(store_dir), throttle="50MB")
+    alone = train.measure_safely(Setting(Mode.COMPILE, memory_budget=1.0), w, lambda: None)
+    if alone["status"] != "ok":  # no C++ compiler, say: compile's own row says why
+        pytest.skip(f"torch.compile does not run here: {alone['error']}")
+    s = Setting(Mode.SSDTIER, budget="16KiB", memory_budget=1.0)
+    ours = train.measure(s, replace(w, arena="64MiB"), lambda: None)
+    assert ours["setting"] == "ssdtier on compile 1 budget 16KiB"
+    plan = ours["plan"]
+    assert plan["recompute"] + plan["recompute+offload"] >= 1 and sum(plan.values()) == 3, plan
+    results = [train.measure(Setting(Mode.KEEP), w, lambda: None), alone, ours]
+    train.ratios(results)
+    assert ours["losses_equal_keep"] is True, (ours["losses"], alone["losses"])
+
+
+def test_ssdtier_on_compile_is_compared_with_compile_at_its_budget():
+    keep = result("keep", "keep", 100, 10.0, losses=["a", "b"])
+    alone = result("compile budget 0.5", "compile", 50, 9.0, memory_budget=0.5, losses=["c", "d"])
+    same = result("ssdtier on compile 0.5 0.4x keep", "ssdtier", 40, 9.5, memory_budget=0.5, losses=["c", "d"])
+    other = result("ssdtier on compile 0.5 0.3x keep", "ssdtier", 30, 9.9, memory_budget=0.5, losses=["c", "x"])
+    lone = result("ssdtier on compile 1 0.4x keep", "ssdtier", 40, 9.5, memory_budget=1.0, losses=["e", "f"])
+    eager = result("ssdtier 0.4x keep", "ssdtier", 40, 12.0, losses=["a", "b"])
+    train.ratios([keep, alone, same, other, lone, eager])
+    assert [r["losses_equal_keep"] for r in (alone, same, other, lone, eager)] == [None, True, False, None, True]
+    curves = [rok.family_of(r) for r in (keep, alone, same, eager)]
+    assert curves == ["keep", "compile", "ssdtier on compile", "ssdtier"]
+    rows = {d["fraction"]: d for d in rok.dominance([keep, alone, same, eager])}
+    assert rows[0.6]["other"] == "compile budget 0.5" and rows[0.6]["ssdtier"] == same["setting"]
+    a = parse("--modes", "ssdtier", "--fractions", "0.5", "--ssdtier-compile", "1,0.5")
+    labels = [s.label for s in rok.settings_of(TINY, tuple(a.modes), tuple(a.fractions), (), (2, 4),
+                                               tuple(a.compile_budgets), (), tuple(a.ssdtier_compile))]  # fmt: skip
+    assert labels == [
+        "keep", "ssdtier 0.5x keep", "ssdtier on compile 1 0.5x keep", "ssdtier on compile 0.5 0.5x keep",
+        "compile budget 1", "compile budget 0.5",
+    ]  # fmt: skip

@@ -3,11 +3,16 @@ tool returns at most 8 files, so everything is packed into two)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+import pytest
+
+from ssdtier.bench import add_parser
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benches" / "gpu_session.sh"
 
@@ -53,6 +58,30 @@ def test_the_rok_part_is_known_and_sized_by_the_session(tmp_path):
     assert not (tmp_path / "logs" / "rok.log").exists()
     script = SCRIPT.read_text()
     assert "call4) parts+=(install import test_cuda rok)" in script and "-m ssdtier bench rok --device cuda" in script
+
+
+ECHO_ARGS = """#!/bin/sh
+printf '%s\\n' "$@" > "$ARGS_TO"
+"""
+
+
+@pytest.mark.parametrize("part", ["rok", "rok_compile", "rok_fit", "rok_long"])
+def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part):
+    # Its interpreter a stand-in that writes what it was given: the bench's own parser reads it.
+    fake = tmp_path / "py"
+    fake.write_text(ECHO_ARGS)
+    fake.chmod(0o755)
+    got = tmp_path / "args"
+    r = session(tmp_path, part, PY=str(fake), ARGS_TO=str(got), SESSION_S="600")
+    assert r.returncode == 0, r.stderr
+    argv = got.read_text().splitlines()
+    assert argv[:4] == ["-m", "ssdtier", "bench", "rok"], argv
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    a = p.parse_args(argv[2:])
+    assert a.device == "cuda" and a.budget_s > 0
+    if part in ("rok_compile", "rok_fit"):
+        assert a.ssdtier_compile == [0.5] and a.fit == (part == "rok_fit")
 
 
 def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):

@@ -41,9 +41,9 @@ def forced(monkeypatch, acts):
     monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: None)
 
 
-def steps(cfg, ssd=None, batches=(2, 2, 2), on_step=None):
+def steps(cfg, ssd=None, batches=(2, 2, 2), on_step=None, prepare=None):
     """The GPT from seed 0 trained on batches of the given sizes (seed 2), dropout from seed 1."""
-    return train(cfg, ssd, sizes=batches, on_step=on_step)
+    return train(cfg, ssd, sizes=batches, on_step=on_step, prepare=prepare)
 
 
 # ------------------------------------------------------------------ each action, exactly
@@ -64,6 +64,21 @@ def test_every_action_is_exact(store_dir, monkeypatch, acts, zero_copy):
     assert s.layers_kept == acts.count(K)
     if any(a.offloads for a in acts):
         assert s.tensors_offloaded > 0
+
+
+def _compile_blocks(model):
+    torch._dynamo.reset()
+    for i, b in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(b, backend="aot_eager")
+
+
+@pytest.mark.parametrize("acts", [(R, R, R, R), (RO, OF, K, R)], ids=lambda a: "-".join(x.value for x in a))
+def test_every_action_is_exact_on_blocks_compiled_before_attaching(store_dir, monkeypatch, acts):
+    """The compiled code recomputed whole, dropout's masks drawn again the same."""
+    forced(monkeypatch, acts)
+    got = steps(GPT, offload_config(store_dir, mode="adaptive"), prepare=_compile_blocks)
+    assert_same(steps(GPT, prepare=_compile_blocks), got)
+    assert got[2].layers_recomputed == sum(a.recomputes for a in acts)
 
 
 def test_a_recomputed_block_hands_only_its_inputs_to_the_offloader(store_dir, monkeypatch):

@@ -112,6 +112,9 @@ def _rok_arguments(p: argparse.ArgumentParser) -> None:
                    help="also checkpoint every k-th block, for each k below the block count")  # fmt: skip
     g.add_argument("--compile-budgets", type=_floats, default=[0.5],
                    help="torch.compile's activation_memory_budget, one setting each")  # fmt: skip
+    g.add_argument("--ssdtier-compile", type=_floats, metavar="BUDGETS",
+                   help="also ssdtier at each --fractions on blocks compiled under each of these "
+                   "activation_memory_budgets (compile runs at each too)")  # fmt: skip
     g.add_argument("--out", default="ssdtier-rok", help="directory for rok.csv, rok.png and rok.json")
     g.add_argument("--budget-s", type=float, help="settings not started within this many seconds are skipped "
                    "(with --fit, the side-by-side run gets half)")  # fmt: skip

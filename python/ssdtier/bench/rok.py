@@ -7,7 +7,8 @@ one run on one model:
   ``save_on_cpu``; torchtune's ``OffloadActivations`` (CUDA, where it imports);
   ``torch.compile`` per block under torch's activation memory budget (``--compile-budgets``);
 - ssdtier at device budgets of ``--fractions`` x keep's measured peak (and any ``--budget``),
-  its default policy otherwise.
+  its default policy otherwise; with ``--ssdtier-compile``, also on blocks compiled under
+  those partitioner budgets.
 
 ``rok.csv``, ``rok.png`` and ``rok.json`` go to ``--out``. The dominance table says, at each
 share of keep's memory, the fastest other mode that fits there and how ssdtier's fastest
@@ -75,14 +76,22 @@ def settings_of(
     every: tuple[int, ...] = (2, 4),
     compile_budgets: tuple[float, ...] = (0.5,),
     keep_last: tuple[int, ...] = (),
+    ssdtier_compile: tuple[float, ...] = (),
 ) -> list[Setting]:
     """The run's settings: keep first (every ratio is to keep's, and the budgets are shares of
-    its peak), then ssdtier's (what the run is for, should --budget-s cut it short), then the rest."""
+    its peak), then ssdtier's (what the run is for, should --budget-s cut it short), then the
+    rest. ``ssdtier_compile``: also ssdtier at each fraction on blocks compiled under each of
+    these activation memory budgets (and compile alone at each, to compare losses with)."""
     out = [Setting(Mode.KEEP)]
     if "ssdtier" in modes:
         out += [Setting(Mode.SSDTIER, fraction=f) for f in fractions]
         out += [Setting(Mode.SSDTIER, budget=b) for b in budgets]
         out += [Setting(Mode.SSDTIER, keep_last=k) for k in keep_last]
+        out += [Setting(Mode.SSDTIER, fraction=f, memory_budget=b) for b in ssdtier_compile for f in fractions]
+    if "ssdtier" in modes and ssdtier_compile:
+        had = compile_budgets if "compile" in modes else ()
+        compile_budgets = tuple(dict.fromkeys((*had, *ssdtier_compile)))
+        modes = (*modes, "compile")
     if "checkpoint" in modes:
         out += [Setting(Mode.CHECKPOINT), *(Setting(Mode.CHECKPOINT, every=k) for k in every if 1 < k < w.layers)]
     if "sac" in modes:
@@ -169,7 +178,13 @@ def write_csv(path: Path, results: list[dict[str, Any]]) -> None:
 
 
 MARKERS = {"keep": "s", "checkpoint": "^", "sac": "v", "save_on_cpu": "D", "torchtune": "P", "compile": "X",
-           "ssdtier": "o"}  # fmt: skip
+           "ssdtier": "o", "ssdtier on compile": "*"}  # fmt: skip
+
+
+def family_of(r: dict[str, Any]) -> str:
+    """A result's curve in the plot: its mode, ssdtier on compiled blocks apart from eager's."""
+    on_compile = r["mode"] == Mode.SSDTIER.value and r.get("memory_budget") is not None
+    return "ssdtier on compile" if on_compile else r["mode"]
 
 
 def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
@@ -180,16 +195,16 @@ def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
 
     ok = [r for r in results if r.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for family, marker in MARKERS.items():
-        pts = sorted(((r["peak_bytes"] / 2**20, r["s_per_sample"] * 1e3, r) for r in ok if r["mode"] == family),
+    for name, marker in MARKERS.items():
+        pts = sorted(((r["peak_bytes"] / 2**20, r["s_per_sample"] * 1e3, r) for r in ok if family_of(r) == name),
                      key=lambda p: p[:2])  # fmt: skip
         if not pts:
             continue
         style = marker + ("-" if len(pts) > 1 else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=8, label=family)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=8, label=name)
         for x, y, r in pts:
             if len(pts) > 1:
-                ax.annotate(r["setting"].removeprefix(family).strip() or "all", (x, y), fontsize=7, xytext=(4, 4),
+                ax.annotate(r["setting"].removeprefix(name).strip() or "all", (x, y), fontsize=7, xytext=(4, 4),
                             textcoords="offset points")  # fmt: skip
     keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
     if keep is not None:
@@ -207,14 +222,14 @@ def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
 
 def fit_settings(settings: list[Setting], cap: int | None, families: tuple[str, ...] = FAMILIES) -> dict[str, Setting]:
     """The modes ``--fit`` searches, by name: the run's of ``families`` (keep always), but
-    ssdtier once, at a device budget of the memory cap (none: its default, on a GPU what the
-    GPU has room for)."""
+    ssdtier once (and once on blocks compiled at each budget of ``--ssdtier-compile``), at a
+    device budget of the memory cap (none: its default, on a GPU what the GPU has room for)."""
     out: dict[str, Setting] = {}
     for s in settings:
         if s.mode is not Mode.KEEP and s.mode.value not in families:
             continue
         if s.mode is Mode.SSDTIER:
-            s = Setting(Mode.SSDTIER, budget=cap)
+            s = Setting(Mode.SSDTIER, budget=cap, memory_budget=s.memory_budget)
         out.setdefault(s.label, s)
     return out
 
@@ -326,7 +341,7 @@ def cmd_rok(args: argparse.Namespace) -> int:
     sweep_deadline = t0 + args.budget_s / 2 if args.budget_s and args.fit else deadline
     settings = settings_of(
         w, tuple(args.modes), tuple(args.fractions), tuple(args.budget or ()), tuple(args.checkpoint_every),
-        tuple(args.compile_budgets), tuple(args.keep_last or ()),
+        tuple(args.compile_budgets), tuple(args.keep_last or ()), tuple(args.ssdtier_compile or ()),
     )  # fmt: skip
     results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline)
     ratios(results, losses_compared(w))

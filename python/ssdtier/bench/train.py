@@ -76,7 +76,8 @@ class Setting:
     ``policy.keep_last_layers`` and ``policy.device_budget`` (None: the default); with
     ``fraction`` the budget is that share of keep's peak, set once keep has run. ``every``:
     checkpoint (or sac) every k-th block. ``memory_budget``: compile's
-    ``torch._functorch.config.activation_memory_budget``."""
+    ``torch._functorch.config.activation_memory_budget``; with ssdtier, each block compiled
+    under it before attaching (ssdtier on compiled blocks)."""
 
     mode: Mode
     keep_last: int | None = None
@@ -91,7 +92,8 @@ class Setting:
         if self.every != 1:
             parts.append(f"1/{self.every}")
         if self.memory_budget is not None:
-            parts.append(f"budget {self.memory_budget:g}")
+            on = "on compile" if self.mode is Mode.SSDTIER else "budget"
+            parts.append(f"{on} {self.memory_budget:g}")
         if self.keep_last is not None:
             parts.append(f"keep {self.keep_last}")
         if self.fraction is not None:
@@ -215,14 +217,21 @@ def _model(w: Workload, s: Setting, device: Any) -> tuple[Any, Callable[[], Any]
     return model, lambda: batch_loss(model, batch)
 
 
-def blocks(model: Any) -> list[Any]:
-    """The model's repeated blocks: the GPT's ``blocks``, else its longest ModuleList."""
+def block_list(model: Any) -> Any:
+    """The ModuleList of the model's repeated blocks: the GPT's ``blocks``, else its longest
+    (None: it has none)."""
     import torch
 
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
+    if isinstance(getattr(model, "blocks", None), torch.nn.ModuleList):
+        return model.blocks
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    return max(lists, key=len) if lists else None
+
+
+def blocks(model: Any) -> list[Any]:
+    """The model's repeated blocks (:func:`block_list`)."""
+    found = block_list(model)
+    return list(found) if found is not None else []
 
 
 def skip_reason(s: Setting, w: Workload) -> str | None:
@@ -268,14 +277,16 @@ def plan_counts(off: Any, stats: Any = None) -> dict[str, int]:
 
 @contextlib.contextmanager
 def _compiled(s: Setting, model: Any) -> Iterator[None]:
-    """Each block compiled (regional compilation) with torch's activation memory budget: its
+    """Each block compiled on its own (regional compilation: ``blocks[i] = torch.compile(b)``,
+    as torchtitan does and as ssdtier needs) with torch's activation memory budget: its
     partitioner recomputes the cheapest ops until the saved bytes fit that share."""
     import torch
     import torch._functorch.config as functorch_config
 
     with functorch_config.patch(activation_memory_budget=s.memory_budget if s.memory_budget is not None else 1.0):
-        for block in blocks(model):
-            block.compile()
+        found = block_list(model)
+        for i, block in enumerate(found if found is not None else ()):
+            found[i] = torch.compile(block)
         try:
             yield
         finally:
@@ -297,34 +308,37 @@ def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, A
     model, loss_of = _model(w, s, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if cuda else {}))
     off = None
-    if s.mode is Mode.SSDTIER:
-        from ..offload import attach  # only here: the other modes run without ssdtier's runtime
+    compiled = s.mode is Mode.COMPILE or (s.mode is Mode.SSDTIER and s.memory_budget is not None)
+    with contextlib.ExitStack() as stack:
+        if compiled:
+            stack.enter_context(_compiled(s, model))  # before attaching: each compiled block is a block
+        if s.mode is Mode.SSDTIER:
+            from ..offload import attach  # only here: the other modes run without ssdtier's runtime
 
-        off = attach(model, w.store_config(s))
-    around: Callable[[], Any] = contextlib.nullcontext
-    if s.mode is Mode.SAVE_ON_CPU:
-        around = lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)  # noqa: E731
-    elif s.mode is Mode.TORCHTUNE:
-        from .peers import torchtune_maker
+            off = attach(model, w.store_config(s))
+        around: Callable[[], Any] = contextlib.nullcontext
+        if s.mode is Mode.SAVE_ON_CPU:
+            around = lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)  # noqa: E731
+        elif s.mode is Mode.TORCHTUNE:
+            from .peers import torchtune_maker
 
-        maker, _ = torchtune_maker()
-        assert maker is not None  # skip_reason said so otherwise
-        ctx = maker(model)
-        around = lambda: ctx  # noqa: E731
-    torch.manual_seed(1)  # dropout, the same in every setting
+            maker, _ = torchtune_maker()
+            assert maker is not None  # skip_reason said so otherwise
+            ctx = maker(model)
+            around = lambda: ctx  # noqa: E731
+        torch.manual_seed(1)  # dropout, the same in every setting
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=False)  # gradients stay allocated: in the baseline, not the peak
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=w.dtype == "bf16"), around():
-            loss = loss_of()
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        on_step()
-        return float(loss.detach())
+        def step() -> float:
+            opt.zero_grad(set_to_none=False)  # gradients stay allocated: in the baseline, not the peak
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=w.dtype == "bf16"), around():
+                loss = loss_of()
+            loss.backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            on_step()
+            return float(loss.detach())
 
-    with _compiled(s, model) if s.mode is Mode.COMPILE else contextlib.nullcontext():
         try:
             losses = [step() for _ in range(w.warmup)]
             probe: Any = CudaPeak(device) if cuda else CpuPeak()
@@ -486,18 +500,27 @@ def run(settings: list[Setting], w: Workload, desc: str, deadline: float | None 
 
 def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
     """Adds to each result its memory and time (per sample) against keep's, and whether its
-    first ``compare`` losses (None: all) equal keep's (None: not compared: compiled kernels
-    round otherwise)."""
-    keep = next((r for r in results if r["mode"] == Mode.KEEP.value and r.get("status") == "ok"), None)
-    for r in results:
-        if r.get("status") != "ok" or keep is None:
+    first ``compare`` losses (None: all) equal those of the same run without ssdtier: keep's,
+    or for ssdtier on compiled blocks the compile setting's at the same budget (None: not
+    compared; compiled kernels round otherwise than eager ones)."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
+    compiled = {r["memory_budget"]: r for r in ok if r["mode"] == Mode.COMPILE.value}
+    for r in ok:
+        if keep is None:
             continue
         r["memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
         if "reserved_bytes" in r and "reserved_bytes" in keep:
             r["reserved_vs_keep"] = r["reserved_bytes"] / max(keep["reserved_bytes"], 1)
         r["time_vs_keep"] = r["s_per_sample"] / keep["s_per_sample"]
-        same = r["mode"] != Mode.COMPILE.value and r["batch"] == keep["batch"]
-        r["losses_equal_keep"] = r["losses"][:compare] == keep["losses"][:compare] if same else None
+        if r["mode"] == Mode.COMPILE.value:
+            base = None
+        elif r.get("memory_budget") is not None:
+            base = compiled.get(r["memory_budget"])
+        else:
+            base = keep
+        same = base is not None and r["batch"] == base["batch"]
+        r["losses_equal_keep"] = r["losses"][:compare] == base["losses"][:compare] if same else None
 
 
 def losses_compared(w: Workload) -> int | None:
@@ -560,6 +583,9 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     lines += [f"{r['setting']}: {r['status']}: {r.get('error', '')}" for r in results if r.get("status") != "ok"]
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
+    if any(r.get("memory_budget") is not None and r["mode"] == Mode.SSDTIER.value for r in ok):
+        lines.append("ssdtier on compile B: each block compiled under budget B, then attached; its losses are "
+                     "compared with compile budget B's")  # fmt: skip
     n = losses_compared(w)
     if n is not None:
         lines.append(f"losses: the first {n} compared (fused attention's backward is not bitwise reproducible)")
