@@ -42,6 +42,7 @@ from .train import (
     describe,
     failed,
     losses_compared,
+    on_compile,
     ratios,
     render,
     repeats_of,
@@ -183,8 +184,7 @@ MARKERS = {"keep": "s", "checkpoint": "^", "sac": "v", "save_on_cpu": "D", "torc
 
 def family_of(r: dict[str, Any]) -> str:
     """A result's curve in the plot: its mode, ssdtier on compiled blocks apart from eager's."""
-    on_compile = r["mode"] == Mode.SSDTIER.value and r.get("memory_budget") is not None
-    return "ssdtier on compile" if on_compile else r["mode"]
+    return "ssdtier on compile" if on_compile(r) else r["mode"]
 
 
 def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:

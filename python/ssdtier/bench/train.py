@@ -45,6 +45,7 @@ __all__ = [
     "cmd_train",
     "is_oom",
     "measure_safely",
+    "on_compile",
     "plan_counts",
     "plan_text",
     "render",
@@ -226,12 +227,6 @@ def block_list(model: Any) -> Any:
         return model.blocks
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return max(lists, key=len) if lists else None
-
-
-def blocks(model: Any) -> list[Any]:
-    """The model's repeated blocks (:func:`block_list`)."""
-    found = block_list(model)
-    return list(found) if found is not None else []
 
 
 def skip_reason(s: Setting, w: Workload) -> str | None:
@@ -505,22 +500,27 @@ def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
     compared; compiled kernels round otherwise than eager ones)."""
     ok = [r for r in results if r.get("status") == "ok"]
     keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
+    if keep is None:
+        return
     compiled = {r["memory_budget"]: r for r in ok if r["mode"] == Mode.COMPILE.value}
     for r in ok:
-        if keep is None:
-            continue
         r["memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
         if "reserved_bytes" in r and "reserved_bytes" in keep:
             r["reserved_vs_keep"] = r["reserved_bytes"] / max(keep["reserved_bytes"], 1)
         r["time_vs_keep"] = r["s_per_sample"] / keep["s_per_sample"]
         if r["mode"] == Mode.COMPILE.value:
             base = None
-        elif r.get("memory_budget") is not None:
+        elif on_compile(r):
             base = compiled.get(r["memory_budget"])
         else:
             base = keep
         same = base is not None and r["batch"] == base["batch"]
         r["losses_equal_keep"] = r["losses"][:compare] == base["losses"][:compare] if same else None
+
+
+def on_compile(r: dict[str, Any]) -> bool:
+    """Whether a result is ssdtier's on blocks compiled before attaching."""
+    return r["mode"] == Mode.SSDTIER.value and r.get("memory_budget") is not None
 
 
 def losses_compared(w: Workload) -> int | None:
@@ -583,7 +583,7 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     lines += [f"{r['setting']}: {r['status']}: {r.get('error', '')}" for r in results if r.get("status") != "ok"]
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
-    if any(r.get("memory_budget") is not None and r["mode"] == Mode.SSDTIER.value for r in ok):
+    if any(on_compile(r) for r in ok):
         lines.append("ssdtier on compile B: each block compiled under budget B, then attached; its losses are "
                      "compared with compile budget B's")  # fmt: skip
     n = losses_compared(w)

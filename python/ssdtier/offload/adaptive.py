@@ -433,7 +433,7 @@ class Solving:
         solved as the least memory found, holds no more), is no slower than when solved, the
         budget did not grow (room for a faster plan), and it was solved within 2, 4, 8...
         steps by the solves so far, up to ``RESOLVE``: the first measurements, taken as plans
-        change, are the least sure."""
+        change, are the least sure. Each step it stands counts."""
         at, was = self.plan, self.inputs[3] if self.inputs is not None else None
         if at is None or self.stood >= min(RESOLVE, 2**self.count) or (budget is None) != (was is None):
             return False
