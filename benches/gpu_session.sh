@@ -18,13 +18,13 @@
 #                                                     #   (the device time left less 20 s; >= 400, 700 for all)
 #   SESSION_S=... bash benches/gpu_session.sh call5   # install import plan_trace test_cuda compile_peak rok:
 #                                                     #   the next planner session (>= 420, 800 for all)
-#   SESSION_S=... bash benches/gpu_session.sh call6   # install import plan_trace rok_compile: a first call of
-#                                                     #   590 (the planner's trace, the judge with ssdtier on
-#                                                     #   compiled blocks)
+#   SESSION_S=... bash benches/gpu_session.sh call6   # install import rok_targets: a first call of 590 (the
+#                                                     #   judge with ssdtier on compiled blocks, and the
+#                                                     #   targets' batches)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
-#   SESSION_S=... bash benches/gpu_session.sh call8   # install rok_fit rok_long test_cuda: call6's second,
-#                                                     #   with what is left (>= 240)
+#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda plan_trace rok_fit rok_long: call6's
+#                                                     #   second, with what is left (>= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
@@ -50,9 +50,9 @@
 # train_step_cuda, train_step_cuda_big,
 # rok_wide and rok_long (`bench rok --wide`: 8 blocks of width 4096; `--long`: seq 16384, SDPA;
 # keep, checkpointing and ssdtier side by side: where offloading should carry more),
-# rok_compile (rok's 1.3B GPT: keep, checkpointing every block, compile at budgets 0.5 and 0.2,
-# ssdtier eager and on blocks compiled at 0.5; no --fit), rok_fit (--fit of keep, ssdtier and
-# ssdtier on compile 0.5),
+# rok_targets (rok's 1.3B GPT: keep, checkpointing every block, compile at budgets 0.5 and 0.2,
+# ssdtier eager and on blocks compiled at 0.5; then --fit of keep, ssdtier, ssdtier on compile and
+# checkpointing at the batches of the targets), rok_fit (the same --fit of compile alone),
 # plan_trace (benches/plan_trace.py: adaptive mode step by step, fixed budgets and "auto" at
 # batches past keep's), compile_peak (benches/compile_peak.py: peaks eager, compiled whole and
 # block by block, with and without ssdtier),
@@ -62,7 +62,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL=(install import info test_cuda bench_quick cufile bench_1b test_compile pytest_all fit)
-KNOWN=" ${ALL[*]} test_graphs pin_rate bench_expandable bench_wide rok rok_compile rok_fit rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
+KNOWN=" ${ALL[*]} test_graphs pin_rate bench_expandable bench_wide rok rok_targets rok_fit rok_wide rok_long plan_trace compile_peak train_step_cuda train_step_cuda_big cufile_probe udev_shim "
 parts=()
 for a in "$@"; do
     case "$a" in
@@ -71,9 +71,9 @@ for a in "$@"; do
     call3) parts+=(install fit) ;;
     call4) parts+=(install import test_cuda rok) ;;
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
-    call6) parts+=(install import plan_trace rok_compile) ;;
+    call6) parts+=(install import rok_targets) ;;
     call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
-    call8) parts+=(install rok_fit rok_long test_cuda) ;;
+    call8) parts+=(install test_cuda plan_trace rok_fit rok_long) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -230,19 +230,26 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
             --fit --fit-max-batch 160 --fit-modes keep,checkpoint,ssdtier \
             --budget-s $((secs > 80 ? secs - 70 : 10))
         ;;
-    rok_compile | rok_fit)
-        # rok's model. Under torch.compile the partitioner at budget 0.5 kept 0.47 of keep's memory
-        # at 1.00x (H100 run 1): ssdtier on such blocks is what can beat it below that.
-        if [ "$p" = rok_compile ]; then
-            secs=$(limit 380) args=(--modes keep,checkpoint,ssdtier,compile --checkpoint-every 1
-                --compile-budgets 0.5,0.2 --fractions 0.8,0.6,0.4,0.25)
+    rok_targets | rok_fit)
+        # rok's model. rok_targets: the judge (compile's partitioner at 0.5 kept 0.47 of keep's
+        # memory at 1.00x in H100 run 1; ssdtier on such blocks is what can beat it below that),
+        # then --fit at the targets' batches: keep's largest, x1.4, x1.8, checkpoint's and its
+        # x1.15 (H100 run 1, H200 run 3). A search compiles afresh at each probe: too long.
+        # rok_fit: compile alone at those batches.
+        batches=13,19,24,32,43,50
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+        [ "${mib:-0}" -gt 100000 ] 2>/dev/null && batches=28,40,51,72,102,118
+        if [ "$p" = rok_targets ]; then
+            secs=$(limit 560) args=(--modes keep,checkpoint,ssdtier,compile --checkpoint-every 1
+                --compile-budgets 0.5,0.2 --fractions 0.8,0.6,0.4,0.25 --ssdtier-compile 0.5
+                --fit-modes keep,ssdtier,checkpoint)
         else
-            secs=$(limit 420) args=(--modes keep,ssdtier --fractions 0.6 --fit --fit-max-batch 160)
+            secs=$(limit 300) args=(--modes keep,compile --compile-budgets 0.5,0.2)
         fi
         part "$p" "$secs" "$PY" -m ssdtier bench rok --device cuda --layers 24 --d-model 2048 --heads 16 --seq 2048 \
             --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 \
-            --warmup 6 --ssdtier-compile 0.5 --dir benches/out/rok-nvme --out "$LOGS/$p" "${args[@]}" \
-            --budget-s $((secs > 80 ? secs - 60 : 10))
+            --warmup 6 --dir benches/out/rok-nvme --out "$LOGS/$p" "${args[@]}" --fit --fit-batches "$batches" \
+            --fit-slow 1.4 --budget-s $((secs > 80 ? secs - 60 : 10))
         ;;
     rok_wide | rok_long)
         secs=$(limit 300)

@@ -341,6 +341,58 @@ def test_fit_all_with_fake_probes():
     assert slow["checkpoint"]["slow"] and slow["checkpoint"]["largest"] == 1
 
 
+def test_listed_batches_are_probed_ascending_until_one_fails_or_is_slow():
+    P = fit.Probe
+    seen = []
+
+    def fits(b):
+        seen.append(b)
+        return P.FAILS if b > 20 else P.FITS
+
+    assert fit.probe_batches(fits, [24, 13, 19, 13, 50]) == {"largest": 19, "failed": 24, "cut": False, "slow": False}
+    assert seen == [13, 19, 24]  # ascending, once each, nothing past the first failure
+    slow = fit.probe_batches(lambda b: P.SLOW if b >= 19 else P.FITS, [13, 19, 24])
+    assert slow == {"largest": 19, "failed": None, "cut": False, "slow": True}
+    assert fit.probe_batches(lambda b: P.STOP if b > 13 else P.FITS, [13, 19])["cut"]
+
+
+def listed_run_at(runs):
+    """keep: 1 MiB a sample, out of memory past 13; checkpoint: a quarter, 1.2x keep's time,
+    to 43; ssdtier: half, keep's time to 19, 1.08x to 24, then 1.3x; out of memory past 32."""
+
+    def run_at(mode, b):
+        runs.append((mode, b))
+        top, mib = {"keep": (13, 1.0), "checkpoint": (43, 0.25), "ssdtier": (32, 0.5)}[mode]
+        if b > top:
+            return {"status": "OOM", "error": "out of memory"}
+        s = 1.2 if mode == "checkpoint" else 1.0 if mode == "keep" or b <= 19 else 1.08 if b <= 24 else 1.3
+        return {"status": "ok", "peak_bytes": int(mib * b * 2**20), "median_step_s": s * b}
+
+    return run_at
+
+
+def test_fit_at_listed_batches_answers_the_targets_in_a_few_probes():
+    runs = []
+    got = fit.fit_all(["keep", "ssdtier", "checkpoint"], listed_run_at(runs), 160, batches=[13, 19, 24, 32, 43, 50])
+    # keep until it fails; the others only past keep's largest, until they fail.
+    assert runs == [("keep", 13), ("keep", 19), ("ssdtier", 19), ("ssdtier", 24), ("ssdtier", 32),
+                    ("ssdtier", 43), ("checkpoint", 19), ("checkpoint", 24), ("checkpoint", 32),
+                    ("checkpoint", 43), ("checkpoint", 50)]  # fmt: skip
+    assert (got["keep"]["largest"], got["keep"]["failed"]) == (13, 19)
+    assert (got["ssdtier"]["largest"], got["ssdtier"]["failed"]) == (32, 43)
+    assert got["ssdtier"]["within"] == {"1.05": 19, "1.1": 24}
+    assert got["checkpoint"]["largest"] == 43 and got["checkpoint"]["within"] == {"1.05": 0, "1.1": 0}
+    assert fit.within_mode(got, "checkpoint") == {"keep": 13, "ssdtier": 24}  # 1.08x <= 1.2x; 1.3x is not
+    text = rok.render_fit({"cap": None, "limits": [1.05, 1.1], "steps": 1, "batches": [13, 19], "modes": got})
+    assert "batches 13, 19 (after keep, those past its largest)" in text
+    assert "at checkpoint's time per sample at its largest batch (43, 1200.00 ms): ssdtier 24 (0.56x)" in text
+    # Keep fit none of them: the others probe them all, and nothing is within keep's time.
+    runs.clear()
+    none = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[19, 24])
+    assert none["keep"]["largest"] == 0 and none["ssdtier"]["largest"] == 24
+    assert none["ssdtier"]["within"] == {"1.05": None, "1.1": None}
+
+
 def test_fit_reads_the_memory_cap_and_gives_ssdtier_it_as_its_budget(monkeypatch, tmp_path, store_dir):
     seen = []
 
@@ -367,6 +419,29 @@ def test_fit_reads_the_memory_cap_and_gives_ssdtier_it_as_its_budget(monkeypatch
     bad = parse("--device", "cpu", "--fit")
     with pytest.raises(Exception, match="--memory-cap"):
         rok.cmd_rok(bad)
+
+
+def test_fit_batches_from_the_command_line(monkeypatch, tmp_path, store_dir):
+    runs = []
+
+    def fake_run_one(s, w, on_step):
+        r = listed_run_at(runs)(s.mode.value, w.batch)
+        r |= {"setting": s.label, **s.to_dict(), "batch": w.batch}
+        ok = {"s_per_sample": r.get("median_step_s", 0) / w.batch, "tokens_per_s": 1.0, "losses": ["0x1p+0"]}
+        return r | (ok if r["status"] == "ok" else {})
+
+    monkeypatch.setattr(rok, "run_one", fake_run_one)
+    monkeypatch.setattr(train, "run_one", fake_run_one)
+    a = parse("--device", "cpu", "--layers", "2", "--modes", "keep,ssdtier", "--fractions", "0.5", "--fit",
+              "--fit-batches", "24,13,19", "--memory-cap", "1GiB", "--batch", "8")  # fmt: skip
+    a.out, a.dir = str(tmp_path / "out"), str(store_dir)
+    assert rok.cmd_rok(a) == 0
+    got = json.loads((tmp_path / "out" / "rok.json").read_text())["fit"]
+    assert got["batches"] == [13, 19, 24]
+    assert [p["batch"] for p in got["modes"]["keep"]["probes"]] == [13, 19]
+    assert [p["batch"] for p in got["modes"]["ssdtier budget 1GiB"]["probes"]] == [19, 24]
+    with pytest.raises(SystemExit):
+        parse("--fit-batches", "0,13")
 
 
 def test_fit_with_a_memory_cap_on_the_cpu(store_dir, tmp_path):

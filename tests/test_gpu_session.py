@@ -65,14 +65,22 @@ printf '%s\\n' "$@" > "$ARGS_TO"
 """
 
 
-@pytest.mark.parametrize("part", ["rok", "rok_compile", "rok_fit", "rok_long"])
-def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part):
+@pytest.mark.parametrize("part", ["rok", "rok_targets", "rok_fit", "rok_long"])
+@pytest.mark.parametrize("gpu_mib", [None, "81559", "143771"])  # no nvidia-smi, an H100's, an H200's
+def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part, gpu_mib):
     # Its interpreter a stand-in that writes what it was given: the bench's own parser reads it.
     fake = tmp_path / "py"
     fake.write_text(ECHO_ARGS)
     fake.chmod(0o755)
+    env = {}
+    if gpu_mib is not None:
+        (tmp_path / "bin").mkdir()
+        smi = tmp_path / "bin" / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho {gpu_mib}\n")
+        smi.chmod(0o755)
+        env["PATH"] = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
     got = tmp_path / "args"
-    r = session(tmp_path, part, PY=str(fake), ARGS_TO=str(got), SESSION_S="600")
+    r = session(tmp_path, part, PY=str(fake), ARGS_TO=str(got), SESSION_S="600", **env)
     assert r.returncode == 0, r.stderr
     argv = got.read_text().splitlines()
     assert argv[:4] == ["-m", "ssdtier", "bench", "rok"], argv
@@ -80,8 +88,12 @@ def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part):
     add_parser(p.add_subparsers(dest="cmd"))
     a = p.parse_args(argv[2:])
     assert a.device == "cuda" and a.budget_s > 0
-    if part in ("rok_compile", "rok_fit"):
-        assert a.ssdtier_compile == [0.5] and a.fit == (part == "rok_fit")
+    if part in ("rok_targets", "rok_fit"):
+        # keep's largest, x1.4 and x1.8 of it, checkpoint's largest and x1.15 of it, on each GPU
+        h200 = gpu_mib == "143771"
+        assert a.fit and a.fit_batches == ([28, 40, 51, 72, 102, 118] if h200 else [13, 19, 24, 32, 43, 50])
+        assert a.ssdtier_compile == ([0.5] if part == "rok_targets" else None)
+        assert "compile" in a.modes and (part == "rok_fit") == ("ssdtier" not in a.modes)
 
 
 def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):

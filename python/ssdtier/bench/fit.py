@@ -5,8 +5,11 @@ Micro-batches 1, 2, 4... until one does not fit, then bisection; then, per time 
 (1.05 and 1.10 x keep's time per sample at keep's largest batch), the boundary is bisected
 between the probes either side. A probe is one run at one batch: it does not fit when it
 runs out of memory, or (``cap``) when its peak activation memory is over the cap, which is
-how a CPU, where nothing runs out of memory, is searched. The search functions take the
-probe as a function, so they are tested with fake ones.
+how a CPU, where nothing runs out of memory, is searched. With listed batches (``batches``)
+each mode runs those instead, ascending, the modes after keep only those past keep's largest:
+a few probes that answer the targets where a search takes too long (a compiled block builds
+afresh at each batch). The search functions take the probe as a function, so they are tested
+with fake ones.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ __all__ = [
     "ProbeError",
     "fit_all",
     "largest_within",
+    "probe_batches",
     "reference",
     "rok",
     "search",
     "search_batches",
     "search_rok",
+    "within_mode",
 ]
 
 
@@ -42,8 +47,25 @@ def search_batches(fits: Callable[[int], Probe], max_batch: int) -> dict[str, An
     """Largest b in 1..max_batch that ``fits(b)``: doubling from 1, then bisection. Returns
     the largest that fit (0: none), the smallest that did not (None: none failed), whether
     the search was cut by time and whether the doubling stopped at a slow batch."""
-    lo, hi, b = 0, None, 1
-    while True:
+    doubling = [1]
+    while doubling[-1] < max_batch:
+        doubling.append(min(2 * doubling[-1], max_batch))
+    out = probe_batches(fits, doubling)
+    lo, hi = out["largest"], out["failed"]
+    while not out["cut"] and hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = fits(mid)
+        if got is Probe.STOP:
+            return {"largest": lo, "failed": hi, "cut": True, "slow": False}
+        lo, hi = (lo, mid) if got is Probe.FAILS else (mid, hi)
+    return {**out, "largest": lo, "failed": hi}
+
+
+def probe_batches(fits: Callable[[int], Probe], batches: Sequence[int]) -> dict[str, Any]:
+    """Each of ``batches``, ascending, until one does not fit or is slow: the largest that
+    fit (0: none), the first that did not (None: none), whether cut by time or stopped slow."""
+    lo, hi = 0, None
+    for b in sorted(set(batches)):
         got = fits(b)
         if got is Probe.STOP:
             return {"largest": lo, "failed": hi, "cut": True, "slow": False}
@@ -53,15 +75,6 @@ def search_batches(fits: Callable[[int], Probe], max_batch: int) -> dict[str, An
         lo = b
         if got is Probe.SLOW:
             return {"largest": lo, "failed": hi, "cut": False, "slow": True}
-        if b >= max_batch:
-            break
-        b = min(2 * b, max_batch)
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        got = fits(mid)
-        if got is Probe.STOP:
-            return {"largest": lo, "failed": hi, "cut": True, "slow": False}
-        lo, hi = (lo, mid) if got is Probe.FAILS else (mid, hi)
     return {"largest": lo, "failed": hi, "cut": False, "slow": False}
 
 
@@ -84,8 +97,10 @@ def search(
     max_batch: int,
     limits_s: Sequence[float] = (),
     probes: list[dict[str, Any]] | None = None,
+    batches: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """``search_batches`` over ``probe_at``, then ``search_rok`` at each of ``limits_s``.
+    """``search_batches`` over ``probe_at``, then ``search_rok`` at each of ``limits_s``; or,
+    given ``batches``, ``probe_batches`` over them alone.
 
     ``probe_at(b)`` returns a probe (``batch``, ``fits``, and when it fits ``s_per_sample``
     and optionally ``slow``), or None when out of time; each is appended to ``probes``.
@@ -106,6 +121,8 @@ def search(
             return Probe.FAILS
         return Probe.SLOW if p.get("slow") else Probe.FITS
 
+    if batches is not None:
+        return {**probe_batches(fits, batches), "probes": probes}
     out = search_batches(fits, max_batch)
     for limit in limits_s:
         if out["cut"]:
@@ -125,6 +142,20 @@ def reference(fit: dict[str, dict[str, Any]], mode: str = "keep") -> float | Non
     """Keep's time per sample at its largest batch: what the limits multiply (None: keep fit nothing)."""
     top = (fit.get(mode) or {}).get("at_largest")
     return top["s_per_sample"] if top else None
+
+
+def within_mode(fit: dict[str, dict[str, Any]], mode: str) -> dict[str, int] | None:
+    """Each other mode's largest batch at <= ``mode``'s time per sample at its largest batch
+    (0: none; None: ``mode`` fit nothing)."""
+    ref = reference(fit, mode)
+    if ref is None:
+        return None
+    out = {}
+    for m, r in fit.items():
+        if m != mode and r.get("status") == "ok":
+            top = largest_within(r.get("probes", []), ref)
+            out[m] = top["batch"] if top else 0
+    return out
 
 
 def rok(fit: dict[str, dict[str, Any]], limit: float) -> float | None:
@@ -161,15 +192,18 @@ def fit_all(
     deadline: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     on_mode: Callable[[str, dict[str, Any]], None] | None = None,
+    batches: Sequence[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every mode's largest batch, and its largest at <= each of ``limits`` x keep's time per
     sample. ``modes[0]`` is the reference (keep). ``run_at(mode, b)`` trains ``mode`` at batch
     ``b`` and returns a result: ``status`` ("ok", "OOM", or another with ``error``: the mode's
     search ends), ``peak_bytes``, ``median_step_s``. Past ``slow`` x keep's time per sample a
     mode tries no larger batch. Each mode gets an equal share of the time left to ``deadline``;
-    ``on_mode(mode, result)`` is called as each ends."""
+    ``on_mode(mode, result)`` is called as each ends. ``batches``: probe these, not search
+    (the modes after keep: those past keep's largest)."""
     fit: dict[str, dict[str, Any]] = {}
     ref: float | None = None
+    listed = None if batches is None else list(batches)
     for i, mode in enumerate(modes):
         now = clock()
         if deadline is not None and now > deadline:
@@ -179,13 +213,16 @@ def fit_all(
             probe = _Prober(mode, run_at, cap, None if ref is None else slow * ref, until, clock)
             r = {"mode": mode, "status": "ok", "probes": []}
             try:
-                r.update(search(probe, max_batch, [x * ref for x in limits] if ref is not None else [], r["probes"]))
+                limits_s = [x * ref for x in limits] if ref is not None else []
+                r.update(search(probe, max_batch, limits_s, r["probes"], listed))
             except ProbeError as e:
                 r.update(status=e.status, error=str(e))
         best = [p for p in r["probes"] if p.get("fits") and p["batch"] == r.get("largest")]
         r["at_largest"] = best[-1] if best else None
         if i == 0:
             ref = reference({mode: r}, mode)
+            if listed is not None:
+                listed = [b for b in listed if b > r.get("largest", 0)]
         known = ref is not None and r["status"] == "ok"
         r["within"] = {}
         for x in limits:

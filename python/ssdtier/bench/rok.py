@@ -33,7 +33,7 @@ from .._cli import CLI
 from ..errors import ConfigError
 from ..sizes import format_size, parse_size
 from ._report import emit, jsonable, table
-from .fit import fit_all
+from .fit import fit_all, within_mode
 from .train import (
     Mode,
     Setting,
@@ -267,12 +267,15 @@ def run_fit(
     said = {r["setting"]: r for r in results if r["status"] != "ok" and r["mode"] != Mode.SSDTIER.value}
     searched = [m for m in modes if m not in said]
     out: dict[str, Any] = {"cap": cap, "limits": list(args.fit_limits), "steps": args.fit_steps, "modes": {}}
+    if args.fit_batches:
+        out["batches"] = sorted(set(args.fit_batches))
 
     def done(mode: str, r: dict[str, Any]) -> None:
         out["modes"][mode] = r
         on_mode(out)
 
-    fit_all(searched, run_at, args.fit_max_batch, args.fit_limits, cap, args.fit_slow, deadline, on_mode=done)
+    fit_all(searched, run_at, args.fit_max_batch, args.fit_limits, cap, args.fit_slow, deadline, on_mode=done,
+            batches=out.get("batches"))  # fmt: skip
     for m, r in said.items():
         out["modes"][m] = {"mode": m, "status": r["status"], "error": f"in the side-by-side run: {r.get('error', '')}"}
     return out
@@ -283,8 +286,11 @@ def render_fit(fit: dict[str, Any]) -> str:
     keep = next(iter(modes.values()), {})
     ref = (keep.get("at_largest") or {}).get("s_per_sample")
     bound = f"peak activation memory <= {format_size(fit['cap'])}" if fit["cap"] else "no out of memory"
+    how = "1, 2, 4... then bisection"
+    if fit.get("batches"):
+        how = f"batches {', '.join(map(str, fit['batches']))} (after keep, those past its largest)"
     lines = [
-        f"fit: the largest micro-batch of each mode ({bound}): 1, 2, 4... then bisection, {fit['steps']} "
+        f"fit: the largest micro-batch of each mode ({bound}): {how}, {fit['steps']} "
         f"measured step(s) a probe; keep's time per sample at its largest batch: "
         + (f"{ref * 1e3:.2f} ms" if ref else "none (keep fit no batch)")
     ]
@@ -320,6 +326,13 @@ def render_fit(fit: dict[str, Any]) -> str:
             best.append(f"{name}: {top} ({', '.join(m for m, b in got.items() if b == top)})")
     if best:
         lines.append("largest overall: " + "; ".join(best))
+    ckpt = modes.get(Mode.CHECKPOINT.value) or {}
+    at_ckpt = within_mode(modes, Mode.CHECKPOINT.value)
+    if at_ckpt:
+        top = ckpt["at_largest"]
+        said = ", ".join(f"{m} {b} ({b / top['batch']:.2f}x)" for m, b in at_ckpt.items() if m != "keep")
+        lines.append(f"at checkpoint's time per sample at its largest batch ({top['batch']}, "
+                     f"{top['s_per_sample'] * 1e3:.2f} ms): {said}")  # fmt: skip
     lines.append("'+': no batch failed up to --fit-max-batch; '(cut)': out of time; '(slow)': past --fit-slow x keep")
     return "\n".join(lines)
 
