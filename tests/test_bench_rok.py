@@ -391,6 +391,11 @@ def test_fit_at_listed_batches_answers_the_targets_in_a_few_probes():
     none = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[19, 24])
     assert none["keep"]["largest"] == 0 and none["ssdtier"]["largest"] == 24
     assert none["ssdtier"]["within"] == {"1.05": None, "1.1": None}
+    # Keep fit all of them: nothing left for the others to probe, and the table says so.
+    every = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[2, 13])
+    assert every["keep"]["largest"] == 13 and every["ssdtier"]["status"] == "skipped"
+    text = rok.render_fit({"cap": None, "limits": [1.05], "steps": 1, "batches": [2, 13], "modes": every})
+    assert "ssdtier: skipped: no listed batch past keep's largest" in text and "the last of --fit-batches" in text
 
 
 def test_fit_reads_the_memory_cap_and_gives_ssdtier_it_as_its_budget(monkeypatch, tmp_path, store_dir):

@@ -208,6 +208,8 @@ def fit_all(
         now = clock()
         if deadline is not None and now > deadline:
             r: dict[str, Any] = {"mode": mode, "status": "skipped", "error": "out of time (--budget-s)", "probes": []}
+        elif listed == []:
+            r = {"mode": mode, "status": "skipped", "error": "no listed batch past keep's largest", "probes": []}
         else:
             until = None if deadline is None else now + (deadline - now) / (len(modes) - i)
             probe = _Prober(mode, run_at, cap, None if ref is None else slow * ref, until, clock)

@@ -333,7 +333,8 @@ def render_fit(fit: dict[str, Any]) -> str:
         said = ", ".join(f"{m} {b} ({b / top['batch']:.2f}x)" for m, b in at_ckpt.items() if m != "keep")
         lines.append(f"at checkpoint's time per sample at its largest batch ({top['batch']}, "
                      f"{top['s_per_sample'] * 1e3:.2f} ms): {said}")  # fmt: skip
-    lines.append("'+': no batch failed up to --fit-max-batch; '(cut)': out of time; '(slow)': past --fit-slow x keep")
+    up_to = "the last of --fit-batches" if fit.get("batches") else "--fit-max-batch"
+    lines.append(f"'+': no batch failed up to {up_to}; '(cut)': out of time; '(slow)': past --fit-slow x keep")
     return "\n".join(lines)
 
 
