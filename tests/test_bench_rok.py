@@ -168,6 +168,26 @@ def test_interleaved_rounds_combine_by_their_medians():
     assert train.combine(rounds[:1]) is rounds[0]
 
 
+def test_every_other_round_runs_the_settings_in_reverse(monkeypatch):
+    ran = []
+    peaks = iter([100, 60, 80, 70])  # keep's peak in each round: only the first's sets the budgets
+
+    def run_one(s, w, on_step):
+        ran.append((s.label, s.budget))
+        peak = next(peaks) if s.mode is Mode.KEEP else 10
+        return {"setting": s.label, "mode": s.mode.value, "status": "ok", "batch": 1, "peak_bytes": peak,
+                "median_step_s": 1.0, "s_per_sample": 1.0, "tokens_per_s": 1.0, "losses": []}  # fmt: skip
+
+    monkeypatch.setattr(train, "run_one", run_one)
+    settings = [Setting(Mode.KEEP), Setting(Mode.SSDTIER, fraction=0.5), Setting(Mode.CHECKPOINT)]
+    got = train.run_rounds(settings, TINY, "t", 4)
+    labels = [label for label, _ in ran]
+    forward, backward = ["keep", "ssdtier 0.5x keep", "checkpoint"], ["checkpoint", "ssdtier 0.5x keep", "keep"]
+    assert labels == forward + backward + forward + backward
+    assert {b for label, b in ran if label.startswith("ssdtier")} == {50}
+    assert [r["setting"] for r in got] == forward and got[0]["round_peak_bytes"] == [100, 60, 80, 70]
+
+
 def test_quick_runs_three_interleaved_rounds_unless_told():
     """A newcomer's --quick numbers: one round of a small model drifts 1.5x between minutes."""
     parser = argparse.ArgumentParser()

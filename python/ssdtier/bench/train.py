@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -461,9 +461,16 @@ def auto_arena(w: Workload) -> str:
     return "64MiB" if w.device != "cuda" else "auto"
 
 
-def run(settings: list[Setting], w: Workload, desc: str, deadline: float | None = None) -> list[dict[str, Any]]:
+def run(
+    settings: list[Setting],
+    w: Workload,
+    desc: str,
+    deadline: float | None = None,
+    known: Sequence[dict[str, Any]] = (),
+) -> list[dict[str, Any]]:
     """Every setting, one after the other (CPU: each in a fresh process), with a progress bar.
-    A setting not started by ``deadline`` (time.monotonic) is skipped."""
+    A setting not started by ``deadline`` (time.monotonic) is skipped. Budgets given as shares
+    of keep's peak come from ``known`` (an earlier round's results) if keep is there."""
     for s in settings:
         if s.mode is Mode.SSDTIER:
             check_paths(w.store_config(s))  # a bad directory is said before any work
@@ -478,7 +485,7 @@ def run(settings: list[Setting], w: Workload, desc: str, deadline: float | None 
                 reason = skip_reason(s, w)
                 if reason is not None:
                     raise Skipped(reason)
-                s, sw = resolve(s, w, results)
+                s, sw = resolve(s, w, [*known, *results])
                 r = run_one(s, sw, lambda s=s: bar.update(1, s.label))
             except Skipped as e:
                 r = failed(s, w, "skipped", str(e))
@@ -721,10 +728,16 @@ def repeats_of(args: argparse.Namespace) -> int:
 def run_rounds(
     settings: list[Setting], w: Workload, desc: str, repeats: int, deadline: float | None = None
 ) -> list[dict[str, Any]]:
-    """``repeats`` interleaved rounds of every setting, combined by their medians."""
-    rounds = [run(settings, w, desc, deadline)]
+    """``repeats`` interleaved rounds of every setting, combined by their medians. Every other
+    round runs them in reverse: a machine that drifts within a round, or a setting that slows
+    the next (its disk writes flushed after it), then favours no place in the order. Each
+    round's shares of keep's peak are those of the first round's keep."""
+    first = run(settings, w, desc, deadline)
+    rounds = [first]
     for k in range(1, repeats):
-        rounds.append(run(settings, w, f"{desc} (round {k + 1} of {repeats})", deadline))
+        order = settings[::-1] if k % 2 else settings
+        got = run(order, w, f"{desc} (round {k + 1} of {repeats})", deadline, first)
+        rounds.append(got[::-1] if k % 2 else got)
     return combine(rounds)
 
 
