@@ -326,10 +326,9 @@ def render_fit(fit: dict[str, Any]) -> str:
             best.append(f"{name}: {top} ({', '.join(m for m, b in got.items() if b == top)})")
     if best:
         lines.append("largest overall: " + "; ".join(best))
-    ckpt = modes.get(Mode.CHECKPOINT.value) or {}
     at_ckpt = within_mode(modes, Mode.CHECKPOINT.value)
     if at_ckpt:
-        top = ckpt["at_largest"]
+        top = modes[Mode.CHECKPOINT.value]["at_largest"]  # there: within_mode found its time
         said = ", ".join(f"{m} {b} ({b / top['batch']:.2f}x)" for m, b in at_ckpt.items() if m != "keep")
         lines.append(f"at checkpoint's time per sample at its largest batch ({top['batch']}, "
                      f"{top['s_per_sample'] * 1e3:.2f} ms): {said}")  # fmt: skip
