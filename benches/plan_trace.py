@@ -79,6 +79,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             row["plan"] = None if plan is None else [d.action.value for d in plan.decisions]
             row["predicted_peak_gib"] = None if plan is None else plan.outcome.peak / 2**30
             row["guard_switched"] = off.adaptive.switched
+            row["unhooked"] = off.c.get("forwards_unhooked", 0)  # running total: forwards of a settled plan
             row["solves"], row["replan_s"] = off.adaptive.solving.count, off.adaptive.replan_s  # running totals
         if prof is not None:
             try:

@@ -226,3 +226,14 @@ def test_compile_peak_says_where_the_compiled_graph_held_the_blocks(store_dir):
     rows = {line.split("  ")[0].strip(): line for line in p.stdout.splitlines()[-6:]}
     assert rows["whole + ssdtier"].endswith("yes"), p.stdout
     assert rows["blocks + ssdtier"].endswith("-") and rows["eager + ssdtier"].endswith("-"), p.stdout
+
+
+def test_settled_cost_times_plain_and_attached_twins(store_dir, tmp_path):
+    out = tmp_path / "settled.json"
+    p = run(
+        "settled_cost.py", "--layers", "2", "--steps", "8", "--warmup", "2", "--dir", str(store_dir), "--json", str(out)
+    )
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["keep_ms"] > 0 and got["ssdtier_ms"] > 0 and got["plan"].startswith("2 keep")
+    assert 0 < got["forwards_unhooked"] < 8, got  # the first forwards are hooked

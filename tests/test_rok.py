@@ -17,6 +17,7 @@ from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Memory
 from ssdtier.offload.recompute import Recompute
+from ssdtier.offload.settled import Settled
 from ssdtier.plan import Action
 
 from .test_attach import CONFIGS, TINY, assert_same, offload_config, train
@@ -39,6 +40,11 @@ def forced(monkeypatch, acts):
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: None)
+
+
+def hooked(monkeypatch):
+    """Every forward hooked: for tests of what each one measures and plans."""
+    monkeypatch.setattr(Settled, "skips", lambda self, ad: False)
 
 
 def steps(cfg, ssd=None, batches=(2, 2, 2), on_step=None, prepare=None):
@@ -501,6 +507,7 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
     wait for its backward to end. Such steps are dropped, 3 in a row at most; the 4th waits.
     Each read step's peak is learned from its own counters, and a dropped step's waits are
     charged to no plan."""
+    hooked(monkeypatch)
     from ssdtier.offload.profile import Profile
 
     p = Profile(2, torch.device("cuda"), lambda: 0.0, False)
@@ -542,6 +549,7 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
 
 
 def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypatch):
+    hooked(monkeypatch)
     # A loop resets the allocator's peak counter before each step: the counters read as the
     # step began say 1 GiB, as its backward reached the first block 9 GiB. The budget of the
     # next step counts those 9, as a fixed budget learns from them.
@@ -593,6 +601,7 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
 
 
 def test_an_auto_budget_holds_while_it_grows_by_under_5_percent(store_dir, monkeypatch):
+    hooked(monkeypatch)
     # The plan a budget was solved for stands while the budget only grows (the copies queued
     # and the samples move it a little each step); growth past 5% and any cut are taken.
     from types import SimpleNamespace

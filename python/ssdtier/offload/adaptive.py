@@ -22,6 +22,7 @@ from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Gpu
 from .control import StepControl
 from .profile import Profile
+from .settled import Settled
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -96,6 +97,7 @@ class Adaptive:
         self.end: tuple[int, int] | None = None  # ... as its backward reached the first block
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solving = Solving()
+        self.settled = Settled()  # whether forwards may run without hooks
         self.replan_s = 0.0  # host seconds spent planning at forwards' starts
 
     def calibrate(self) -> tuple[float, float]:
@@ -336,6 +338,7 @@ class Adaptive:
             measured = None
         if measured is not None:
             self._adopt(measured[0], measured[1], budget, feedback)
+        self.settled.hooked(self, measured is not None)
         self.mark = self.meter.counters() if self.meter is not None else None
         self.end = None
         if self.profile.ended and self.profile.inputs:

@@ -138,6 +138,10 @@ class AutoBudget:
             budget = min(budget, int(held * RETRY_CUT))
         return budget
 
+    def left(self) -> int:
+        """At the last look: memory free or cached, less what was allocated."""
+        return self.parts[0] + self.parts[1] - self.base
+
     def explain(self) -> str:
         """What the last budget was made of, for the log."""
         if self.room is None:

@@ -64,6 +64,10 @@ class BlockEnter(Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
         off = self.off
         f = off._tls.fwd
+        if f.unhooked:  # a settled plan's forward: autograd keeps what it saves
+            if self.tag != 1 or not off.adaptive.settled.woken(off.adaptive, args):
+                return
+            off.wake(f)
         f.tag = self.tag
         f.autocast = autocasting(off.cuda_ok)  # a block may run its own autocast region
         if torch.compiler.is_compiling():
@@ -83,6 +87,8 @@ class BlockExit(BlockEnter):
     def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
         off = self.off
         f = off._tls.fwd
+        if f.unhooked:
+            return
         if self.tag == off.n_layers:
             f.tag = self.tag + 1
         if off.adaptive is not None and f.pushed and f.pushed[0]:
@@ -117,6 +123,8 @@ class Fwd:
         "pushed",
         "scopes",
         "tag",
+        "top",
+        "unhooked",
         "wait0",
     )
 
@@ -132,6 +140,8 @@ class Fwd:
         self.scopes = 0  # Offloader.scope() blocks under way (each counts as a call of the model)
         self.autocast = False  # autocast, with its cache, was on when the forward or its block began
         self.wait0 = 0.0  # the store's wait seconds when that forward began
+        self.unhooked = False  # that forward runs without the hooks (adaptive mode: a settled plan)
+        self.top: Any = None  # ... and the saved-tensor hooks on top as it began
 
     def recompute(self, tag: int) -> bool:
         acts = self.acts

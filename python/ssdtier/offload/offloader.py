@@ -43,6 +43,7 @@ from .forward import (
     forwards_under_way,
     pushed,
     saving_possible,
+    top_hooks,
     unpush,
 )
 from .layers import excluded_modules, find_stacks, search
@@ -361,11 +362,36 @@ class Offloader:
         f.pushed.append(False)
         if len(f.pushed) > 1:
             return  # the model called inside its own forward: the outer call's hooks serve
+        f.unhooked = False
         why = saving_possible()
         if why is not None:
             if why:
                 self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             return
+        if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive):
+            f.unhooked = True  # the plan keeps everything and has settled: autograd keeps it all
+            f.top = top_hooks()
+            self.c["forwards_unhooked"] += 1
+            return
+        self._start(f, module)
+
+    def wake(self, f: Fwd) -> None:
+        """Hook a forward that began without hooks, from its first block on (its tag kept)."""
+        model, ad = self.model, self.adaptive
+        assert ad is not None
+        if model is None or top_hooks() != f.top:
+            # Hooks pushed inside the model since (the user's checkpointing around the block)
+            # would pop ours: this forward stays as it is, the next is hooked.
+            ad.settled.calm = 0
+            return
+        f.unhooked = False
+        self.c["forwards_unhooked"] -= 1
+        tag, excluded = f.tag, f.excluded
+        self._start(f, model)
+        f.tag, f.excluded = tag, excluded
+
+    def _start(self, f: Fwd, module: nn.Module) -> None:
+        """Push the saved-tensor hooks for the forward ``f`` of this thread."""
         if self.adaptive is not None:
             self.adaptive.replan(f)
         else:
@@ -387,7 +413,7 @@ class Offloader:
         f.tag = f.excluded = 0
         f.autocast = autocasting(self.cuda_ok)
         self._hooks.__enter__()
-        f.pushed[-1] = True
+        f.pushed[0] = True
         pushed().append(f)
         self._last_fwd = f
 

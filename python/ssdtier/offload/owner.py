@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .cuda import CudaTransport
     from .cufile import CuFile
     from .entry import Entry
-    from .forward import PerThread
+    from .forward import Fwd, PerThread
     from .registry import Entries, StorageKey
     from .stats import Resident
 
@@ -104,6 +104,8 @@ class ForwardOwner(HookOwner, LayersOwner, Protocol):
     cpu: CpuTransport
     cuda_ok: bool
     traced: bool
+
+    def wake(self, f: Fwd) -> None: ...
 
 
 class AdaptiveOwner(StatsOwner, LayersOwner, Protocol):

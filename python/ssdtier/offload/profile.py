@@ -115,6 +115,7 @@ class Profile:
         self.head_span: Any = None
         self.recomputed = [False] * n
         self.offloaded = [False] * n  # blocks whose saved tensors this forward offloaded whole
+        self.sent = 0  # storages this forward offloaded
         self.ended = False
         self.recorded = False  # this forward's times are in fwd_recent
 
@@ -141,7 +142,9 @@ class Profile:
 
     def saved_bytes(self, tag: int, nbytes: int, offloaded: bool) -> None:
         self.saved[tag] += nbytes
-        if not offloaded:
+        if offloaded:
+            self.sent += 1
+        else:
             self.kept[tag] += 1
 
     def bytes_so_far(self, tag: int) -> int:

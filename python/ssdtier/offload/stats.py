@@ -28,6 +28,7 @@ COUNTS = (
     "bytes_kept",
     "packs",
     "unpacks",
+    "forwards_unhooked",
 )
 
 
@@ -57,7 +58,9 @@ class OffloadStats:
     it, or made them itself, timed by CUDA events: the host, running ahead, does not wait then.
     ``chosen`` says each value attach gave the configuration for this model and machine that
     the user's did not (``policy.mode = "auto"`` resolved, an arena cut to what can be pinned),
-    and why.
+    and why. ``forwards_unhooked`` counts the forwards adaptive mode ran without its hooks, its
+    plan keeping every block and settled (docs/planner.md#a-settled-plan): nothing of theirs is
+    in the other counts.
     """
 
     tensors_offloaded: int
@@ -84,6 +87,7 @@ class OffloadStats:
     bytes_kept: int
     packs: int
     unpacks: int
+    forwards_unhooked: int
     plan: Plan | None
     store: StoreStats
     chosen: tuple[str, ...] = ()  # what attach made of the config for this model and machine, and why
@@ -108,6 +112,8 @@ class OffloadStats:
             + f"{self.layers_kept} kept of {self.layers_found}; read ahead: "
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
+        if self.forwards_unhooked:
+            lines.append(f"{self.forwards_unhooked} forwards ran without hooks: the plan kept everything")
         if self.writes_skipped:
             lines.append(f"{self.writes_skipped} writes not needed: the backward came first")
         if self.failed_writes or self.failed_reads:

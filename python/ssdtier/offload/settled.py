@@ -1,0 +1,76 @@
+"""Forwards without hooks. Once adaptive mode's plan keeps every block and has settled, a
+hooked forward with the same inputs would only count what autograd keeps anyway: it runs
+without ssdtier's saved-tensor hooks, at no cost per tensor. One forward in ``MEASURE`` is
+hooked still, and one whose first block takes other inputs is hooked from that block on
+(docs/planner.md#a-settled-plan)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..plan import Action
+from .profile import input_bytes
+
+if TYPE_CHECKING:
+    from .adaptive import Adaptive
+
+CALM = 2  # hooked forwards in a row that ran an all-keep plan as planned, before any goes unhooked
+MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
+ROOM = 0.03  # of the budget: GPU room this much below the last hooked forward's start hooks the next
+
+
+class Settled:
+    """Whether the next forward may run without hooks, from the hooked forwards before it."""
+
+    __slots__ = ("calm", "room", "run")
+
+    def __init__(self) -> None:
+        self.calm = 0  # hooked forwards in a row that kept every block as planned
+        self.run = 0  # forwards run without hooks since the last hooked one
+        self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
+
+    def hooked(self, ad: Adaptive, measured: bool) -> None:
+        """A hooked forward begins, the plan in force checked against the last one's numbers
+        (``measured``: they came in)."""
+        self.calm = self.calm + 1 if measured and as_planned(ad) else 0
+        self.run = 0
+        self.room = ad.auto.left() if ad.gpu is not None else None  # read by budget() just now
+
+    def skips(self, ad: Adaptive) -> bool:
+        """Whether the forward about to start runs without hooks: the hooked ones before it,
+        the last included, kept every block as planned."""
+        if self.calm < CALM or self.run >= MEASURE - 1 or not as_planned(ad):
+            return False
+        if ad.gpu is not None:  # device_budget = "auto": less room than measured, measure again
+            budget = ad.off._budget or 0
+            if self.room is None or _left(ad) < self.room - ROOM * budget:
+                return False
+        self.run += 1
+        return True
+
+    @staticmethod
+    def woken(ad: Adaptive, args: tuple) -> bool:
+        """At the first block of a forward without hooks: its inputs differ from those of the
+        last hooked forward (a batch or sequence of another size), so it is hooked from here."""
+        return input_bytes(args) != ad.profile.inputs[0]
+
+
+def as_planned(ad: Adaptive) -> bool:
+    """Whether the last hooked forward kept every block, as the plan in force does, within
+    its budget, with the inputs of the one before."""
+    plan, prof = ad.plan, ad.profile
+    return (
+        plan is not None
+        and plan.fits
+        and all(a is Action.KEEP for a in plan.actions)
+        and ad.ran == list(plan.actions)  # the guard switched nothing
+        and ad.growth == 1.0
+        and prof.sent == 0  # nothing offloaded for the budget
+        and prof.inputs[0] > 0  # a larger batch shows there
+    )
+
+
+def _left(ad: Adaptive) -> int:
+    assert ad.gpu is not None
+    m = ad.gpu.memory()
+    return m.free + m.reserved - m.allocated

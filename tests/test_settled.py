@@ -1,0 +1,105 @@
+"""Forwards without hooks once an all-keep plan has settled (offload/settled.py): gradients
+exact, one forward in 16 measured, hooked again at once for other inputs or less room."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import ssdtier
+from ssdtier.bench.models import batch_loss, build_model, make_batch
+from ssdtier.offload.budget import Memory
+from ssdtier.offload.settled import MEASURE
+
+from .test_attach import assert_same
+from .test_rok import GPT, GiB, adaptive, fake_gpu, steps
+
+
+def test_a_settled_all_keep_plan_runs_forwards_without_hooks(store_dir):
+    n = 20
+    got = steps(GPT, adaptive(store_dir, device_budget="1GiB"), batches=(2,) * n)
+    assert_same(steps(GPT, batches=(2,) * n), got)
+    s = got[2]
+    # Hooked: the first (no plan yet), the next two (each ran the all-keep plan as planned),
+    # then one in MEASURE: forwards 1, 2, 3 and 19.
+    assert MEASURE == 16 and s.forwards_unhooked == n - 4
+    one = steps(GPT, adaptive(store_dir, device_budget="1GiB"), batches=(2,))[2]
+    assert s.packs == 4 * one.packs
+    assert f"{n - 4} forwards ran without hooks" in str(s)
+
+
+def test_a_forward_with_other_inputs_is_hooked_from_its_first_block(store_dir):
+    # Batch 2 keeps 0.42 MB within the budget of 0.6; batch 4 would keep twice that, so its
+    # first forward is hooked and the guard recomputes its blocks.
+    seen = []
+
+    def look(off):
+        seen.append((off.stats().forwards_unhooked, off.adaptive.switched))
+
+    sizes = (2,) * 6 + (4,) * 2
+    got = steps(GPT, adaptive(store_dir, device_budget=600_000), batches=sizes, on_step=look)
+    assert_same(steps(GPT, batches=sizes), got)
+    assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3], seen
+    assert seen[6][1] > 0, seen  # blocks switched to recompute in batch 4's first forward
+
+
+def test_less_gpu_room_hooks_the_next_forward(store_dir, monkeypatch):
+    # device_budget = "auto" on a stand-in GPU: 10 GiB less free after the 6th step, against a
+    # budget of about 50 GiB: the 7th forward is hooked and measured.
+    gpu = {"free": 50 * GiB}
+    fake_gpu(monkeypatch, lambda: Memory(gpu["free"], 100 * GiB, 8 * GiB, 1 * GiB, 0, 2 * GiB), lambda off: 3 * GiB)
+    seen = []
+
+    def look(off):
+        seen.append(off.stats().forwards_unhooked)
+        if len(seen) == 6:
+            gpu["free"] -= 10 * GiB
+
+    got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=(2,) * 8, on_step=look)
+    assert_same(steps(GPT, batches=(2,) * 8), got)
+    assert seen == [0, 0, 0, 1, 2, 3, 3, 4], seen
+
+
+def test_a_plan_that_offloads_is_hooked_every_forward(store_dir):
+    got = steps(GPT, adaptive(store_dir, device_budget=200_000), batches=(2,) * 6)
+    assert_same(steps(GPT, batches=(2,) * 6), got)
+    assert got[2].forwards_unhooked == 0 and got[2].tensors_offloaded > 0
+
+
+def test_a_forward_inside_the_users_checkpointing_is_not_hooked_midway(store_dir):
+    # The user's checkpointing pushes its hooks around each block: hooks pushed at the first
+    # block would be popped by theirs. That forward runs as it began; the next one is hooked.
+    seen = []
+    cfg = dataclasses.replace(GPT, checkpoint=True)
+    sizes = (2,) * 6 + (4,) * 2
+    got = steps(
+        cfg,
+        adaptive(store_dir, device_budget="1GiB"),
+        batches=sizes,
+        on_step=lambda off: seen.append(off.stats().forwards_unhooked),
+    )
+    assert_same(steps(cfg, batches=sizes), got)
+    assert seen == [0, 0, 0, 1, 2, 3, 4, 4], seen
+
+
+def test_a_step_in_scope_is_hooked_for_other_inputs(store_dir):
+    # Offloader.scope() (a LightningModule's training_step) with the model called inside it.
+    sizes = (2,) * 6 + (4,) * 2
+    torch.manual_seed(0)
+    model = build_model(GPT)
+    gen = torch.Generator().manual_seed(2)
+    batches = [make_batch(GPT, b, gen) for b in sizes]
+    seen, losses = [], []
+    with ssdtier.attach(model, adaptive(store_dir, device_budget=600_000)) as off:
+        torch.manual_seed(1)
+        for b in batches:
+            with off.scope():
+                loss = batch_loss(model, b)
+            loss.backward()
+            losses.append(loss.detach())
+            seen.append((off.stats().forwards_unhooked, off.adaptive.switched))
+        stats = off.stats()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert_same(steps(GPT, batches=sizes), (losses, grads, stats))
+    assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3] and seen[6][1] > 0, seen
