@@ -103,3 +103,17 @@ def test_a_step_in_scope_is_hooked_for_other_inputs(store_dir):
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert_same(steps(GPT, batches=sizes), (losses, grads, stats))
     assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3] and seen[6][1] > 0, seen
+
+
+def test_blocks_compiled_before_attaching_run_unhooked_exactly(store_dir):
+    from torch._dynamo.utils import counters
+
+    from .test_rok import _compile_blocks
+
+    sizes = (2,) * 6
+    ref = steps(GPT, batches=sizes, prepare=_compile_blocks)
+    graphs = counters["stats"]["unique_graphs"]
+    got = steps(GPT, adaptive(store_dir, device_budget="1GiB"), batches=sizes, prepare=_compile_blocks)
+    assert_same(ref, got)
+    assert got[2].forwards_unhooked == 3
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one block graph: no recompile when unhooked

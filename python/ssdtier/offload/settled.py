@@ -42,6 +42,8 @@ class Settled:
         if self.calm < CALM or self.run >= MEASURE - 1 or not as_planned(ad):
             return False
         if ad.gpu is not None:  # device_budget = "auto": less room than measured, measure again
+            if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
+                return False
             budget = ad.off._budget or 0
             if self.room is None or _left(ad) < self.room - ROOM * budget:
                 return False
