@@ -8,11 +8,14 @@ The default model is small and deep (24 blocks of width 32): its step is bound b
 host, as an eager model's is wherever the GPU runs ahead of it.
 
     python benches/settled_cost.py [--steps 400] [--json out.json]
+    python benches/settled_cost.py --layers 8 --d-model 256 --seq 256 --batch 8 --vocab 1024 \
+        --heads 8 --compile 0.2 --steps 30 --warmup 8     # ssdtier on compiled blocks
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -31,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--steps", type=int, default=400, help="steps of each model")
     p.add_argument("--warmup", type=int, default=20, help="steps of each not counted")
+    p.add_argument(
+        "--compile",
+        type=float,
+        metavar="BUDGET",
+        help="both models' blocks compiled (Inductor) under torch's activation memory budget BUDGET",
+    )
     p.add_argument("--dir", help="NVMe directory (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args(argv)
@@ -56,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     twin = GPT(cfg)
     idx, targets = gpt_batch(cfg, args.batch)
+    budget = contextlib.nullcontext()
+    if args.compile is not None:
+        import torch._functorch.config as functorch_config
+
+        budget = functorch_config.patch(activation_memory_budget=args.compile)
+        for model in (plain, twin):
+            for i, b in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(b)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         conf = {
             "policy": {"mode": "adaptive", "device_budget": "1GiB", "min_tensor_bytes": 0},
@@ -63,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             "nvme": [{"path": d}],
         }
         times: dict[str, list[float]] = {"keep": [], "ssdtier": []}
-        with ssdtier.attach(twin, conf) as off:
+        with budget, ssdtier.attach(twin, conf) as off:
             for i in range(args.steps):
                 pair = (("keep", plain), ("ssdtier", twin))
                 for name, model in pair if i % 2 else reversed(pair):
@@ -76,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     keep, ssd = (statistics.median(times[k][args.warmup :]) for k in ("keep", "ssdtier"))
     out = {
         "model": {"layers": args.layers, "d_model": args.d_model, "seq": args.seq, "batch": args.batch},
+        "compile": args.compile,
         "steps": args.steps,
         "warmup": args.warmup,
         "keep_ms": keep * 1e3,
@@ -86,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         "forwards_unhooked": getattr(st, "forwards_unhooked", None),  # None: a version without them
         "torch": torch.__version__,
     }
-    print(f"GPT of {args.layers} blocks, width {args.d_model}, seq {args.seq}, batch {args.batch}, 1 thread")
+    how = "" if args.compile is None else f", blocks compiled under memory budget {args.compile}"
+    print(f"GPT of {args.layers} blocks, width {args.d_model}, seq {args.seq}, batch {args.batch}, 1 thread{how}")
     print(f"{'':10}{'ms/step':>9}{'x keep':>8}")
     print(f"{'keep':10}{keep * 1e3:9.2f}{1:8.2f}")
     print(f"{'ssdtier':10}{ssd * 1e3:9.2f}{ssd / keep:8.2f}")
