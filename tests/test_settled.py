@@ -117,3 +117,10 @@ def test_blocks_compiled_before_attaching_run_unhooked_exactly(store_dir):
     assert_same(ref, got)
     assert got[2].forwards_unhooked == 3
     assert counters["stats"]["unique_graphs"] - graphs == 1  # one block graph: no recompile when unhooked
+
+
+def test_a_plan_close_to_its_budget_stays_hooked(store_dir):
+    # Batch 2 keeps 0.42 MB: within a budget of 0.43, but not 5% below it. The guard stays.
+    got = steps(GPT, adaptive(store_dir, device_budget=430_000), batches=(2,) * 6)
+    assert_same(steps(GPT, batches=(2,) * 6), got)
+    assert got[2].forwards_unhooked == 0 and got[2].layers_kept == 4

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 CALM = 2  # hooked forwards in a row that ran an all-keep plan as planned, before any goes unhooked
 MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
 ROOM = 0.03  # of the budget: GPU room this much below the last hooked forward's start hooks the next
+CLEAR = 0.95  # of the budget: a plan predicted to hold more stays hooked (its guard may be needed)
 
 
 class Settled:
@@ -58,12 +59,12 @@ class Settled:
 
 
 def as_planned(ad: Adaptive) -> bool:
-    """Whether the last hooked forward kept every block, as the plan in force does, within
-    its budget, with the inputs of the one before."""
+    """Whether the last hooked forward kept every block, as the plan in force does with a
+    twentieth of its budget to spare, with the inputs of the one before."""
     plan, prof = ad.plan, ad.profile
     return (
         plan is not None
-        and plan.fits
+        and (plan.device_budget is None or plan.outcome.peak <= CLEAR * plan.device_budget)
         and all(a is Action.KEEP for a in plan.actions)
         and ad.ran == list(plan.actions)  # the guard switched nothing
         and ad.growth == 1.0
