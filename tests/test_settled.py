@@ -10,7 +10,7 @@ import torch
 import ssdtier
 from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.offload.budget import Memory
-from ssdtier.offload.settled import MEASURE
+from ssdtier.offload.settled import MEASURE, Settled, shapes
 
 from .test_attach import assert_same
 from .test_rok import GPT, GiB, adaptive, fake_gpu, steps
@@ -124,3 +124,11 @@ def test_a_plan_close_to_its_budget_stays_hooked(store_dir):
     got = steps(GPT, adaptive(store_dir, device_budget=430_000), batches=(2,) * 6)
     assert_same(steps(GPT, batches=(2,) * 6), got)
     assert got[2].forwards_unhooked == 0 and got[2].layers_kept == 4
+
+
+def test_inputs_are_told_apart_by_shape_not_storage():
+    # A batch sliced from a buffer allocated once: more rows, the same storage.
+    s, buf = Settled(), torch.zeros(4, 8)
+    s.shapes = shapes((buf[:2], 3))
+    assert not s.woken((buf[2:], 3))
+    assert s.woken((buf[:3], 3)) and s.woken((buf[:2].double(), 3))

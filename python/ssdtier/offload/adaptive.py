@@ -22,7 +22,7 @@ from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Gpu
 from .control import StepControl
 from .profile import Profile
-from .settled import Settled
+from .settled import Settled, shapes
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -168,6 +168,7 @@ class Adaptive:
             return
         self.profile.block_enter(tag, args)
         if tag == 1:
+            self.settled.shapes = shapes(args)
             now = self.profile.inputs[0]
             self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
             if self.gpu is not None and self.growth > GROWTH:

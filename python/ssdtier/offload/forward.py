@@ -65,7 +65,7 @@ class BlockEnter(Hook):
         off = self.off
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: autograd keeps what it saves
-            if self.tag != 1 or not off.adaptive.settled.woken(off.adaptive, args):
+            if self.tag != 1 or not off.adaptive.settled.woken(args):
                 return
             off.wake(f)
         f.tag = self.tag

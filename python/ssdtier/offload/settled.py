@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..plan import Action
-from .profile import input_bytes
 
 if TYPE_CHECKING:
     from .adaptive import Adaptive
@@ -23,12 +24,13 @@ CLEAR = 0.95  # of the budget: a plan predicted to hold more stays hooked (its g
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("calm", "room", "run")
+    __slots__ = ("calm", "room", "run", "shapes")
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that kept every block as planned
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
+        self.shapes: tuple = ()  # its first block's tensor arguments: (shape, dtype) each
 
     def hooked(self, ad: Adaptive, measured: bool) -> None:
         """A hooked forward begins, the plan in force checked against the last one's numbers
@@ -51,11 +53,15 @@ class Settled:
         self.run += 1
         return True
 
-    @staticmethod
-    def woken(ad: Adaptive, args: tuple) -> bool:
+    def woken(self, args: tuple) -> bool:
         """At the first block of a forward without hooks: its inputs differ from those of the
         last hooked forward (a batch or sequence of another size), so it is hooked from here."""
-        return input_bytes(args) != ad.profile.inputs[0]
+        return shapes(args) != self.shapes
+
+
+def shapes(args: tuple) -> tuple:
+    """The tensor arguments' shapes and dtypes."""
+    return tuple((a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor))
 
 
 def as_planned(ad: Adaptive) -> bool:
@@ -69,7 +75,7 @@ def as_planned(ad: Adaptive) -> bool:
         and ad.ran == list(plan.actions)  # the guard switched nothing
         and ad.growth == 1.0
         and prof.sent == 0  # nothing offloaded for the budget
-        and prof.inputs[0] > 0  # a larger batch shows there
+        and ad.settled.shapes != ()  # a larger batch shows in its first block's tensors
     )
 
 
