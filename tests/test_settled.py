@@ -132,3 +132,22 @@ def test_inputs_are_told_apart_by_shape_not_storage():
     s.shapes = shapes((buf[:2], 3))
     assert not s.woken((buf[2:], 3))
     assert s.woken((buf[:3], 3)) and s.woken((buf[:2].double(), 3))
+
+
+def test_an_auto_budget_shrinks_for_a_larger_batch_after_forwards_without_hooks(store_dir, monkeypatch, caplog):
+    # As test_rok's test of a larger batch, after unhooked forwards: its first forward is
+    # hooked at its first block, and its budget is cut there.
+    fake_gpu(monkeypatch, lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, 1 * GiB, 0, 2 * GiB), lambda off: 3 * GiB)
+    seen = []
+    sizes = (2,) * 6 + (4,) * 2
+    with caplog.at_level("INFO", logger="ssdtier"):
+        got = steps(
+            GPT,
+            adaptive(store_dir, device_budget="auto"),
+            batches=sizes,
+            on_step=lambda off: seen.append((off.stats().forwards_unhooked, off._budget)),
+        )
+    assert_same(steps(GPT, batches=sizes), got)
+    assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3], seen
+    assert 48.9 * GiB < seen[6][1] < 49.1 * GiB, seen
+    assert caplog.text.count("this forward saves 2.00x the last one's: device budget 49") == 1
