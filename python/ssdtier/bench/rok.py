@@ -356,7 +356,7 @@ def cmd_rok(args: argparse.Namespace) -> int:
         w, tuple(args.modes), tuple(args.fractions), tuple(args.budget or ()), tuple(args.checkpoint_every),
         tuple(args.compile_budgets), tuple(args.keep_last or ()), tuple(args.ssdtier_compile or ()),
     )  # fmt: skip
-    results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline)
+    results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline, args.lockstep)
     ratios(results, losses_compared(w))
     doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
     files = [out / "rok.csv", out / "rok.json"]

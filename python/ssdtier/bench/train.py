@@ -288,8 +288,11 @@ def _compiled(s: Setting, model: Any) -> Iterator[None]:
             torch._dynamo.reset()  # the next setting in this process compiles afresh
 
 
-def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
-    """Train ``w`` the ``s`` way in this process: warmup steps, then the measured ones."""
+def measure(
+    s: Setting, w: Workload, on_step: Callable[[], None], gate: Callable[[], Any] = lambda: None
+) -> dict[str, Any]:
+    """Train ``w`` the ``s`` way in this process: warmup steps, then the measured ones, each
+    after ``gate()`` returns (lockstep.py), untimed."""
     import torch
 
     from .memory import CpuPeak, CudaPeak, mapping_rss
@@ -335,7 +338,10 @@ def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, A
             return float(loss.detach())
 
         try:
-            losses = [step() for _ in range(w.warmup)]
+            losses = []
+            for _ in range(w.warmup):
+                gate()
+                losses.append(step())
             probe: Any = CudaPeak(device) if cuda else CpuPeak()
             probe.start()
             # On the CPU, the arena's pages resident now are hidden by the baseline: added back.
@@ -343,6 +349,7 @@ def measure(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, A
             hidden = mapping_rss(arena.data_ptr()) if arena is not None else 0
             times = []
             for _ in range(w.steps):
+                gate()
                 t0 = time.perf_counter()
                 losses.append(step())
                 times.append(time.perf_counter() - t0)
@@ -380,11 +387,13 @@ def failed(s: Setting, w: Workload, status: str, error: str) -> dict[str, Any]:
     return {"setting": s.label, **s.to_dict(), "status": status, "batch": w.batch, "error": error}
 
 
-def measure_safely(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
+def measure_safely(
+    s: Setting, w: Workload, on_step: Callable[[], None], gate: Callable[[], Any] = lambda: None
+) -> dict[str, Any]:
     """``measure``, with a failure as a result (out of memory, skipped, or an error) rather
     than an exception: one setting failing must not end a run."""
     try:
-        return measure(s, w, on_step)
+        return measure(s, w, on_step, gate)
     except Skipped as e:
         return failed(s, w, "skipped", str(e))
     except Exception as e:
@@ -404,15 +413,23 @@ def _worker() -> None:
         import torch
 
         torch.set_num_threads(w.threads)
-    result = measure_safely(s, w, lambda: print(_TAG + "step", file=sys.stderr, flush=True))
+    gate = sys.stdin.readline if job.get("lockstep") else lambda: None  # a line: take a step
+    result = measure_safely(s, w, lambda: print(_TAG + "step", file=sys.stderr, flush=True), gate)
     print(_TAG + json.dumps(result, default=jsonable), flush=True)
 
 
-def _in_subprocess(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
-    job = json.dumps({"setting": s.to_dict(), "workload": asdict(w)})
+def worker(s: Setting, w: Workload, lockstep: bool = False) -> subprocess.Popen:
+    """A fresh process training ``s``: a line on its stderr per step, its result on stdout;
+    with ``lockstep``, each step waits for a line on its stdin."""
+    job = json.dumps({"setting": s.to_dict(), "workload": asdict(w), "lockstep": lockstep})
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     cmd = [sys.executable, "-m", "ssdtier.bench.train", job]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdin = subprocess.PIPE if lockstep else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _in_subprocess(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
+    proc = worker(s, w)
     assert proc.stderr is not None and proc.stdout is not None
     said = []
     for line in proc.stderr:
@@ -421,7 +438,11 @@ def _in_subprocess(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict
         else:
             said.append(line)
     out = proc.stdout.read()
-    rc = proc.wait()
+    return result_of(s, w, out, proc.wait(), said)
+
+
+def result_of(s: Setting, w: Workload, out: str, rc: int, said: list[str]) -> dict[str, Any]:
+    """A worker's result, from its stdout ``out``, exit status and stderr lines."""
     for line in out.splitlines():
         if line.startswith(_TAG):
             return json.loads(line[len(_TAG) :])
@@ -650,6 +671,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
     presets.add_argument("--long", action="store_true", help="8 blocks of width 2048, seq 16384, bf16, SDPA (a GPU's)")
     p.add_argument("--repeats", type=positive, help="rounds of every setting, interleaved; each setting's time "
                    "and peak are the medians of its rounds (default: 3 with --quick, else 1)")  # fmt: skip
+    p.add_argument("--lockstep", action="store_true", help="CPU: every setting's process alive at once, each "
+                   "taking one step in turn, so that a machine's drift slows them alike (needs the memory of "
+                   "all at once)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
 
 
@@ -664,6 +688,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
     for key in v:
         if getattr(args, key, None) is not None:
             v[key] = getattr(args, key)
+    if device == "cuda" and getattr(args, "lockstep", False):
+        raise ConfigError(f"{CLI}: --lockstep runs each setting in a process of its own: CPU only")
     if v["d_model"] % v["heads"]:
         raise ConfigError(f"{CLI}: --d-model ({v['d_model']}) must be a multiple of --heads ({v['heads']})")
     return Workload(
@@ -726,17 +752,29 @@ def repeats_of(args: argparse.Namespace) -> int:
 
 
 def run_rounds(
-    settings: list[Setting], w: Workload, desc: str, repeats: int, deadline: float | None = None
+    settings: list[Setting],
+    w: Workload,
+    desc: str,
+    repeats: int,
+    deadline: float | None = None,
+    lockstep: bool = False,
 ) -> list[dict[str, Any]]:
     """``repeats`` interleaved rounds of every setting, combined by their medians. Every other
     round runs them in reverse: a machine that drifts within a round, or a setting that slows
     the next (its disk writes flushed after it), then favours no place in the order. Each
-    round's shares of keep's peak are those of the first round's keep."""
-    first = run(settings, w, desc, deadline)
+    round's shares of keep's peak are those of the first round's keep. ``lockstep``: each
+    round's settings step in turn (lockstep.py)."""
+    if lockstep:
+        from .lockstep import run_lockstep
+
+        runner = run_lockstep
+    else:
+        runner = run
+    first = runner(settings, w, desc, deadline)
     rounds = [first]
     for k in range(1, repeats):
         order = settings[::-1] if k % 2 else settings
-        got = run(order, w, f"{desc} (round {k + 1} of {repeats})", deadline, first)
+        got = runner(order, w, f"{desc} (round {k + 1} of {repeats})", deadline, first)
         rounds.append(got[::-1] if k % 2 else got)
     return combine(rounds)
 
@@ -744,7 +782,7 @@ def run_rounds(
 def cmd_train(args: argparse.Namespace) -> int:
     """Keep, ssdtier, checkpoint and save_on_cpu on one model, side by side."""
     w = workload_of(args)
-    results = run_rounds([Setting(m) for m in TRAIN_MODES], w, "bench train", repeats_of(args))
+    results = run_rounds([Setting(m) for m in TRAIN_MODES], w, "bench train", repeats_of(args), None, args.lockstep)
     ratios(results, losses_compared(w))
     emit({"workload": asdict(w), "results": results}, render(results, w), args.json)
     ssd = [r for r in results if r["mode"] == Mode.SSDTIER.value]
