@@ -6,14 +6,24 @@ some. Each process still measures its own peak; together they need the memory of
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..paths import check_paths
-from ..sizes import format_size
 from ._report import Progress
-from .train import _TAG, Mode, Setting, Skipped, Workload, failed, resolve, result_of, run, skip_reason, worker
+from .train import (
+    _TAG,
+    Mode,
+    Setting,
+    Skipped,
+    Workload,
+    check_dirs,
+    failed,
+    outcome,
+    prepare,
+    result_of,
+    run,
+    worker,
+)
 
 
 class Stepper:
@@ -57,9 +67,7 @@ def run_lockstep(
     keep's peak need keep's: from ``known``, else keep runs alone first."""
     if w.device == "cuda":
         raise ValueError("--lockstep runs each setting in a process of its own: CPU only")
-    for s in settings:
-        if s.mode is Mode.SSDTIER:
-            check_paths(w.store_config(s))
+    check_dirs(settings, w)
     keep_known = any(r["mode"] == Mode.KEEP.value and r["status"] == "ok" for r in known)
     if not keep_known and any(s.fraction is not None and s.budget is None for s in settings):
         known = [*known, *run([Setting(Mode.KEEP)], w, f"{desc}: keep's peak first")]
@@ -67,12 +75,7 @@ def run_lockstep(
     steppers: dict[int, Stepper] = {}
     for i, s in enumerate(settings):
         try:
-            if deadline is not None and time.monotonic() > deadline:
-                raise Skipped("out of time (--budget-s)")
-            reason = skip_reason(s, w)
-            if reason is not None:
-                raise Skipped(reason)
-            rs, rw = resolve(s, w, list(known))
+            rs, rw = prepare(s, w, known, deadline)
         except Skipped as e:
             results[i] = failed(s, w, "skipped", str(e))
             continue
@@ -86,12 +89,8 @@ def run_lockstep(
                     if st.live and st.step():
                         bar.update(1, st.s.label)
             for i, st in steppers.items():
-                r = results[i] = st.result()
-                if r["status"] == "ok":
-                    bar.write(f"{desc}: {r['setting']}: peak {format_size(max(r['peak_bytes'], 0))}, "
-                              f"{r['median_step_s']:.3f} s a step")  # fmt: skip
-                else:
-                    bar.write(f"{desc}: {r['setting']}: {r['status']}: {r.get('error', '')}")
+                results[i] = st.result()
+                bar.write(f"{desc}: {outcome(results[i])}")
     finally:
         for st in steppers.values():
             if st.proc.poll() is None:

@@ -492,33 +492,48 @@ def run(
     """Every setting, one after the other (CPU: each in a fresh process), with a progress bar.
     A setting not started by ``deadline`` (time.monotonic) is skipped. Budgets given as shares
     of keep's peak come from ``known`` (an earlier round's results) if keep is there."""
-    for s in settings:
-        if s.mode is Mode.SSDTIER:
-            check_paths(w.store_config(s))  # a bad directory is said before any work
+    check_dirs(settings, w)
     results: list[dict[str, Any]] = []
     per = w.warmup + w.steps
     with Progress(len(settings) * per, desc, unit="step") as bar:
         for s in settings:
             done = bar.done
             try:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise Skipped("out of time (--budget-s)")
-                reason = skip_reason(s, w)
-                if reason is not None:
-                    raise Skipped(reason)
-                s, sw = resolve(s, w, [*known, *results])
+                s, sw = prepare(s, w, [*known, *results], deadline)
                 r = run_one(s, sw, lambda s=s: bar.update(1, s.label))
             except Skipped as e:
                 r = failed(s, w, "skipped", str(e))
             results.append(r)
             if done + per > bar.done:  # a setting that stopped early: the bar moves on
                 bar.update(done + per - bar.done)
-            if r["status"] == "ok":
-                peak = format_size(max(r["peak_bytes"], 0))
-                bar.write(f"{desc}: {r['setting']}: peak {peak}, {r['median_step_s']:.3f} s a step")
-            else:
-                bar.write(f"{desc}: {r['setting']}: {r['status']}: {r.get('error', '')}")
+            bar.write(f"{desc}: {outcome(r)}")
     return results
+
+
+def check_dirs(settings: list[Setting], w: Workload) -> None:
+    """A bad directory is said before any work."""
+    for s in settings:
+        if s.mode is Mode.SSDTIER:
+            check_paths(w.store_config(s))
+
+
+def prepare(
+    s: Setting, w: Workload, known: Sequence[dict[str, Any]], deadline: float | None
+) -> tuple[Setting, Workload]:
+    """The setting and workload to run (``resolve``), or Skipped: out of time, or not here."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise Skipped("out of time (--budget-s)")
+    reason = skip_reason(s, w)
+    if reason is not None:
+        raise Skipped(reason)
+    return resolve(s, w, known)
+
+
+def outcome(r: dict[str, Any]) -> str:
+    """A result in a line."""
+    if r["status"] == "ok":
+        return f"{r['setting']}: peak {format_size(max(r['peak_bytes'], 0))}, {r['median_step_s']:.3f} s a step"
+    return f"{r['setting']}: {r['status']}: {r.get('error', '')}"
 
 
 def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
