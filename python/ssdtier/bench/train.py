@@ -779,12 +779,9 @@ def run_rounds(
     the next (its disk writes flushed after it), then favours no place in the order. Each
     round's shares of keep's peak are those of the first round's keep. ``lockstep``: each
     round's settings step in turn (lockstep.py)."""
-    if lockstep:
-        from .lockstep import run_lockstep
+    from .lockstep import run_lockstep  # here: it imports this module
 
-        runner = run_lockstep
-    else:
-        runner = run
+    runner = run_lockstep if lockstep else run
     first = runner(settings, w, desc, deadline)
     rounds = [first]
     for k in range(1, repeats):
