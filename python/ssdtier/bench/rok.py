@@ -43,6 +43,7 @@ from .train import (
     failed,
     losses_compared,
     on_compile,
+    pace,
     ratios,
     render,
     repeats_of,
@@ -65,7 +66,8 @@ FAMILIES = tuple(m.value for m in Mode)
 COLUMNS = [
     "setting", "mode", "status", "error", "batch", "every", "memory_budget", "keep_last", "fraction", "budget",
     "peak_bytes", "memory_vs_keep", "reserved_bytes", "median_step_s", "s_per_sample", "time_vs_keep",
-    "tokens_per_s", "losses_equal_keep", "plan_keep", "plan_offload", "plan_recompute", "plan_recompute_offload",
+    "paired_ratio", "tokens_per_s", "losses_equal_keep", "plan_keep", "plan_offload", "plan_recompute",
+    "plan_recompute_offload",
 ]  # fmt: skip
 
 
@@ -122,16 +124,16 @@ def dominance(
     for f in fractions:
         limit = f * keep["peak_bytes"]
         fits = [r for r in ok if r["peak_bytes"] <= limit]
-        other = min((r for r in fits if r["mode"] != Mode.SSDTIER.value), key=lambda r: r["s_per_sample"], default=None)
-        ours = min((r for r in fits if r["mode"] == Mode.SSDTIER.value), key=lambda r: r["s_per_sample"], default=None)
+        other = min((r for r in fits if r["mode"] != Mode.SSDTIER.value), key=lambda r: pace(r, keep), default=None)
+        ours = min((r for r in fits if r["mode"] == Mode.SSDTIER.value), key=lambda r: pace(r, keep), default=None)
         row: dict[str, Any] = {"fraction": f, "limit_bytes": int(limit), "other": None, "ssdtier": None, "ratio": None}
         for key, r in (("other", other), ("ssdtier", ours)):
             if r is not None:
                 row[key] = r["setting"]
-                row[f"{key}_time_vs_keep"] = r["s_per_sample"] / keep["s_per_sample"]
+                row[f"{key}_time_vs_keep"] = pace(r, keep)
                 row[f"{key}_memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
         if other is not None and ours is not None:
-            row["ratio"] = ours["s_per_sample"] / other["s_per_sample"]
+            row["ratio"] = pace(ours, keep) / pace(other, keep)
             row["met"] = row["ratio"] <= target
         else:
             row["met"] = None if ours is None and other is None else ours is not None
@@ -194,10 +196,12 @@ def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
     from matplotlib import pyplot as plt
 
     ok = [r for r in results if r.get("status") == "ok"]
+    keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
+    # Paired: keep's time per sample times each setting's paired ratio.
+    ms = (lambda r: pace(r, keep) * keep["s_per_sample"] * 1e3) if keep else (lambda r: r["s_per_sample"] * 1e3)
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, marker in MARKERS.items():
-        pts = sorted(((r["peak_bytes"] / 2**20, r["s_per_sample"] * 1e3, r) for r in ok if family_of(r) == name),
-                     key=lambda p: p[:2])  # fmt: skip
+        pts = sorted(((r["peak_bytes"] / 2**20, ms(r), r) for r in ok if family_of(r) == name), key=lambda p: p[:2])
         if not pts:
             continue
         style = marker + ("-" if len(pts) > 1 else "")
@@ -206,7 +210,6 @@ def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
             if len(pts) > 1:
                 ax.annotate(r["setting"].removeprefix(name).strip() or "all", (x, y), fontsize=7, xytext=(4, 4),
                             textcoords="offset points")  # fmt: skip
-    keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
     if keep is not None:
         for f in DOMINANCE_FRACTIONS:
             ax.axvline(f * keep["peak_bytes"] / 2**20, color="grey", alpha=0.25, linestyle=":")
@@ -246,7 +249,7 @@ def run_fit(
     the answer so far as each mode ends."""
     cap = parse_size(args.memory_cap, key="--memory-cap", source=CLI) if args.memory_cap else None
     modes = fit_settings(settings, cap, tuple(args.fit_modes or args.modes))
-    probe_w = replace(w, warmup=max(w.warmup, 1), steps=args.fit_steps)
+    probe_w = replace(w, warmup=max(w.warmup, 1), steps=args.fit_steps, paired=False)  # ratios across batches
 
     def run_at(label: str, b: int) -> dict[str, Any]:
         s, wb = modes[label], replace(probe_w, batch=b)

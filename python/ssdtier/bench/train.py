@@ -134,6 +134,7 @@ class Workload:
     dtype: str = "fp32"  # or "bf16": the forward under bf16 autocast
     dropout: float = 0.1
     throttle: str | None = None  # ssdtier's io.throttle: a slower disk, as a GPU's link is slower
+    paired: bool = False  # CPU: keep's twin stepped beside each setting, in its process (paired.py)
 
     def store_config(self, s: Setting) -> Config:
         policy: dict[str, Any] = {"min_tensor_bytes": self.min_tensor_bytes}
@@ -302,6 +303,27 @@ def measure(
         raise Skipped(reason)
     device = torch.device(w.device)
     cuda = device.type == "cuda"
+
+    def trainer(model: Any, loss_of: Callable[[], Any], opt: Any, around: Callable[[], Any]) -> Callable[[], float]:
+        def step() -> float:
+            opt.zero_grad(set_to_none=False)  # gradients stay allocated: in the baseline, not the peak
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=w.dtype == "bf16"), around():
+                loss = loss_of()
+            loss.backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            return float(loss.detach())
+
+        return step
+
+    twin = None
+    if w.paired:
+        from .paired import Twin
+
+        torch.manual_seed(0)
+        t_model, t_loss = _model(w, Setting(Mode.KEEP), device)
+        twin = Twin(trainer(t_model, t_loss, torch.optim.AdamW(t_model.parameters(), lr=1e-3), contextlib.nullcontext))
     torch.manual_seed(0)
     model, loss_of = _model(w, s, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if cuda else {}))
@@ -325,35 +347,40 @@ def measure(
             ctx = maker(model)
             around = lambda: ctx  # noqa: E731
         torch.manual_seed(1)  # dropout, the same in every setting
+        train_step = trainer(model, loss_of, opt, around)
 
         def step() -> float:
-            opt.zero_grad(set_to_none=False)  # gradients stay allocated: in the baseline, not the peak
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=w.dtype == "bf16"), around():
-                loss = loss_of()
-            loss.backward()
-            opt.step()
-            if cuda:
-                torch.cuda.synchronize(device)
+            loss = train_step()
             on_step()
-            return float(loss.detach())
+            return loss
 
         try:
             losses = []
             for _ in range(w.warmup):
                 gate()
                 losses.append(step())
-            probe: Any = CudaPeak(device) if cuda else CpuPeak()
-            probe.start()
+                if twin is not None:
+                    twin.step()
             # On the CPU, the arena's pages resident now are hidden by the baseline: added back.
             arena = getattr(off.store, "arena", None) if off is not None and not cuda else None
             hidden = mapping_rss(arena.data_ptr()) if arena is not None else 0
-            times = []
-            for _ in range(w.steps):
-                gate()
-                t0 = time.perf_counter()
-                losses.append(step())
-                times.append(time.perf_counter() - t0)
-            peak, baseline = probe.stop()
+            paired: dict[str, Any] = {}
+            if twin is not None:
+                from .paired import paired_steps
+
+                paired = paired_steps(step, twin, w.steps, gate, losses)
+                times, peak, baseline, method = paired.pop("times"), paired.pop("peak"), 0, paired.pop("method")
+            else:
+                probe: Any = CudaPeak(device) if cuda else CpuPeak()
+                probe.start()
+                times = []
+                for _ in range(w.steps):
+                    gate()
+                    t0 = time.perf_counter()
+                    losses.append(step())
+                    times.append(time.perf_counter() - t0)
+                peak, baseline = probe.stop()
+                method = probe.method
         finally:
             if off is not None:
                 stats = off.stats()
@@ -366,12 +393,13 @@ def measure(
         "status": "ok",
         "batch": w.batch,
         "peak_bytes": peak - baseline + hidden,
-        "memory_method": probe.method,
+        "memory_method": method,
         "median_step_s": median,
         "s_per_sample": median / w.batch,
         "step_seconds": times,
         "tokens_per_s": w.batch * w.seq / median,
         "losses": [x.hex() for x in losses],
+        **paired,
     }
     if cuda:
         result["reserved_bytes"] = probe.reserved - baseline
@@ -550,7 +578,7 @@ def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
         r["memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
         if "reserved_bytes" in r and "reserved_bytes" in keep:
             r["reserved_vs_keep"] = r["reserved_bytes"] / max(keep["reserved_bytes"], 1)
-        r["time_vs_keep"] = r["s_per_sample"] / keep["s_per_sample"]
+        r["time_vs_keep"] = pace(r, keep)
         if r["mode"] == Mode.COMPILE.value:
             base = None
         elif on_compile(r):
@@ -559,6 +587,14 @@ def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
             base = keep
         same = base is not None and r["batch"] == base["batch"]
         r["losses_equal_keep"] = r["losses"][:compare] == base["losses"][:compare] if same else None
+
+
+def pace(r: dict[str, Any], keep: dict[str, Any]) -> float:
+    """A result's time per sample over keep's: with ``--paired``, against keep's twin in its
+    own process, step by step (keep's own row is then the pairing's noise)."""
+    if "paired_ratio" in r and "paired_ratio" in keep:
+        return float(r["paired_ratio"])
+    return float(r["s_per_sample"] / keep["s_per_sample"])
 
 
 def on_compile(r: dict[str, Any]) -> bool:
@@ -579,9 +615,10 @@ def describe(w: Workload) -> str:
     dtype = ", bf16 autocast" if w.dtype == "bf16" else ""
     threads = f" ({w.threads} thread{'s' if w.threads != 1 else ''})" if w.threads else ""
     throttle = f"; ssdtier's disk throttled to {w.throttle}/s" if w.throttle else ""
+    paired = "; each paired with keep's twin" if w.paired else ""
     return (
         f"{model}: {w.layers} layers, width {w.d_model}, seq {w.seq}, batch {w.batch}, on {w.device}{threads}"
-        f"{dtype}; {w.warmup} warmup + {w.steps} measured steps{throttle}"
+        f"{dtype}; {w.warmup} warmup + {w.steps} measured steps{throttle}{paired}"
     )
 
 
@@ -626,6 +663,9 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     lines += [f"{r['setting']}: {r['status']}: {r.get('error', '')}" for r in results if r.get("status") != "ok"]
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
+    if ok and all("paired_ratio" in r for r in ok):
+        lines.append("time x keep: paired, the median of each step's time over that of keep's twin, stepped in "
+                     "turn in the setting's process (keep's row: the pairing's own noise)")  # fmt: skip
     if any(on_compile(r) for r in ok):
         lines.append("ssdtier on compile B: each block compiled under budget B, then attached; its losses are "
                      "compared with compile budget B's")  # fmt: skip
@@ -689,6 +729,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
     p.add_argument("--lockstep", action="store_true", help="CPU: every setting's process alive at once, each "
                    "taking one step in turn, so that a machine's drift slows them alike (needs the memory of "
                    "all at once)")  # fmt: skip
+    p.add_argument("--paired", action="store_true", help="CPU: each setting's process also trains keep's twin, "
+                   "a step of each in turn; its time x keep is the median of the steps' ratios")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
 
 
@@ -705,6 +747,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
             v[key] = getattr(args, key)
     if device == "cuda" and getattr(args, "lockstep", False):
         raise ConfigError(f"{CLI}: --lockstep runs each setting in a process of its own: CPU only")
+    if device == "cuda" and getattr(args, "paired", False):
+        raise ConfigError(f"{CLI}: --paired trains a twin in each setting's process: CPU only")
     if v["d_model"] % v["heads"]:
         raise ConfigError(f"{CLI}: --d-model ({v['d_model']}) must be a multiple of --heads ({v['heads']})")
     return Workload(
@@ -726,6 +770,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         dtype=v["dtype"],
         dropout=v["dropout"],
         throttle=getattr(args, "throttle", None),
+        paired=getattr(args, "paired", False),
     )
 
 
@@ -754,6 +799,9 @@ def combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         r["s_per_sample"] = r["median_step_s"] / r["batch"]
         r["tokens_per_s"] = r["tokens_per_s"] * ran[0]["median_step_s"] / r["median_step_s"]
         r["losses_equal_rounds"] = all(x.get("losses") == ran[0].get("losses") for x in ran)
+        if all("paired_ratio" in x for x in ran):
+            r["round_paired_ratio"] = [x["paired_ratio"] for x in ran]
+            r["paired_ratio"] = statistics.median(r["round_paired_ratio"])
         out.append(r)
     return out
 
