@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""What adaptive mode costs a step when its plan keeps every block (docs/planner.md#a-settled-plan).
+"""What adaptive mode costs a step when its plan moves nothing (docs/planner.md#a-settled-plan).
 
-A plain GPT and its twin with ssdtier attached (adaptive mode, a device budget above all it
-saves) train in one process, one step each in turn, the order swapped every step, so the
-machine's drift hits both alike. Medians of the steps after ``--warmup``, and their ratio.
-The default model is small and deep (24 blocks of width 32): its step is bound by the
-host, as an eager model's is wherever the GPU runs ahead of it.
+A plain GPT and its twin with ssdtier attached (adaptive mode; by default a device budget
+above all it saves, so the plan keeps every block) train in one process, one step each in
+turn, the order swapped every step, so the machine's drift hits both alike. Medians of the
+steps after ``--warmup``, and their ratio. The default model is small and deep (24 blocks
+of width 32): its step is bound by the host, as an eager model's is wherever the GPU runs
+ahead of it.
 
     python benches/settled_cost.py [--steps 400] [--json out.json]
     python benches/settled_cost.py --layers 8 --d-model 256 --seq 256 --batch 8 --vocab 1024 \
         --heads 8 --compile 0.2 --steps 30 --warmup 8     # ssdtier on compiled blocks
+    python benches/settled_cost.py --budget 350KB --throttle 1MB   # a plan that recomputes
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="BUDGET",
         help="both models' blocks compiled (Inductor) under torch's activation memory budget BUDGET",
     )
+    p.add_argument("--budget", default="1GiB", help="ssdtier's device budget (default 1GiB: every block kept)")
+    p.add_argument("--throttle", help="ssdtier's io.throttle (a slow disk: the plan recomputes, not offloads)")
     p.add_argument("--dir", help="NVMe directory (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args(argv)
@@ -75,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                 model.blocks[i] = torch.compile(b)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         conf = {
-            "policy": {"mode": "adaptive", "device_budget": "1GiB", "min_tensor_bytes": 0},
+            "policy": {"mode": "adaptive", "device_budget": args.budget, "min_tensor_bytes": 0},
             "host": {"capacity": "64MiB"},
             "nvme": [{"path": d}],
         }
+        if args.throttle:
+            conf["io"] = {"throttle": args.throttle}
         times: dict[str, list[float]] = {"keep": [], "ssdtier": []}
         with budget, ssdtier.attach(twin, conf) as off:
             for i in range(args.steps):
@@ -94,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "model": {"layers": args.layers, "d_model": args.d_model, "seq": args.seq, "batch": args.batch},
         "compile": args.compile,
+        "budget": args.budget,
+        "throttle": args.throttle,
         "steps": args.steps,
         "warmup": args.warmup,
         "keep_ms": keep * 1e3,

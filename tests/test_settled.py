@@ -1,5 +1,6 @@
-"""Forwards without hooks once an all-keep plan has settled (offload/settled.py): gradients
-exact, one forward in 16 measured, hooked again at once for other inputs or less room."""
+"""Forwards without hooks once a plan that moves nothing (keeps or recomputes) has settled
+(offload/settled.py): gradients exact, recomputed blocks still recomputed, one forward in
+16 measured, hooked again at once for other inputs or less room."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import torch
 
 import ssdtier
 from ssdtier.bench.models import batch_loss, build_model, make_batch
+from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Memory
 from ssdtier.offload.settled import MEASURE, Settled, shapes
+from ssdtier.plan import Action
 
 from .test_attach import assert_same
 from .test_rok import GPT, GiB, adaptive, fake_gpu, steps
+
+K, R = Action.KEEP, Action.RECOMPUTE
 
 
 def test_a_settled_all_keep_plan_runs_forwards_without_hooks(store_dir):
@@ -61,7 +66,8 @@ def test_less_gpu_room_hooks_the_next_forward(store_dir, monkeypatch):
     assert seen == [0, 0, 0, 1, 2, 3, 3, 4], seen
 
 
-def test_a_plan_that_offloads_is_hooked_every_forward(store_dir):
+def test_a_plan_that_offloads_is_hooked_every_forward(store_dir, monkeypatch):
+    _steady(monkeypatch, offload_s=0.0, disk=1e12, forward_s=1.0)  # the plan offloads, not recomputes
     got = steps(GPT, adaptive(store_dir, device_budget=200_000), batches=(2,) * 6)
     assert_same(steps(GPT, batches=(2,) * 6), got)
     assert got[2].forwards_unhooked == 0 and got[2].tensors_offloaded > 0
@@ -151,3 +157,78 @@ def test_an_auto_budget_shrinks_for_a_larger_batch_after_forwards_without_hooks(
     assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3], seen
     assert 48.9 * GiB < seen[6][1] < 49.1 * GiB, seen
     assert caplog.text.count("this forward saves 2.00x the last one's: device budget 49") == 1
+
+
+def _steady(monkeypatch, offload_s=1.0, disk=1e3, forward_s=1e-3):
+    """Every block timed alike, whatever this machine's speed: the same plan at every step.
+    By default the disk moves 1 kB/s and offloading costs a second a block: the plan keeps
+    and recomputes. (Blocks of a second each make the store's real waits negligible.)"""
+    from ssdtier.offload.profile import Profile
+
+    measured = Profile.blocks
+
+    def steady(self):
+        got = measured(self)
+        if got is None:
+            return None
+        blocks, head = got
+        same = dict(forward_s=forward_s, backward_s=2 * forward_s, recompute_s=forward_s, offload_s=offload_s)
+        return [dataclasses.replace(b, **same) for b in blocks], dataclasses.replace(head, forward_s=forward_s)
+
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (disk, disk))
+    monkeypatch.setattr(Profile, "blocks", steady)
+
+
+def _counting(calls):
+    """Before attaching: each block's forward counts its calls (a recomputation's included)."""
+
+    def prepare(model):
+        for b in model.blocks:
+            fwd = b.forward
+
+            def counted(*args, _fwd=fwd, **kwargs):
+                calls.append(1)
+                return _fwd(*args, **kwargs)
+
+            b.forward = counted
+
+    return prepare
+
+
+def _recomputing(store_dir):
+    keep = steps(GPT, adaptive(store_dir, device_budget="1GiB"))[2].plan
+    return adaptive(store_dir, device_budget=int(keep.outcome.peak * 0.6))
+
+
+def test_a_settled_plan_that_recomputes_runs_without_hooks_and_still_recomputes(store_dir, monkeypatch):
+    _steady(monkeypatch)
+    calls, seen, n = [], [], 12
+    got = steps(
+        GPT,
+        _recomputing(store_dir),
+        batches=(2,) * n,
+        prepare=_counting(calls),
+        on_step=lambda off: seen.append((off.stats().forwards_unhooked, len(calls))),
+    )
+    assert_same(steps(GPT, batches=(2,) * n), got)
+    p = got[2].plan
+    assert p.actions == (R, R, K, K), p.table()
+    assert got[2].forwards_unhooked == n - 4, seen  # hooked: forwards 1 to 4 (no plan, then 3 to settle)
+    per_step = [b[1] - a[1] for a, b in zip([(0, 0), *seen[:-1]], seen, strict=True)]
+    assert per_step[4:] == [GPT.n_layers + 2] * (n - 4), per_step  # each block, and each recomputed again
+    assert f"{n - 4} forwards ran without hooks: the plan moved nothing" in str(got[2])
+
+
+def test_a_larger_batch_after_unhooked_recomputing_forwards_is_guarded(store_dir, monkeypatch):
+    _steady(monkeypatch)
+    seen = []
+    sizes = (2,) * 6 + (4,) * 2
+    got = steps(
+        GPT,
+        _recomputing(store_dir),
+        batches=sizes,
+        on_step=lambda off: seen.append((off.stats().forwards_unhooked, off.adaptive.switched)),
+    )
+    assert_same(steps(GPT, batches=sizes), got)
+    assert [u for u, _ in seen] == [0, 0, 0, 0, 1, 2, 2, 2], seen  # batch 4's first forward is hooked
+    assert seen[6][1] > 0, seen  # and its guard recomputed more blocks

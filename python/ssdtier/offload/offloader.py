@@ -369,7 +369,7 @@ class Offloader:
                 self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             return
         if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive):
-            f.unhooked = True  # the plan keeps everything and has settled: autograd keeps it all
+            f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
             f.top = top_hooks()
             self.c["forwards_unhooked"] += 1
             return

@@ -35,6 +35,10 @@ class Recompute:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         off = self.off
         f = off._tls.fwd
+        if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
+            if f.recompute(self.tag) and _unhooked_may_checkpoint(f.top):
+                return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
+            return self.fn(*args, **kwargs)
         if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off):
             return self.fn(*args, **kwargs)
         return checkpoint(_Timed(self.fn, off, self.tag), *args, use_reentrant=False, **kwargs)
@@ -62,6 +66,12 @@ def _may_checkpoint(off: RecomputeOwner) -> bool:
         return False
     top = top_hooks()
     return top is not None and top[0] == off._pack  # inside the user's checkpoint: theirs serves
+
+
+def _unhooked_may_checkpoint(top: Any) -> bool:
+    """In a forward without hooks: no one's hooks pushed since it began (the user's own
+    checkpointing around the block serves where they were)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and top_hooks() == top
 
 
 class _Timed:

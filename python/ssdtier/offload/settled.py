@@ -1,8 +1,9 @@
-"""Forwards without hooks. Once adaptive mode's plan keeps every block and has settled, a
-hooked forward with the same inputs would only count what autograd keeps anyway: it runs
-without ssdtier's saved-tensor hooks, at no cost per tensor. One forward in ``MEASURE`` is
-hooked still, and one whose first block takes other inputs is hooked from that block on
-(docs/planner.md#a-settled-plan)."""
+"""Forwards without hooks. Once adaptive mode's plan moves nothing (each block kept, or
+recomputed with its inputs kept) and has settled, a hooked forward with the same inputs
+would only count what autograd keeps anyway: it runs without ssdtier's saved-tensor hooks,
+at no cost per tensor, and checkpointing recomputes what the plan recomputes. One forward
+in ``MEASURE`` is hooked still, and one whose first block takes other inputs is hooked from
+that block on (docs/planner.md#a-settled-plan)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..plan import Action
 if TYPE_CHECKING:
     from .adaptive import Adaptive
 
-CALM = 2  # hooked forwards in a row that ran an all-keep plan as planned, before any goes unhooked
+CALM = 2  # hooked forwards in a row that ran a plan moving nothing as planned, before any goes unhooked
 MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
 ROOM = 0.03  # of the budget: GPU room this much below the last hooked forward's start hooks the next
 CLEAR = 0.95  # of the budget: a plan predicted to hold more stays hooked (its guard may be needed)
@@ -27,7 +28,7 @@ class Settled:
     __slots__ = ("calm", "room", "run", "shapes")
 
     def __init__(self) -> None:
-        self.calm = 0  # hooked forwards in a row that kept every block as planned
+        self.calm = 0  # hooked forwards in a row that moved nothing as planned
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
         self.shapes: tuple = ()  # its first block's tensor arguments: (shape, dtype) each
@@ -41,7 +42,7 @@ class Settled:
 
     def skips(self, ad: Adaptive) -> bool:
         """Whether the forward about to start runs without hooks: the hooked ones before it,
-        the last included, kept every block as planned."""
+        the last included, moved nothing as planned."""
         if self.calm < CALM or self.run >= MEASURE - 1 or not as_planned(ad):
             return False
         if ad.gpu is not None:  # device_budget = "auto": less room than measured, measure again
@@ -65,13 +66,13 @@ def shapes(args: tuple) -> tuple:
 
 
 def as_planned(ad: Adaptive) -> bool:
-    """Whether the last hooked forward kept every block, as the plan in force does with a
-    twentieth of its budget to spare, with the inputs of the one before."""
+    """Whether the last hooked forward kept or recomputed each block (inputs kept) as the plan
+    in force does, with a twentieth of its budget to spare and the inputs of the one before."""
     plan, prof = ad.plan, ad.profile
     return (
         plan is not None
         and (plan.device_budget is None or plan.outcome.peak <= CLEAR * plan.device_budget)
-        and all(a is Action.KEEP for a in plan.actions)
+        and all(a is Action.KEEP or a is Action.RECOMPUTE for a in plan.actions)
         and ad.ran == list(plan.actions)  # the guard switched nothing
         and ad.growth == 1.0
         and prof.sent == 0  # nothing offloaded for the budget

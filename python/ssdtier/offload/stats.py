@@ -59,8 +59,8 @@ class OffloadStats:
     ``chosen`` says each value attach gave the configuration for this model and machine that
     the user's did not (``policy.mode = "auto"`` resolved, an arena cut to what can be pinned),
     and why. ``forwards_unhooked`` counts the forwards adaptive mode ran without its hooks, its
-    plan keeping every block and settled (docs/planner.md#a-settled-plan): nothing of theirs is
-    in the other counts.
+    plan moving nothing and settled (docs/planner.md#a-settled-plan): nothing of theirs is in
+    the other counts.
     """
 
     tensors_offloaded: int
@@ -113,7 +113,7 @@ class OffloadStats:
             + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
         ]
         if self.forwards_unhooked:
-            lines.append(f"{self.forwards_unhooked} forwards ran without hooks: the plan kept everything")
+            lines.append(f"{self.forwards_unhooked} forwards ran without hooks: the plan moved nothing")
         if self.writes_skipped:
             lines.append(f"{self.writes_skipped} writes not needed: the backward came first")
         if self.failed_writes or self.failed_reads:
