@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from .forward import top_hooks
 
 if TYPE_CHECKING:
+    from .forward import Fwd
     from .owner import RecomputeOwner
 
 
@@ -36,10 +37,10 @@ class Recompute:
         off = self.off
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
-            if f.recompute(self.tag) and _unhooked_may_checkpoint(f.top):
+            if f.recompute(self.tag) and _may_checkpoint(off, f):
                 return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
             return self.fn(*args, **kwargs)
-        if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off):
+        if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off, f):
             return self.fn(*args, **kwargs)
         return checkpoint(_Timed(self.fn, off, self.tag), *args, use_reentrant=False, **kwargs)
 
@@ -61,17 +62,15 @@ class Recompute:
         )
 
 
-def _may_checkpoint(off: RecomputeOwner) -> bool:
+def _may_checkpoint(off: RecomputeOwner, f: Fwd) -> bool:
+    """Gradients on, not traced, and the saved-tensor hooks on top are the forward's: ours, or
+    in a forward without hooks those as it began. Inside the user's checkpoint, theirs serve."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     top = top_hooks()
-    return top is not None and top[0] == off._pack  # inside the user's checkpoint: theirs serves
-
-
-def _unhooked_may_checkpoint(top: Any) -> bool:
-    """In a forward without hooks: no one's hooks pushed since it began (the user's own
-    checkpointing around the block serves where they were)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and top_hooks() == top
+    if f.unhooked:
+        return top == f.top
+    return top is not None and top[0] == off._pack
 
 
 class _Timed:
