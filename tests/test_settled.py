@@ -125,10 +125,31 @@ def test_blocks_compiled_before_attaching_run_unhooked_exactly(store_dir):
     assert counters["stats"]["unique_graphs"] - graphs == 1  # one block graph: no recompile when unhooked
 
 
-def test_a_plan_close_to_its_budget_stays_hooked(store_dir):
-    # Batch 2 keeps 0.42 MB: within a budget of 0.43, but not 5% below it. The guard stays.
+def test_a_plan_close_to_its_budget_runs_without_hooks(store_dir):
+    # Batch 2 keeps 0.42 MB, within a budget of 0.43. The first forward's guard (no plan yet)
+    # offloads a block; forwards 3 and 4 run the all-keep plan, saving alike; 5 and 6 unhooked.
     got = steps(GPT, adaptive(store_dir, device_budget=430_000), batches=(2,) * 6)
     assert_same(steps(GPT, batches=(2,) * 6), got)
+    assert got[2].forwards_unhooked == 2 and got[2].layers_kept == 4
+
+
+def _varying(model):
+    """Block 1 also saves its positive outputs: as many bytes as its data has, not its shapes."""
+    b = model.blocks[1]
+    fwd = b.forward
+
+    def forward(*args, **kwargs):
+        y = fwd(*args, **kwargs)
+        pos = y[y > 0]
+        return y + (pos * pos).sum() * 0
+
+    b.forward = forward
+
+
+def test_a_model_whose_saved_bytes_follow_its_data_stays_hooked(store_dir):
+    n = 8
+    got = steps(GPT, adaptive(store_dir, device_budget="1GiB"), batches=(2,) * n, prepare=_varying)
+    assert_same(steps(GPT, batches=(2,) * n, prepare=_varying), got)
     assert got[2].forwards_unhooked == 0 and got[2].layers_kept == 4
 
 

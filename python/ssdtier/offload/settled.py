@@ -19,24 +19,33 @@ if TYPE_CHECKING:
 CALM = 2  # hooked forwards in a row that ran a plan moving nothing as planned, before any goes unhooked
 MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
 ROOM = 0.03  # of the budget: GPU room this much below the last hooked forward's start hooks the next
-CLEAR = 0.95  # of the budget: a plan predicted to hold more stays hooked (its guard may be needed)
 
 
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("calm", "room", "run", "shapes")
+    __slots__ = ("calm", "room", "run", "saved", "shapes")
 
     def __init__(self) -> None:
-        self.calm = 0  # hooked forwards in a row that moved nothing as planned
+        self.calm = 0  # hooked forwards in a row that moved nothing as planned, saving alike
+        self.saved: tuple[int, ...] = ()  # bytes the last hooked forward saved, per block
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
         self.shapes: tuple = ()  # its first block's tensor arguments: (shape, dtype) each
 
     def hooked(self, ad: Adaptive, measured: bool) -> None:
         """A hooked forward begins, the plan in force checked against the last one's numbers
-        (``measured``: they came in)."""
-        self.calm = self.calm + 1 if measured and as_planned(ad) else 0
+        (``measured``: they came in). Hooked forwards as planned that saved other bytes than
+        the one before (a model whose memory follows its data, not its shapes) start the count
+        again: no forward of theirs goes without the guard."""
+        saved = tuple(ad.profile.saved)
+        if not (measured and as_planned(ad)):
+            self.calm = 0
+        elif self.calm and saved != self.saved:
+            self.calm = 1
+        else:
+            self.calm += 1
+        self.saved = saved
         self.run = 0
         self.room = ad.auto.left() if ad.gpu is not None else None  # read by budget() just now
 
@@ -67,11 +76,11 @@ def shapes(args: tuple) -> tuple:
 
 def as_planned(ad: Adaptive) -> bool:
     """Whether the last hooked forward kept or recomputed each block (inputs kept) as the plan
-    in force does, with a twentieth of its budget to spare and the inputs of the one before."""
+    in force does, within its budget, with the inputs of the one before."""
     plan, prof = ad.plan, ad.profile
     return (
         plan is not None
-        and (plan.device_budget is None or plan.outcome.peak <= CLEAR * plan.device_budget)
+        and plan.fits
         and all(a is Action.KEEP or a is Action.RECOMPUTE for a in plan.actions)
         and ad.ran == list(plan.actions)  # the guard switched nothing
         and ad.growth == 1.0
