@@ -28,7 +28,7 @@ class Settled:
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that moved nothing as planned, saving alike
-        self.saved: tuple[int, ...] = ()  # bytes the last hooked forward saved, per block
+        self.saved: tuple[int, ...] = ()  # bytes the last hooked forward saved, per tag (blocks, before, after)
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
         self.shapes: tuple = ()  # its first block's tensor arguments: (shape, dtype) each
