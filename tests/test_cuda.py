@@ -5,7 +5,6 @@ without CUDA; run on a GPU machine."""
 from __future__ import annotations
 
 import gc
-import re
 
 import pytest
 import torch
@@ -29,9 +28,10 @@ from .test_fork import private_bytes
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, batch=2, sizes=None):
+def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, batch=2, sizes=None, on_step=None):
     """As test_attach.train, on the GPU; ``shard`` is applied to the model before attaching,
-    ``wrap`` (torch.compile) after; ``sizes``: each step's batch, instead of ``micro`` x ``batch``."""
+    ``wrap`` (torch.compile) after; ``sizes``: each step's batch, instead of ``micro`` x ``batch``;
+    ``on_step(off)`` after each step's backward."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
@@ -54,6 +54,8 @@ def train_cuda(cfg, ssd=None, micro=3, sleep_cycles=0, shard=None, wrap=None, ba
                 torch.cuda._sleep(sleep_cycles)
             loss.backward()
             losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
+            if on_step is not None and off is not None:
+                on_step(off)
             if wrap is not None:
                 # Each step's gradients, not a sum: a .grad that is a CUDA graph's output would
                 # be overwritten by the next replay (seen with reduce-overhead on an H200).
@@ -611,15 +613,18 @@ def test_an_auto_device_budget_fits_a_batch_keep_cannot(store_dir, default):
     assert plan is not None and 0 <= plan.device_budget < 450 << 20 and plan.fits, plan.table()
 
 
-def test_the_default_policy_follows_a_growing_batch_exactly(store_dir, caplog):
+def test_the_default_policy_follows_a_growing_batch_exactly(store_dir):
     ssd = offload_config(store_dir, host="64MiB")
     del ssd["policy"]["mode"]  # the default: adaptive with device_budget = "auto" on a GPU
     sizes = (2, 2, 2, 4, 4, 2)
-    with caplog.at_level("INFO", logger="ssdtier"):
-        got = train_cuda(CFG, ssd, sizes=sizes)
+    seen = []  # each step's budget, and what the room measured at its start leaves a doubled one
+    got = train_cuda(CFG, ssd, sizes=sizes, on_step=lambda o: seen.append((o._budget, o.adaptive.auto.grown(2.0))))
     assert_same(train_cuda(CFG, sizes=sizes), got)
     assert got[2].plan is not None and got[2].plan.device_budget is not None
-    assert re.search(r"this forward saves \d\.\d\dx the last one's: device budget", caplog.text), caplog.text
+    # The first larger batch runs within what its room leaves it: cut for it (the log says so),
+    # or already below (a budget that held while it grew by under 5% can be).
+    budget, grown = seen[3]
+    assert budget is not None and grown is not None and budget <= grown, seen
 
 
 def test_adaptive_times_blocks_on_the_gpu_not_the_host(store_dir):
