@@ -600,6 +600,46 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
     assert seen == [None] + [9 * gib] * 3, seen
 
 
+def test_the_steps_peak_is_read_as_its_backward_ends(store_dir, monkeypatch):
+    # The first block's backward (its tensors restored or recomputed) and the embedding's
+    # come after the backward reaches that block: a peak there is the step's too.
+    hooked(monkeypatch)
+    gib = 1 << 30
+    learned = []
+
+    class Meter:  # (peak, allocated): 5 GiB until the embedding's gradient is made, then 7
+        done = False
+
+        def counters(self):
+            return (7 * gib if self.done else 5 * gib), gib
+
+    meter = Meter()
+    init = Adaptive.__init__
+
+    def start(self, off):
+        init(self, off)
+        self.meter = meter
+
+    def prepare(model):
+        def seen(grad):
+            meter.done = True
+
+        model.tok_emb.weight.register_hook(seen)
+
+    replan = Adaptive.replan
+
+    def in_forward(self, f):
+        meter.done = False
+        replan(self, f)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "replan", in_forward)
+    monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, start, end: learned.append(end[0]))
+    got = steps(GPT, adaptive(store_dir, device_budget=1 << 30), batches=(2,) * 3, prepare=prepare)
+    assert_same(steps(GPT, batches=(2,) * 3, prepare=prepare), got)
+    assert learned and set(learned) == {7 * gib}, learned
+
+
 def test_an_auto_budget_holds_while_it_grows_by_under_5_percent(store_dir, monkeypatch):
     hooked(monkeypatch)
     # The plan a budget was solved for stands while the budget only grows (the copies queued

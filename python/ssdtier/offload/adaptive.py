@@ -94,7 +94,7 @@ class Adaptive:
         self.meter = Gpu(self.device) if self.device is not None else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
         self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
-        self.end: tuple[int, int] | None = None  # ... as its backward reached the first block
+        self.end: tuple[int, int] | None = None  # ... as its backward ended (or reached the first block)
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
@@ -189,6 +189,14 @@ class Adaptive:
             self.profile.backward_reached(tag)
             if tag <= 1 and self.meter is not None:  # the step's peak is behind: read before a loop resets it
                 self.end = self.meter.counters()
+                try:  # ... and as the backward ends: the first block's own backward comes after this
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+                except RuntimeError:  # not inside a backward (a callback is refused there)
+                    pass
+
+    def _backward_end(self) -> None:
+        if self.meter is not None and self.end is not None:
+            self.end = self.meter.counters()
 
     def forward_end(self) -> None:
         if self._timing():
@@ -354,7 +362,7 @@ class Adaptive:
 
     def _learn(self, blocks: list, head: Head, start: tuple[int, int] | None, end: tuple[int, int] | None) -> None:
         """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began
-        and as its backward reached the first block) against the model's for what it ran; the
+        and as its backward ended) against the model's for what it ran; the
         difference is ``Head.working`` from now on. A step that set no new peak only bounds it
         from above; counters reset within the step say nothing."""
         if start is None or end is None or self.ran is None or len(self.ran) != len(blocks):

@@ -70,7 +70,7 @@ class AutoBudget:
     each layer: the same whatever the plan keeps, offloads or recomputes, and robust to a loop
     that resets the peak counters. A step that raised ``max_memory_allocated`` also counts
     (its peak less the most held), for what happens between samples (inside the loss's
-    backward): read at the next step's start, and as the backward reached the first block,
+    backward): read at the next step's start, and as the backward ended,
     for a loop that resets the counters before each step. After a retried
     allocation (the GPU ran full), less than the last step held, and a margin more until
     ``QUIET`` steps pass without one; not less again while allocations are retried at what a
