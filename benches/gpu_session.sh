@@ -23,7 +23,7 @@
 #                                                     #   targets' batches)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
-#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda plan_trace rok_fit rok_long: call6's
+#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda rok_fit plan_trace rok_long: call6's
 #                                                     #   second, with what is left (>= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
@@ -52,7 +52,8 @@
 # keep, checkpointing and ssdtier side by side: where offloading should carry more),
 # rok_targets (rok's 1.3B GPT: keep, checkpointing every block, compile at budgets 0.5 and 0.2,
 # ssdtier eager and on blocks compiled at 0.5; then --fit of keep, ssdtier, ssdtier on compile and
-# checkpointing at the batches of the targets), rok_fit (the same --fit of compile alone),
+# checkpointing at the batches of the targets), rok_fit (the same --fit of ssdtier, eager and on
+# blocks compiled at 0.2, and of compile at 0.2 alone),
 # plan_trace (benches/plan_trace.py: adaptive mode step by step, fixed budgets and "auto" at
 # batches past keep's), compile_peak (benches/compile_peak.py: peaks eager, compiled whole and
 # block by block, with and without ssdtier),
@@ -73,7 +74,7 @@ for a in "$@"; do
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     call6) parts+=(install import rok_targets) ;;
     call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
-    call8) parts+=(install test_cuda plan_trace rok_fit rok_long) ;;
+    call8) parts+=(install test_cuda rok_fit plan_trace rok_long) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -232,19 +233,22 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         ;;
     rok_targets | rok_fit)
         # rok's model. rok_targets: the judge (compile's partitioner at 0.5 kept 0.47 of keep's
-        # memory at 1.00x in H100 run 1; ssdtier on such blocks is what can beat it below that),
-        # then --fit at the targets' batches: keep's largest, x1.4, x1.8, checkpoint's and its
-        # x1.15 (H100 run 1, H200 run 3). A search compiles afresh at each probe: too long.
-        # rok_fit: compile alone at those batches.
-        batches=13,19,24,32,43,50
+        # memory at 1.03x in H200 run 4; ssdtier on such blocks is what can beat it below that),
+        # then --fit: keep searched, the others at the targets' batches: keep's largest x1.4,
+        # x1.8, checkpoint's largest and its x1.15 (keep 13 / 26, checkpoint 43 / ~96 on the
+        # H100 / H200). A search compiles afresh at each probe: too long.
+        # rok_fit: ssdtier on blocks compiled at 0.2, and compile alone at 0.2 (it fit 72 at
+        # 1.05x keep on the H200), at those batches.
+        batches=19,24,32,43,50
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-        [ "${mib:-0}" -gt 100000 ] 2>/dev/null && batches=28,40,51,72,102,118
+        [ "${mib:-0}" -gt 100000 ] 2>/dev/null && batches=37,47,72,96,110
         if [ "$p" = rok_targets ]; then
             secs=$(limit 560) args=(--modes keep,checkpoint,ssdtier,compile --checkpoint-every 1
                 --compile-budgets 0.5,0.2 --fractions 0.8,0.6,0.4,0.25 --ssdtier-compile 0.5
                 --fit-modes keep,ssdtier,checkpoint)
         else
-            secs=$(limit 300) args=(--modes keep,compile --compile-budgets 0.5,0.2)
+            secs=$(limit 300) args=(--modes keep,ssdtier,compile --compile-budgets 0.2 --fractions 0.4
+                --ssdtier-compile 0.2 --fit-modes keep,ssdtier,compile)
         fi
         part "$p" "$secs" "$PY" -m ssdtier bench rok --device cuda --layers 24 --d-model 2048 --heads 16 --seq 2048 \
             --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 \

@@ -79,6 +79,22 @@ def test_a_setting_that_fails_is_a_row_and_the_run_goes_on(monkeypatch):
     assert "no cc" in r["error"]
     r = train.measure_safely(Setting(Mode.TORCHTUNE), TINY, lambda: None)
     assert r["status"] == "skipped"
+    # Out of memory in a step: which one, and with ssdtier its budget and plan then.
+    monkeypatch.undo()
+    calls = []
+
+    def step(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    w = replace(TINY, warmup=2, steps=2)
+    r = train.measure_safely(Setting(Mode.KEEP), w, lambda: None)
+    assert r["status"] == "OOM" and r["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB (in step 2 of 4)"
+    calls.clear()
+    r = train.measure_safely(Setting(Mode.SSDTIER, budget=1 << 20), w, lambda: None)
+    assert r["status"] == "OOM" and "(in step 2 of 4; ssdtier: device budget 1MiB, " in r["error"], r
     results = [train.failed(Setting(Mode.KEEP), TINY, "OOM", "x"), train.failed(Setting(Mode.SAC), TINY, "error", "y")]
     train.ratios(results)
     assert rok.dominance(results) == [] and "keep did not run" in rok.render_dominance([])
@@ -394,23 +410,25 @@ def listed_run_at(runs):
 def test_fit_at_listed_batches_answers_the_targets_in_a_few_probes():
     runs = []
     got = fit.fit_all(["keep", "ssdtier", "checkpoint"], listed_run_at(runs), 160, batches=[13, 19, 24, 32, 43, 50])
-    # keep until it fails; the others only past keep's largest, until they fail.
-    assert runs == [("keep", 13), ("keep", 19), ("ssdtier", 19), ("ssdtier", 24), ("ssdtier", 32),
-                    ("ssdtier", 43), ("checkpoint", 19), ("checkpoint", 24), ("checkpoint", 32),
-                    ("checkpoint", 43), ("checkpoint", 50)]  # fmt: skip
-    assert (got["keep"]["largest"], got["keep"]["failed"]) == (13, 19)
+    # keep searched; the others only past keep's largest, until they fail.
+    keep = [("keep", b) for b in (1, 2, 4, 8, 16, 12, 14, 13)]
+    assert runs == keep + [("ssdtier", 19), ("ssdtier", 24), ("ssdtier", 32), ("ssdtier", 43),
+                           ("checkpoint", 19), ("checkpoint", 24), ("checkpoint", 32), ("checkpoint", 43),
+                           ("checkpoint", 50)]  # fmt: skip
+    assert (got["keep"]["largest"], got["keep"]["failed"]) == (13, 14)
     assert (got["ssdtier"]["largest"], got["ssdtier"]["failed"]) == (32, 43)
+    assert got["ssdtier"]["probes"][-1] == {"batch": 43, "fits": False, "error": "out of memory"}
     assert got["ssdtier"]["within"] == {"1.05": 19, "1.1": 24}
     assert got["checkpoint"]["largest"] == 43 and got["checkpoint"]["within"] == {"1.05": 0, "1.1": 0}
     assert fit.within_mode(got, "checkpoint") == {"keep": 13, "ssdtier": 24}  # 1.08x <= 1.2x; 1.3x is not
     text = rok.render_fit({"cap": None, "limits": [1.05, 1.1], "steps": 1, "batches": [13, 19], "modes": got})
-    assert "batches 13, 19 (after keep, those past its largest)" in text
+    assert "keep searched, then batches 13, 19 past its largest" in text
     assert "at checkpoint's time per sample at its largest batch (43, 1200.00 ms): ssdtier 24 (0.56x)" in text
-    # Keep fit none of them: the others probe them all, and nothing is within keep's time.
+    # A list that starts past keep's largest: keep's own search still gives the reference.
     runs.clear()
-    none = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[19, 24])
-    assert none["keep"]["largest"] == 0 and none["ssdtier"]["largest"] == 24
-    assert none["ssdtier"]["within"] == {"1.05": None, "1.1": None}
+    past = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[19, 24])
+    assert past["keep"]["largest"] == 13 and past["ssdtier"]["largest"] == 24
+    assert past["ssdtier"]["within"] == {"1.05": 19, "1.1": 24}
     # Keep fit all of them: nothing left for the others to probe, and the table says so.
     every = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[2, 13])
     assert every["keep"]["largest"] == 13 and every["ssdtier"]["status"] == "skipped"
@@ -463,7 +481,7 @@ def test_fit_batches_from_the_command_line(monkeypatch, tmp_path, store_dir):
     assert rok.cmd_rok(a) == 0
     got = json.loads((tmp_path / "out" / "rok.json").read_text())["fit"]
     assert got["batches"] == [13, 19, 24]
-    assert [p["batch"] for p in got["modes"]["keep"]["probes"]] == [13, 19]
+    assert [p["batch"] for p in got["modes"]["keep"]["probes"]] == [1, 2, 4, 8, 16, 12, 14, 13]
     assert [p["batch"] for p in got["modes"]["ssdtier budget 1GiB"]["probes"]] == [19, 24]
     with pytest.raises(SystemExit):
         parse("--fit-batches", "0,13")

@@ -199,8 +199,8 @@ def fit_all(
     ``b`` and returns a result: ``status`` ("ok", "OOM", or another with ``error``: the mode's
     search ends), ``peak_bytes``, ``median_step_s``. Past ``slow`` x keep's time per sample a
     mode tries no larger batch. Each mode gets an equal share of the time left to ``deadline``;
-    ``on_mode(mode, result)`` is called as each ends. ``batches``: probe these, not search
-    (the modes after keep: those past keep's largest)."""
+    ``on_mode(mode, result)`` is called as each ends. ``batches``: the modes after keep probe
+    these (those past keep's largest), not search; keep is searched up to ``max_batch``."""
     fit: dict[str, dict[str, Any]] = {}
     ref: float | None = None
     listed = None if batches is None else list(batches)
@@ -216,7 +216,8 @@ def fit_all(
             r = {"mode": mode, "status": "ok", "probes": []}
             try:
                 limits_s = [x * ref for x in limits] if ref is not None else []
-                r.update(search(probe, max_batch, limits_s, r["probes"], listed))
+                # Keep is searched: a list that starts past its largest still gives the reference.
+                r.update(search(probe, max_batch, limits_s, r["probes"], listed if i else None))
             except ProbeError as e:
                 r.update(status=e.status, error=str(e))
         best = [p for p in r["probes"] if p.get("fits") and p["batch"] == r.get("largest")]
@@ -257,6 +258,8 @@ class _Prober:
         p: dict[str, Any] = {"batch": b}
         if r["status"] == "OOM":
             p["fits"] = False
+            if r.get("error"):
+                p["error"] = r["error"]
             return p
         if r["status"] != "ok":
             raise ProbeError(r["status"], f"batch {b}: {r.get('error', '')}")

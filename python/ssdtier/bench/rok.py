@@ -263,6 +263,8 @@ def run_fit(
             r = failed(s, wb, "skipped", str(e))
         peak = format_size(max(r.get("peak_bytes", 0), 0))
         said = f"peak {peak}, {r['median_step_s']:.3f} s a step" if r["status"] == "ok" else r["status"]
+        if r.get("error"):
+            said += f": {r['error']}"
         print(f"bench rok --fit: {label} at batch {b}: {said}", file=sys.stderr, flush=True)
         return r
 
@@ -291,7 +293,7 @@ def render_fit(fit: dict[str, Any]) -> str:
     bound = f"peak activation memory <= {format_size(fit['cap'])}" if fit["cap"] else "no out of memory"
     how = "1, 2, 4... then bisection"
     if fit.get("batches"):
-        how = f"batches {', '.join(map(str, fit['batches']))} (after keep, those past its largest)"
+        how = f"keep searched, then batches {', '.join(map(str, fit['batches']))} past its largest"
     lines = [
         f"fit: the largest micro-batch of each mode ({bound}): {how}, {fit['steps']} "
         f"measured step(s) a probe; keep's time per sample at its largest batch: "

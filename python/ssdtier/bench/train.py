@@ -349,8 +349,12 @@ def measure(
         torch.manual_seed(1)  # dropout, the same in every setting
         train_step = trainer(model, loss_of, opt, around)
 
+        done = 0  # steps that ran to the end: where a failure came is said with it
+
         def step() -> float:
+            nonlocal done
             loss = train_step()
+            done += 1
             on_step()
             return loss
 
@@ -381,6 +385,9 @@ def measure(
                     times.append(time.perf_counter() - t0)
                 peak, baseline = probe.stop()
                 method = probe.method
+        except Exception as e:
+            e.bench_where = where_failed(done + 1, w.warmup + w.steps, off)  # type: ignore[attr-defined]
+            raise
         finally:
             if off is not None:
                 stats = off.stats()
@@ -410,6 +417,20 @@ def measure(
     return result
 
 
+def where_failed(step: int, steps: int, off: Any) -> str:
+    """The step a run failed in and, with ssdtier, its device budget and plan then."""
+    said = f"in step {step} of {steps}"
+    if off is None:
+        return said
+    try:
+        plan = off.plan()
+        budget = getattr(off, "_budget", None)
+        summary = plan.summary() if hasattr(plan, "summary") else "no plan yet"
+        return f"{said}; ssdtier: device budget {'none' if budget is None else format_size(budget)}, {summary}"
+    except Exception as e:  # a report of a failure must not fail
+        return f"{said}; ssdtier's state unread ({type(e).__name__})"
+
+
 def failed(s: Setting, w: Workload, status: str, error: str) -> dict[str, Any]:
     """The row of a setting that did not run to the end."""
     return {"setting": s.label, **s.to_dict(), "status": status, "batch": w.batch, "error": error}
@@ -425,11 +446,13 @@ def measure_safely(
     except Skipped as e:
         return failed(s, w, "skipped", str(e))
     except Exception as e:
+        where = getattr(e, "bench_where", "")
+        where = f" ({where})" if where else ""
         if is_oom(e):
-            return failed(s, w, "OOM", (str(e).splitlines() or [""])[0][:300])
+            return failed(s, w, "OOM", (str(e).splitlines() or [""])[0][:500] + where)  # torch's says what was free
         traceback.print_exc()
         lines = [line for line in str(e).splitlines() if line.strip()]
-        return failed(s, w, "error", f"{type(e).__name__}: {(lines or [''])[0][:300]}")
+        return failed(s, w, "error", f"{type(e).__name__}: {(lines or [''])[0][:300]}{where}")
 
 
 def _worker() -> None:
