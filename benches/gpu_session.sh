@@ -263,9 +263,14 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         ;;
     plan_trace)
         # 1.2: a budget above keep's peak (ssdtier keeping everything: its own cost); both
-        # profiled, where the forward's host time was 2-5x keep's (H100 run 3).
+        # profiled, where the forward's host time was 2-5x keep's (H100 run 3). auto: past
+        # keep's largest batch (13 on the H100, about 26 on the H200; eager ssdtier ran out
+        # of memory at 40 there in H200 run 4: the INFO log says each step's budget and plan).
+        autos=auto:16,auto:20
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+        [ "${mib:-0}" -gt 100000 ] 2>/dev/null && autos=auto:32,auto:40
         part plan_trace "$(limit 170)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
-            --runs keep,1.2,0.8,0.4,0.25,auto:16,auto:20 --profile 1.2,0.8
+            --runs "keep,1.2,0.8,0.4,0.25,$autos" --profile 1.2,0.8
         ;;
     compile_peak)
         part compile_peak "$(limit 240)" "$PY" benches/compile_peak.py --device cuda --backend inductor \

@@ -65,10 +65,9 @@ printf '%s\\n' "$@" > "$ARGS_TO"
 """
 
 
-@pytest.mark.parametrize("part", ["rok", "rok_targets", "rok_fit", "rok_long"])
-@pytest.mark.parametrize("gpu_mib", [None, "81559", "143771"])  # no nvidia-smi, an H100's, an H200's
-def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part, gpu_mib):
-    # Its interpreter a stand-in that writes what it was given: the bench's own parser reads it.
+def echoed(tmp_path, part, gpu_mib):
+    """What ``part`` runs, with a stand-in interpreter that writes what it was given, on a
+    machine with no nvidia-smi or one that reports ``gpu_mib``."""
     fake = tmp_path / "py"
     fake.write_text(ECHO_ARGS)
     fake.chmod(0o755)
@@ -82,7 +81,22 @@ def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part, gpu_m
     got = tmp_path / "args"
     r = session(tmp_path, part, PY=str(fake), ARGS_TO=str(got), SESSION_S="600", **env)
     assert r.returncode == 0, r.stderr
-    argv = got.read_text().splitlines()
+    return got.read_text().splitlines()
+
+
+@pytest.mark.parametrize("gpu_mib", [None, "143771"])
+def test_plan_trace_runs_auto_past_keeps_largest_batch_on_each_gpu(tmp_path, gpu_mib):
+    argv = echoed(tmp_path, "plan_trace", gpu_mib)
+    runs = argv[argv.index("--runs") + 1].split(",")
+    assert runs[:5] == ["keep", "1.2", "0.8", "0.4", "0.25"]
+    assert runs[5:] == (["auto:32", "auto:40"] if gpu_mib else ["auto:16", "auto:20"])
+
+
+@pytest.mark.parametrize("part", ["rok", "rok_targets", "rok_fit", "rok_long"])
+@pytest.mark.parametrize("gpu_mib", [None, "81559", "143771"])  # no nvidia-smi, an H100's, an H200's
+def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part, gpu_mib):
+    # The bench's own parser reads what the part runs.
+    argv = echoed(tmp_path, part, gpu_mib)
     assert argv[:4] == ["-m", "ssdtier", "bench", "rok"], argv
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="cmd"))
