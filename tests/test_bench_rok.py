@@ -91,15 +91,44 @@ def test_a_setting_that_fails_is_a_row_and_the_run_goes_on(monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     w = replace(TINY, warmup=2, steps=2)
     r = train.measure_safely(Setting(Mode.KEEP), w, lambda: None)
-    assert r["status"] == "OOM" and r["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB (in step 2 of 4)"
+    assert r["status"] == "OOM" and r["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB (in warmup step 2)"
     calls.clear()
-    r = train.measure_safely(Setting(Mode.SSDTIER, budget=1 << 20), w, lambda: None)
-    assert r["status"] == "OOM" and "(in step 2 of 4; ssdtier: device budget 1MiB, " in r["error"], r
+    r = train.measure_safely(Setting(Mode.SSDTIER, budget=1 << 20), replace(w, warmup=1), lambda: None)
+    assert r["status"] == "OOM" and "(in step 2, after 1 warmup; ssdtier: device budget 1MiB, " in r["error"], r
     results = [train.failed(Setting(Mode.KEEP), TINY, "OOM", "x"), train.failed(Setting(Mode.SAC), TINY, "error", "y")]
     train.ratios(results)
     assert rok.dominance(results) == [] and "keep did not run" in rok.render_dominance([])
     text = train.render(results, TINY)
     assert "keep: OOM: x" in text and "sac: error: y" in text
+
+
+def test_ssdtier_warms_up_until_its_plan_stands(monkeypatch):
+    # The plan (scripted: the steps taken, up to ``top``) moved in the last warmup step: more
+    # steps until one leaves it as it was, at most --warmup more, outside the progress bar.
+    taken, ticks = [], []
+    real = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        taken.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    w = replace(TINY, warmup=3, steps=1)
+    for top, extra in ((5, 3), (1, 0), (99, 3)):
+        taken.clear()
+        ticks.clear()
+        monkeypatch.setattr(train, "plan_of", lambda off, top=top: min(len(taken), top))
+        r = train.measure(Setting(Mode.SSDTIER, budget=1 << 20), w, lambda: ticks.append(1))
+        assert r["settle_steps"] == extra and len(r["losses"]) == 4 + extra, (top, r["settle_steps"])
+        assert len(ticks) == 4
+    assert "settle_steps" not in train.measure(Setting(Mode.KEEP), w, lambda: None)
+    # Its losses are compared with keep's over the steps both took.
+    keep = result("keep", "keep", 10, 1, losses=["a", "b"], tokens_per_s=1.0)
+    ours = result("ssdtier 0.5x keep", "ssdtier", 5, 1, losses=["a", "b", "c"], tokens_per_s=1.0)
+    train.ratios([keep, ours])
+    assert ours["losses_equal_keep"] is True
+    ours["settle_steps"] = 2
+    assert "warmup steps more, until the plan stood for a step: ssdtier 0.5x keep +2" in train.render([keep, ours], w)
 
 
 def test_on_cuda_each_setting_runs_in_this_process_and_frees_after(monkeypatch):

@@ -290,10 +290,15 @@ def _compiled(s: Setting, model: Any) -> Iterator[None]:
 
 
 def measure(
-    s: Setting, w: Workload, on_step: Callable[[], None], gate: Callable[[], Any] = lambda: None
+    s: Setting,
+    w: Workload,
+    on_step: Callable[[], None],
+    gate: Callable[[], Any] = lambda: None,
+    settle: bool = True,
 ) -> dict[str, Any]:
     """Train ``w`` the ``s`` way in this process: warmup steps, then the measured ones, each
-    after ``gate()`` returns (lockstep.py), untimed."""
+    after ``gate()`` returns (lockstep.py), untimed. With ``settle`` (not in lockstep, nor
+    paired), ssdtier's warmup goes on while its plan still moves (``settle_plan``)."""
     import torch
 
     from .memory import CpuPeak, CudaPeak, mapping_rss
@@ -351,20 +356,26 @@ def measure(
 
         done = 0  # steps that ran to the end: where a failure came is said with it
 
-        def step() -> float:
+        def step(counted: bool = True) -> float:  # counted: in the progress bar's total
             nonlocal done
             loss = train_step()
             done += 1
-            on_step()
+            if counted:
+                on_step()
             return loss
 
         try:
             losses = []
+            moved = False
             for _ in range(w.warmup):
                 gate()
+                was = plan_of(off)
                 losses.append(step())
+                moved = plan_of(off) != was
                 if twin is not None:
                     twin.step()
+            extra = settle_plan(off, lambda: step(False), w.warmup) if settle and moved and twin is None else []
+            losses += extra
             # On the CPU, the arena's pages resident now are hidden by the baseline: added back.
             arena = getattr(off.store, "arena", None) if off is not None and not cuda else None
             hidden = mapping_rss(arena.data_ptr()) if arena is not None else 0
@@ -386,7 +397,7 @@ def measure(
                 peak, baseline = probe.stop()
                 method = probe.method
         except Exception as e:
-            e.bench_where = where_failed(done + 1, w.warmup + w.steps, off)  # type: ignore[attr-defined]
+            e.bench_where = where_failed(done + 1, w, off)  # type: ignore[attr-defined]
             raise
         finally:
             if off is not None:
@@ -411,15 +422,35 @@ def measure(
     if cuda:
         result["reserved_bytes"] = probe.reserved - baseline
     if off is not None:
+        result["settle_steps"] = len(extra)
         result["layers_kept"] = stats.layers_kept
         result["plan"] = plan
         result["offload"] = stats.as_dict()
     return result
 
 
-def where_failed(step: int, steps: int, off: Any) -> str:
+def plan_of(off: Any) -> tuple | None:
+    """ssdtier's plan in force: its actions (None: no plan, or no ssdtier)."""
+    acts = getattr(off.plan(), "actions", None) if off is not None else None
+    return tuple(acts) if acts is not None else None
+
+
+def settle_plan(off: Any, step: Callable[[], float], most: int) -> list[float]:
+    """After a warmup whose last step moved ssdtier's plan: steps more (at most ``most``)
+    until one leaves it as it was, so that the measured steps follow the plan it settled on,
+    as a long run's do; their losses."""
+    losses = []
+    for _ in range(most):
+        was = plan_of(off)
+        losses.append(step())
+        if plan_of(off) == was:
+            break
+    return losses
+
+
+def where_failed(step: int, w: Workload, off: Any) -> str:
     """The step a run failed in and, with ssdtier, its device budget and plan then."""
-    said = f"in step {step} of {steps}"
+    said = f"in step {step}, after {w.warmup} warmup" if step > w.warmup else f"in warmup step {step}"
     if off is None:
         return said
     try:
@@ -437,12 +468,16 @@ def failed(s: Setting, w: Workload, status: str, error: str) -> dict[str, Any]:
 
 
 def measure_safely(
-    s: Setting, w: Workload, on_step: Callable[[], None], gate: Callable[[], Any] = lambda: None
+    s: Setting,
+    w: Workload,
+    on_step: Callable[[], None],
+    gate: Callable[[], Any] = lambda: None,
+    settle: bool = True,
 ) -> dict[str, Any]:
     """``measure``, with a failure as a result (out of memory, skipped, or an error) rather
     than an exception: one setting failing must not end a run."""
     try:
-        return measure(s, w, on_step, gate)
+        return measure(s, w, on_step, gate, settle)
     except Skipped as e:
         return failed(s, w, "skipped", str(e))
     except Exception as e:
@@ -465,7 +500,8 @@ def _worker() -> None:
 
         torch.set_num_threads(w.threads)
     gate = sys.stdin.readline if job.get("lockstep") else lambda: None  # a line: take a step
-    result = measure_safely(s, w, lambda: print(_TAG + "step", file=sys.stderr, flush=True), gate)
+    on_step = lambda: print(_TAG + "step", file=sys.stderr, flush=True)  # noqa: E731
+    result = measure_safely(s, w, on_step, gate, settle=not job.get("lockstep"))
     print(_TAG + json.dumps(result, default=jsonable), flush=True)
 
 
@@ -609,7 +645,12 @@ def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
         else:
             base = keep
         same = base is not None and r["batch"] == base["batch"]
-        r["losses_equal_keep"] = r["losses"][:compare] == base["losses"][:compare] if same else None
+        # A setting that warmed up longer (settle_plan) has more: the steps both took are compared.
+        if same:
+            n = min(len(r["losses"]), len(base["losses"])) if compare is None else compare
+            r["losses_equal_keep"] = r["losses"][:n] == base["losses"][:n]
+        else:
+            r["losses_equal_keep"] = None
 
 
 def pace(r: dict[str, Any], keep: dict[str, Any]) -> float:
@@ -684,6 +725,9 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     lines = [describe(w), f"peak: activation memory of a step ({method}); ms/sample: median step / batch", ""]
     lines.append(table(head, rows))
     lines += [f"{r['setting']}: {r['status']}: {r.get('error', '')}" for r in results if r.get("status") != "ok"]
+    longer = [f"{r['setting']} +{r['settle_steps']}" for r in ok if r.get("settle_steps")]
+    if longer:
+        lines.append(f"warmup steps more, until the plan stood for a step: {', '.join(longer)}")
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
     if ok and all("paired_ratio" in r for r in ok):
