@@ -23,7 +23,7 @@
 #                                                     #   targets' batches)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
-#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda rok_fit plan_trace rok_long: call6's
+#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda plan_trace rok_fit rok_long: call6's
 #                                                     #   second, with what is left (>= 240)
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
@@ -53,7 +53,7 @@
 # rok_targets (rok's 1.3B GPT: keep, checkpointing every block, compile at budgets 0.5 and 0.2,
 # ssdtier eager and on blocks compiled at 0.5; then --fit of keep, ssdtier, ssdtier on compile and
 # checkpointing at the batches of the targets), rok_fit (the same --fit of ssdtier, eager and on
-# blocks compiled at 0.2, and of compile at 0.2 alone),
+# blocks compiled at 0.2),
 # plan_trace (benches/plan_trace.py: adaptive mode step by step, fixed budgets and "auto" at
 # batches past keep's), compile_peak (benches/compile_peak.py: peaks eager, compiled whole and
 # block by block, with and without ssdtier),
@@ -74,7 +74,7 @@ for a in "$@"; do
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     call6) parts+=(install import rok_targets) ;;
     call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
-    call8) parts+=(install test_cuda rok_fit plan_trace rok_long) ;;
+    call8) parts+=(install test_cuda plan_trace rok_fit rok_long) ;;
     *) parts+=("$a") ;;
     esac
 done
@@ -237,7 +237,7 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # then --fit: keep searched, the others at the targets' batches: keep's largest x1.4,
         # x1.8, checkpoint's largest and its x1.15 (keep 13 / 26, checkpoint 43 / ~96 on the
         # H100 / H200). A search compiles afresh at each probe: too long.
-        # rok_fit: ssdtier on blocks compiled at 0.2, and compile alone at 0.2 (it fit 72 at
+        # rok_fit: ssdtier eager and on blocks compiled at 0.2 (compile alone at 0.2 fit 72 at
         # 1.05x keep on the H200), at those batches.
         batches=19,24,32,43,50
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
@@ -247,8 +247,8 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
                 --compile-budgets 0.5,0.2 --fractions 0.8,0.6,0.4,0.25 --ssdtier-compile 0.5
                 --fit-modes keep,ssdtier,checkpoint)
         else
-            secs=$(limit 300) args=(--modes keep,ssdtier,compile --compile-budgets 0.2 --fractions 0.4
-                --ssdtier-compile 0.2 --fit-modes keep,ssdtier,compile)
+            secs=$(limit 300) args=(--modes keep,ssdtier --fractions 0.4 --ssdtier-compile 0.2
+                --fit-modes keep,ssdtier)
         fi
         # A 16 GiB arena (plan_trace's): the default's 35 GiB took about 20 s to open and pin
         # for each ssdtier setting and probe in H200 run 4: a third of that part's time.
@@ -272,7 +272,7 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
         [ "${mib:-0}" -gt 100000 ] 2>/dev/null && autos=auto:32,auto:40
         part plan_trace "$(limit 170)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
-            --runs "keep,1.2,0.8,0.4,0.25,$autos" --profile 1.2,0.8
+            --runs "keep,$autos,1.2,0.8,0.4,0.25" --profile 1.2,0.8
         ;;
     compile_peak)
         part compile_peak "$(limit 240)" "$PY" benches/compile_peak.py --device cuda --backend inductor \

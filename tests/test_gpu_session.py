@@ -88,8 +88,8 @@ def echoed(tmp_path, part, gpu_mib):
 def test_plan_trace_runs_auto_past_keeps_largest_batch_on_each_gpu(tmp_path, gpu_mib):
     argv = echoed(tmp_path, "plan_trace", gpu_mib)
     runs = argv[argv.index("--runs") + 1].split(",")
-    assert runs[:5] == ["keep", "1.2", "0.8", "0.4", "0.25"]
-    assert runs[5:] == (["auto:32", "auto:40"] if gpu_mib else ["auto:16", "auto:20"])
+    assert runs[0] == "keep" and runs[3:] == ["1.2", "0.8", "0.4", "0.25"]
+    assert runs[1:3] == (["auto:32", "auto:40"] if gpu_mib else ["auto:16", "auto:20"])  # first: the session may end
 
 
 @pytest.mark.parametrize("part", ["rok", "rok_targets", "rok_fit", "rok_long"])
@@ -107,7 +107,7 @@ def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part, gpu_m
         h200 = gpu_mib == "143771"
         assert a.fit and a.fit_batches == ([37, 47, 72, 96, 110] if h200 else [19, 24, 32, 43, 50])
         assert a.ssdtier_compile == ([0.5] if part == "rok_targets" else [0.2]) and a.arena == "16GiB"
-        assert "compile" in a.modes and "ssdtier" in a.modes
+        assert "ssdtier" in a.modes and ("compile" in a.modes) == (part == "rok_targets")
 
 
 def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):
