@@ -188,15 +188,17 @@ class Adaptive:
         if self._timing():
             self.profile.backward_reached(tag)
             if tag <= 1 and self.meter is not None:  # the step's peak is behind: read before a loop resets it
+                first = self.end is None  # tags 1 and 0 both come here: one callback a backward
                 self.end = self.meter.counters()
-                try:  # ... and as the backward ends: the first block's own backward comes after this
-                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-                except RuntimeError:  # not inside a backward (a callback is refused there)
-                    pass
+                if first:
+                    try:  # ... and as the backward ends: the first block's own backward comes after this
+                        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+                    except RuntimeError:  # not inside a backward (a callback is refused there)
+                        pass
 
     def _backward_end(self) -> None:
-        if self.meter is not None and self.end is not None:
-            self.end = self.meter.counters()
+        assert self.meter is not None  # queued only with one
+        self.end = self.meter.counters()
 
     def forward_end(self) -> None:
         if self._timing():
