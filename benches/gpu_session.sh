@@ -105,6 +105,11 @@ limit() { # a part's own limit, cut to the session's time left (less 5 s for the
     local left=$((SESSION_S - SECONDS - 5))
     echo $(($1 < left ? $1 : left))
 }
+big_gpu() { # over 100 GB of memory (an H200): the parts' batches are sized to it
+    local mib
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+    [ "${mib:-0}" -gt 100000 ] 2>/dev/null
+}
 part() { # name, seconds, command...
     local name=$1 secs=$2
     shift 2
@@ -240,8 +245,7 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # rok_fit: ssdtier eager and on blocks compiled at 0.2 (compile alone at 0.2 fit 72 at
         # 1.05x keep on the H200), at those batches.
         batches=19,24,32,43,50
-        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-        [ "${mib:-0}" -gt 100000 ] 2>/dev/null && batches=37,47,72,96,110
+        big_gpu && batches=37,47,72,96,110
         if [ "$p" = rok_targets ]; then
             secs=$(limit 560) args=(--modes keep,checkpoint,ssdtier,compile --checkpoint-every 1
                 --compile-budgets 0.5,0.2 --fractions 0.8,0.6,0.4,0.25 --ssdtier-compile 0.5
@@ -269,8 +273,7 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # keep's largest batch (13 on the H100, about 26 on the H200; eager ssdtier ran out
         # of memory at 40 there in H200 run 4: the INFO log says each step's budget and plan).
         autos=auto:16,auto:20
-        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-        [ "${mib:-0}" -gt 100000 ] 2>/dev/null && autos=auto:32,auto:40
+        big_gpu && autos=auto:32,auto:40
         part plan_trace "$(limit 170)" "$PY" benches/plan_trace.py --out "$LOGS/trace" --steps 10 \
             --runs "keep,$autos,1.2,0.8,0.4,0.25" --profile 1.2,0.8
         ;;
