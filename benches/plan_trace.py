@@ -60,6 +60,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
         torch.cuda.synchronize()
         before = _waits(off)
         base = torch.cuda.memory_allocated()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         forward_s = _step(loss_of, opt)
@@ -70,6 +71,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
             "reserved_gib": torch.cuda.memory_reserved() / 2**30,
             "reserved_by_stream_gib": _reserved_by_stream(),
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
         }
         if off is not None:  # where the host's and the GPU's time went, this step
             row.update({k: v - before[k] for k, v in _waits(off).items()})

@@ -131,6 +131,22 @@ def test_ssdtier_warms_up_until_its_plan_stands(monkeypatch):
     assert "warmup steps more, until the plan stood for a step: ssdtier 0.5x keep +2" in train.render([keep, ours], w)
 
 
+def test_allocator_retries_are_said_where_they_happened():
+    # A retried allocation empties the cache and synchronizes: a slow step its peak hides.
+    keep = result("keep", "keep", 10, 1, losses=["a"], tokens_per_s=1.0, reserved_bytes=11 << 20)
+    ours = result("ssdtier 0.5x keep", "ssdtier", 5, 1, losses=["a"], tokens_per_s=1.0, reserved_bytes=9 << 20)
+    train.ratios([keep, ours])
+    assert "allocations retried" not in train.render([keep, ours], TINY)
+    assert train.in_a_line(ours) == "peak 5MiB, 0.001 s a step, reserved 9MiB"
+    ours["alloc_retries"] = 3
+    assert "allocations retried in the measured steps (the GPU ran full; each a synchronization): " \
+        "ssdtier 0.5x keep 3" in train.render([keep, ours], TINY)  # fmt: skip
+    assert train.outcome(ours) == "ssdtier 0.5x keep: peak 5MiB, 0.001 s a step, reserved 9MiB, 3 allocator retries"
+    ours["plan"] = {"keep": 2, "recompute": 1}
+    assert train.in_a_line(ours).endswith("retries, plan 2/0/1 (keep/offload/recompute)")
+    assert train.in_a_line(train.failed(Setting(Mode.KEEP), TINY, "OOM", "x")) == "OOM: x"
+
+
 def test_on_cuda_each_setting_runs_in_this_process_and_frees_after(monkeypatch):
     from ssdtier.bench import memory
 
@@ -385,7 +401,8 @@ def test_fit_all_with_fake_probes():
             return {"status": "OOM", "error": "out of memory"}
         mib, slow = per[mode]
         s = slow if mode != "ssdtier" or b <= 6 else 1.5
-        return {"status": "ok", "peak_bytes": int(mib * b * 2**20), "median_step_s": s * b, "plan": {"keep": 1}}
+        r = {"status": "ok", "peak_bytes": int(mib * b * 2**20), "median_step_s": s * b, "plan": {"keep": 1}}
+        return {**r, "reserved_bytes": 2 * r["peak_bytes"], "alloc_retries": b} if mode == "ssdtier" else r
 
     got = fit.fit_all(["keep", "checkpoint", "ssdtier", "torchtune", "sac"], run_at, 64, cap=int(4.5 * 2**20))
     assert (got["keep"]["largest"], got["keep"]["failed"]) == (4, 5)
@@ -393,6 +410,8 @@ def test_fit_all_with_fake_probes():
     assert got["checkpoint"]["within"] == {"1.05": 0, "1.1": 0}  # 1.3x keep: never within
     assert got["ssdtier"]["largest"] == 9 and got["ssdtier"]["within"] == {"1.05": 6, "1.1": 6}
     assert got["ssdtier"]["at_largest"]["plan"] == {"keep": 1}
+    assert got["ssdtier"]["at_largest"]["alloc_retries"] == 9  # the GPU ran full there
+    assert got["ssdtier"]["at_largest"]["reserved_bytes"] == 9 * 2**20
     assert got["torchtune"]["status"] == "error" and "boom" in got["torchtune"]["error"]
     assert (got["sac"]["largest"], got["sac"]["failed"]) == (3, 4)
     text = rok.render_fit({"cap": int(4.5 * 2**20), "limits": [1.05, 1.1], "steps": 1, "modes": got})

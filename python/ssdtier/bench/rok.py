@@ -41,6 +41,7 @@ from .train import (
     Workload,
     describe,
     failed,
+    in_a_line,
     losses_compared,
     on_compile,
     pace,
@@ -261,11 +262,7 @@ def run_fit(
             r = run_one(s, wb, lambda: None)
         except Skipped as e:
             r = failed(s, wb, "skipped", str(e))
-        peak = format_size(max(r.get("peak_bytes", 0), 0))
-        said = f"peak {peak}, {r['median_step_s']:.3f} s a step" if r["status"] == "ok" else r["status"]
-        if r.get("error"):
-            said += f": {r['error']}"
-        print(f"bench rok --fit: {label} at batch {b}: {said}", file=sys.stderr, flush=True)
+        print(f"bench rok --fit: {label} at batch {b}: {in_a_line(r)}", file=sys.stderr, flush=True)
         return r
 
     # A mode that did not run beside keep (not here, or it failed) is not searched.

@@ -421,6 +421,8 @@ def measure(
     }
     if cuda:
         result["reserved_bytes"] = probe.reserved - baseline
+        if not paired:  # each an emptied cache and a synchronization: a slow step the peak hides
+            result["alloc_retries"] = probe.retries
     if off is not None:
         result["settle_steps"] = len(extra)
         result["layers_kept"] = stats.layers_kept
@@ -618,9 +620,19 @@ def prepare(
 
 def outcome(r: dict[str, Any]) -> str:
     """A result in a line."""
-    if r["status"] == "ok":
-        return f"{r['setting']}: peak {format_size(max(r['peak_bytes'], 0))}, {r['median_step_s']:.3f} s a step"
-    return f"{r['setting']}: {r['status']}: {r.get('error', '')}"
+    return f"{r['setting']}: {in_a_line(r)}"
+
+
+def in_a_line(r: dict[str, Any]) -> str:
+    """A result in a line, less the setting's name."""
+    if r["status"] != "ok":
+        return f"{r['status']}: {r.get('error', '')}"
+    line = f"peak {format_size(max(r['peak_bytes'], 0))}, {r['median_step_s']:.3f} s a step"
+    if "reserved_bytes" in r:
+        line += f", reserved {format_size(max(r['reserved_bytes'], 0))}"
+    if r.get("alloc_retries"):
+        line += f", {r['alloc_retries']} allocator retries"
+    return line + (f", plan {plan_text(r['plan'])} (keep/offload/recompute)" if r.get("plan") else "")
 
 
 def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
@@ -728,6 +740,10 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     longer = [f"{r['setting']} +{r['settle_steps']}" for r in ok if r.get("settle_steps")]
     if longer:
         lines.append(f"warmup steps more, until the plan stood for a step: {', '.join(longer)}")
+    retried = [f"{r['setting']} {r['alloc_retries']}" for r in ok if r.get("alloc_retries")]
+    if retried:
+        lines.append(f"allocations retried in the measured steps (the GPU ran full; each a synchronization): "
+                     f"{', '.join(retried)}")  # fmt: skip
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
     if ok and all("paired_ratio" in r for r in ok):
