@@ -142,9 +142,24 @@ def test_allocator_retries_are_said_where_they_happened():
     assert "allocations retried in the measured steps (the GPU ran full; each a synchronization): " \
         "ssdtier 0.5x keep 3" in train.render([keep, ours], TINY)  # fmt: skip
     assert train.outcome(ours) == "ssdtier 0.5x keep: peak 5MiB, 0.001 s a step, reserved 9MiB, 3 allocator retries"
+    ours["guard_recomputed"] = 1.5
+    assert "blocks a measured step recomputed past ssdtier's plan (its forward would have passed the budget): " \
+        "ssdtier 0.5x keep 1.5" in train.render([keep, ours], TINY)  # fmt: skip
+    assert train.in_a_line(ours).endswith("retries, 1.5 blocks a step recomputed past the plan")
     ours["plan"] = {"keep": 2, "recompute": 1}
-    assert train.in_a_line(ours).endswith("retries, plan 2/0/1 (keep/offload/recompute)")
+    assert train.in_a_line(ours).endswith("past the plan, plan 2/0/1 (keep/offload/recompute)")
     assert train.in_a_line(train.failed(Setting(Mode.KEEP), TINY, "OOM", "x")) == "OOM: x"
+
+
+def test_blocks_the_guard_recomputes_are_counted_in_the_measured_steps(monkeypatch):
+    from ssdtier.offload.adaptive import Adaptive
+
+    def guard(self, f, tag):  # one block a forward said recomputed past the plan
+        self.off.c["guard_recomputed"] += tag == 1
+
+    monkeypatch.setattr(Adaptive, "guard", guard)
+    r = train.measure(Setting(Mode.SSDTIER, budget=1 << 16), replace(TINY, warmup=3, steps=2), lambda: None)
+    assert r["guard_recomputed"] == 1 and r["offload"]["guard_recomputed"] == 3 + 2 + r["settle_steps"]
 
 
 def test_on_cuda_each_setting_runs_in_this_process_and_frees_after(monkeypatch):

@@ -234,6 +234,8 @@ def test_a_growing_batch_falls_back_to_recomputing_not_out_of_memory(store_dir, 
     assert switched[:3] == [0, 0, 0] and switched[3] > 0, switched
     assert max(kept) <= budget
     assert "would pass the device budget" in caplog.text
+    assert got[-1].guard_recomputed == sum(switched)
+    assert f"{sum(switched)} blocks recomputed past the plan" in str(got[-1])
 
 
 def test_stats_name_the_plan(store_dir):

@@ -266,7 +266,7 @@ class _Prober:
         p.update(peak_bytes=r["peak_bytes"], s_per_sample=r["median_step_s"] / b)
         p["fits"] = self.cap is None or r["peak_bytes"] <= self.cap
         p["slow"] = self.slow_s is not None and p["s_per_sample"] > self.slow_s
-        for key in ("plan", "losses_equal_keep", "reserved_bytes", "alloc_retries"):
+        for key in ("plan", "losses_equal_keep", "reserved_bytes", "alloc_retries", "guard_recomputed"):
             if key in r:
                 p[key] = r[key]
         return p

@@ -386,6 +386,7 @@ def measure(
                 paired = paired_steps(step, twin, w.steps, gate, losses)
                 times, peak, baseline, method = paired.pop("times"), paired.pop("peak"), 0, paired.pop("method")
             else:
+                guarded = off.c["guard_recomputed"] if off is not None else 0
                 probe: Any = CudaPeak(device) if cuda else CpuPeak()
                 probe.start()
                 times = []
@@ -396,6 +397,7 @@ def measure(
                     times.append(time.perf_counter() - t0)
                 peak, baseline = probe.stop()
                 method = probe.method
+                guarded = off.c["guard_recomputed"] - guarded if off is not None else 0
         except Exception as e:
             e.bench_where = where_failed(done + 1, w, off)  # type: ignore[attr-defined]
             raise
@@ -425,6 +427,8 @@ def measure(
             result["alloc_retries"] = probe.retries
     if off is not None:
         result["settle_steps"] = len(extra)
+        if not paired:  # blocks recomputed past the plan: forwards that would have passed the budget
+            result["guard_recomputed"] = guarded / w.steps
         result["layers_kept"] = stats.layers_kept
         result["plan"] = plan
         result["offload"] = stats.as_dict()
@@ -632,6 +636,8 @@ def in_a_line(r: dict[str, Any]) -> str:
         line += f", reserved {format_size(max(r['reserved_bytes'], 0))}"
     if r.get("alloc_retries"):
         line += f", {r['alloc_retries']} allocator retries"
+    if r.get("guard_recomputed"):
+        line += f", {r['guard_recomputed']:g} blocks a step recomputed past the plan"
     return line + (f", plan {plan_text(r['plan'])} (keep/offload/recompute)" if r.get("plan") else "")
 
 
@@ -744,6 +750,10 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     if retried:
         lines.append(f"allocations retried in the measured steps (the GPU ran full; each a synchronization): "
                      f"{', '.join(retried)}")  # fmt: skip
+    guarded = [f"{r['setting']} {r['guard_recomputed']:g}" for r in ok if r.get("guard_recomputed")]
+    if guarded:
+        lines.append(f"blocks a measured step recomputed past ssdtier's plan (its forward would have passed "
+                     f"the budget): {', '.join(guarded)}")  # fmt: skip
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
     if ok and all("paired_ratio" in r for r in ok):

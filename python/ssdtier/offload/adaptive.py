@@ -246,6 +246,7 @@ class Adaptive:
         acts[i] = Action.RECOMPUTE_OFFLOAD
         f.off_tag[tag] = True
         self.switched += 1
+        self.off.c["guard_recomputed"] += 1
         if self.switched == 1:
             log.info(
                 "ssdtier: this forward would pass the device budget (%s held, %s to come, budget %s): "

@@ -29,6 +29,7 @@ COUNTS = (
     "packs",
     "unpacks",
     "forwards_unhooked",
+    "guard_recomputed",
 )
 
 
@@ -60,7 +61,8 @@ class OffloadStats:
     the user's did not (``policy.mode = "auto"`` resolved, an arena cut to what can be pinned),
     and why. ``forwards_unhooked`` counts the forwards adaptive mode ran without its hooks, its
     plan moving nothing and settled (docs/planner.md#a-settled-plan): nothing of theirs is in
-    the other counts.
+    the other counts. ``guard_recomputed`` counts the blocks adaptive mode recomputed past its
+    plan, all forwards together: each of those forwards would have passed the device budget.
     """
 
     tensors_offloaded: int
@@ -88,6 +90,7 @@ class OffloadStats:
     packs: int
     unpacks: int
     forwards_unhooked: int
+    guard_recomputed: int
     plan: Plan | None
     store: StoreStats
     chosen: tuple[str, ...] = ()  # what attach made of the config for this model and machine, and why
@@ -114,6 +117,8 @@ class OffloadStats:
         ]
         if self.forwards_unhooked:
             lines.append(f"{self.forwards_unhooked} forwards ran without hooks: the plan moved nothing")
+        if self.guard_recomputed:
+            lines.append(f"{self.guard_recomputed} blocks recomputed past the plan: their forwards passed the budget")
         if self.writes_skipped:
             lines.append(f"{self.writes_skipped} writes not needed: the backward came first")
         if self.failed_writes or self.failed_reads:
