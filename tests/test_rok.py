@@ -737,7 +737,7 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
     for held, switched in ((plan.outcome.before[1], 0), (int(plan.outcome.before[1] * 1.1) + 40 * mb, 1)):
         f = SimpleNamespace(acts=list(plan.actions), off_tag=[False] * 6)
         me = SimpleNamespace(
-            off=SimpleNamespace(_budget=320 * mb),
+            off=SimpleNamespace(_budget=320 * mb, c={"guard_recomputed": 0}),
             held=lambda held=held: held,
             before=list(plan.outcome.before),
             plan=plan,
@@ -746,6 +746,7 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
         )
         Adaptive.guard(me, f, 2)
         assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
+        assert me.off.c["guard_recomputed"] == switched
 
 
 def test_a_plan_stands_on_noisy_measurements_until_it_no_longer_serves(store_dir):
