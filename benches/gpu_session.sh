@@ -254,10 +254,10 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
             secs=$(limit 300) args=(--modes keep,ssdtier --fractions 0.4 --ssdtier-compile 0.2
                 --fit-modes keep,ssdtier)
         fi
-        # A 16 GiB arena (plan_trace's): the default's 35 GiB took about 20 s to open and pin
-        # for each ssdtier setting and probe in H200 run 4: a third of that part's time.
+        # The arena is pinned once a run (reusing_stores); 48 GiB holds the blocks' inputs that
+        # recompute+offload moves at checkpointing's batches (72-110: 29-44 GB).
         part "$p" "$secs" "$PY" -m ssdtier bench rok --device cuda --layers 24 --d-model 2048 --heads 16 --seq 2048 \
-            --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 --arena 16GiB \
+            --vocab 32000 --batch 8 --attention sdpa --dtype bf16 --dropout 0 --min-tensor-bytes 1MiB --steps 3 --arena 48GiB \
             --warmup 6 --dir benches/out/rok-nvme --out "$LOGS/$p" "${args[@]}" --fit --fit-batches "$batches" \
             --fit-slow 1.4 --budget-s $((secs > 80 ? secs - 60 : 10))
         ;;

@@ -609,3 +609,16 @@ def test_ssdtier_on_compile_is_compared_with_compile_at_its_budget():
         "keep", "ssdtier 0.5x keep", "ssdtier on compile 1 0.5x keep", "ssdtier on compile 0.5 0.5x keep",
         "compile budget 1", "compile budget 0.5",
     ]  # fmt: skip
+
+
+def test_every_ssdtier_setting_and_probe_of_a_run_in_this_process_shares_one_store(store_dir, tmp_path, monkeypatch):
+    # As on CUDA (on the CPU, in this process for the test): the arena is opened once a run.
+    from .test_shelf import stores_seen
+
+    seen = stores_seen(monkeypatch)
+    monkeypatch.setattr(train, "_in_subprocess", lambda s, w, on_step: train.measure_safely(s, w, on_step))
+    fit = ["--fit", "--memory-cap", "1GiB", "--fit-max-batch", "2", "--fit-steps", "1"]
+    args = parse(*SMALL, *FAST, "--dir", str(store_dir), "--out", str(tmp_path), "--modes", "keep,ssdtier", *fit)
+    assert rok.cmd_rok(args) == 0
+    assert len(seen) >= 4 and all(s is seen[0] for s in seen), seen  # 2 settings, 2 probes or more
+    assert seen[0].closed

@@ -23,7 +23,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .offload import Offloader, OffloadStats, attach, detach, no_offload
+    from .offload import Offloader, OffloadStats, attach, detach, no_offload, reusing_stores
     from .store import StoreStats, TieredStore
 
 __version__ = "0.1.0"
@@ -48,6 +48,7 @@ __all__ = [
     "detach",
     "load_config",
     "no_offload",
+    "reusing_stores",
 ]
 
 _LAZY = {
@@ -58,6 +59,7 @@ _LAZY = {
     "Offloader": "offload",
     "OffloadStats": "offload",
     "no_offload": "offload",
+    "reusing_stores": "offload",
 }
 
 

@@ -358,22 +358,27 @@ def cmd_rok(args: argparse.Namespace) -> int:
         w, tuple(args.modes), tuple(args.fractions), tuple(args.budget or ()), tuple(args.checkpoint_every),
         tuple(args.compile_budgets), tuple(args.keep_last or ()), tuple(args.ssdtier_compile or ()),
     )  # fmt: skip
-    results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline, args.lockstep)
-    ratios(results, losses_compared(w))
-    doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
-    files = [out / "rok.csv", out / "rok.json"]
-    write_csv(out / "rok.csv", results)
-    _write(out, doc)
-    text = render(results, w) + "\n\n" + render_dominance(doc["dominance"])
-    try:
-        plot(out / "rok.png", results, describe(w))
-        files.insert(1, out / "rok.png")
-    except ImportError:
-        text += "\n(no rok.png: matplotlib is not installed; pip install 'ssdtier[plot]')"
-    if args.fit:
-        doc["fit"] = run_fit(settings, w, args, results, deadline, lambda fit: _write(out, {**doc, "fit": fit}))
+    from ..offload.shelf import reusing_stores  # torch: imported once a run starts
+
+    # In this process (CUDA), each ssdtier setting and probe takes the last one's store: its
+    # host arena is opened, registered and pinned once.
+    with reusing_stores():
+        results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline, args.lockstep)
+        ratios(results, losses_compared(w))
+        doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
+        files = [out / "rok.csv", out / "rok.json"]
+        write_csv(out / "rok.csv", results)
         _write(out, doc)
-        text += "\n\n" + render_fit(doc["fit"])
+        text = render(results, w) + "\n\n" + render_dominance(doc["dominance"])
+        try:
+            plot(out / "rok.png", results, describe(w))
+            files.insert(1, out / "rok.png")
+        except ImportError:
+            text += "\n(no rok.png: matplotlib is not installed; pip install 'ssdtier[plot]')"
+        if args.fit:
+            doc["fit"] = run_fit(settings, w, args, results, deadline, lambda fit: _write(out, {**doc, "fit": fit}))
+            _write(out, doc)
+            text += "\n\n" + render_fit(doc["fit"])
     text += "\nwrote " + ", ".join(map(str, files))
     doc["files"] = list(map(str, files))
     emit(doc, text, args.json)

@@ -16,7 +16,7 @@ tensor is classified once, at pack time:
 The parts: ``offloader.py`` (hooks, pack, unpack), ``forward.py`` (the
 forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
 ``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``profile.py``,
-``recompute.py``, ``budget.py``, ``control.py``, ``layers.py`` and ``stats.py``;
+``recompute.py``, ``budget.py``, ``control.py``, ``layers.py``, ``shelf.py`` and ``stats.py``;
 ``owner.py`` holds what each part uses of the offloader, so none imports
 ``offloader.py``. docs/offloader.md maps them.
 """
@@ -24,6 +24,17 @@ forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
 from .forward import no_offload
 from .layers import find_layers, find_stacks
 from .offloader import Offloader, attach, attached, detach
+from .shelf import reusing_stores
 from .stats import OffloadStats
 
-__all__ = ["OffloadStats", "Offloader", "attach", "attached", "detach", "find_layers", "find_stacks", "no_offload"]
+__all__ = [
+    "OffloadStats",
+    "Offloader",
+    "attach",
+    "attached",
+    "detach",
+    "find_layers",
+    "find_stacks",
+    "no_offload",
+    "reusing_stores",
+]

@@ -620,6 +620,7 @@ class CudaTransport:
         if self.writer is not None:
             self.writer.shutdown()  # the buffers' writes end before the store closes
             self.writer = None
+        self.poll()  # their keys freed: a store kept open (shelf.py) holds nothing of this one's
         self.bounces.clear()
         self.pending.clear()
         self.inflight = 0

@@ -23,7 +23,7 @@ from ..plan import Action, Plan
 from ..ram import available
 from ..sizes import format_size
 from ..store import ByteStore
-from . import cuda
+from . import cuda, shelf
 from ._util import Once, cuda_device, imported, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
@@ -147,7 +147,8 @@ class Offloader:
         streamed = any(t.device.type in self._streamed for t in tensors)
         # The arena's "auto" size: a share of the GPU's memory, unless cuFile carries its activations.
         gpu_memory = cuda.device_memory(device) if device is not None and not carries(config, device) else 0
-        machine = Machine(device is not None, _on_cpu(model), streamed, available, local_ranks(), gpu_memory)
+        left = lambda: shelf.with_shelved(available())  # noqa: E731 - the shelved arena can be this one's
+        machine = Machine(device is not None, _on_cpu(model), streamed, left, local_ranks(), gpu_memory)
         eff = effective(config, machine)
         config, self.choices = eff.config, eff.choices
         pol = config.policy
@@ -156,7 +157,10 @@ class Offloader:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._model = weakref.ref(model)  # the offloader's own cycles must not hold the model
         self.config = config
-        self.store = ByteStore(config)
+        shelved = shelf.take(config)  # inside reusing_stores(): the last detach's, if alike
+        self.store = shelved.store if shelved is not None else ByteStore(config)
+        if shelved is not None:
+            log.info("ssdtier: reusing the store of a detached offloader: %r", self.store)
         self._native = self.store.native
         self._lock = threading.RLock()
         self.cuda_ok = torch.cuda.is_available()
@@ -208,6 +212,7 @@ class Offloader:
         self._gds = open_cufile(model, config, self._native)  # closed below if attach fails
         self.cpu = CpuTransport(self, self._gds)
         self.cuda = CudaTransport(self)
+        self.cuda.pinned = shelved.pinned if shelved is not None else None
         self.ahead = ReadAhead(self, pol.prefetch_layers)
         # What the first forward held in memory, to say why if it offloaded nothing.
         self._first: FirstForward | None = None if pol.mode in ("none", "adaptive") else FirstForward()
@@ -896,9 +901,17 @@ class Offloader:
         self._params.forget()  # the model's parameters, held by their dicts
 
     def _close_store(self) -> None:
+        pinned = None
+        if self._gds is None and shelf.wanted():  # shelved below, with its arena still pinned
+            pinned, self.cuda.pinned = self.cuda.pinned, None
         self.cuda.close()
         if self._gds is not None:
             self._gds.close()  # its transfers end first; its handles go before the files close
+        if self._gds is None and shelf.put(self.store, pinned):
+            self.cpu.close()
+            return
+        if pinned is not None:
+            pinned.close()
         try:
             self.store.close()  # waits for every write, so the sources still held can go
         except SsdtierOSError as err:

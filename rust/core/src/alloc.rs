@@ -123,6 +123,10 @@ impl RangeAllocator {
     pub fn peak_used(&self) -> u64 {
         self.peak_used
     }
+    /// The peak from now on counts from what is in use now.
+    pub fn reset_peak(&mut self) {
+        self.peak_used = self.used;
+    }
     /// The highest end offset ever handed out: the size a file backed by this allocator reaches.
     pub fn high_water(&self) -> u64 {
         self.high_water

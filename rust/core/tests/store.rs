@@ -781,3 +781,26 @@ fn a_fork_child_refuses_the_parents_store_and_drops_it_untouched() {
         s.close().unwrap();
     }
 }
+
+#[test]
+fn reset_counters_starts_the_books_again_and_keeps_the_space() {
+    let d = real_dir();
+    let s = Store::new(cfg(&[d.path()], 1 << 20, Backend::Posix)).unwrap();
+    let keys: Vec<u64> = (0..6).map(|i| put(&s, &pattern(300_000, i))).collect();
+    s.flush().unwrap();
+    let before = s.stats();
+    assert!(before.nvme_bytes_written > 0 && before.host_peak > 0 && before.nvme_peak > 0);
+    s.free(keys[0]).unwrap();
+    s.reset_counters();
+    let after = s.stats();
+    assert_eq!((after.nvme_bytes_written, after.host_puts, after.evictions), (0, 0, 0));
+    assert_eq!(after.device_bytes_written, vec![0]);
+    assert_eq!((after.host_capacity, after.nvme_capacity), (before.host_capacity, before.nvme_capacity));
+    // Peaks count from what is held now; the entries left are intact.
+    assert_eq!((after.host_peak, after.nvme_peak), (after.host_used, after.nvme_used));
+    assert!(after.nvme_peak < before.nvme_peak || after.host_peak < before.host_peak);
+    assert_eq!(after.entries, 5);
+    for (i, &k) in keys.iter().enumerate().skip(1) {
+        assert!(get(&s, k) == pattern(300_000, i as u64));
+    }
+}

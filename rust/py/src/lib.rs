@@ -385,6 +385,11 @@ impl Store {
         self.inner.host_used()
     }
 
+    /// Traffic counters from zero and peaks from what is in use now.
+    fn reset_counters(&self) {
+        self.inner.reset_counters();
+    }
+
     /// Seconds spent waiting on transfers so far (cheap: no full stats).
     #[getter]
     fn wait_seconds(&self) -> f64 {

@@ -341,6 +341,21 @@ impl Inner {
         }
     }
 
+    /// Traffic counters from zero, peaks from what is in use now (capacities stay).
+    pub fn reset_counters(&mut self) {
+        let s = &self.stats;
+        let devices = s.device_bytes_written.len();
+        self.stats = Stats {
+            host_capacity: s.host_capacity,
+            nvme_capacity: s.nvme_capacity,
+            device_bytes_written: vec![0; devices],
+            device_bytes_read: vec![0; devices],
+            ..Stats::default()
+        };
+        self.host.reset_peak();
+        self.space.reset_peak();
+    }
+
     /// Counters and space, as of now.
     pub fn snapshot(&self) -> Stats {
         let mut s = self.stats.clone();

@@ -251,6 +251,13 @@ impl Store {
         std::mem::take(&mut *self.notices.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
+    /// Counters from zero and peaks from now, for a store that serves another user.
+    pub fn reset_counters(&self) {
+        if !self.forked() {
+            self.lock_any().reset_counters();
+        }
+    }
+
     /// Zeros in a fork child (its books are the parent's).
     pub fn stats(&self) -> Stats {
         if self.forked() {

@@ -204,6 +204,9 @@ impl Space {
     pub fn peak(&self) -> u64 {
         self.devs.iter().map(|d| d.alloc.peak_used()).sum()
     }
+    pub fn reset_peak(&mut self) {
+        self.devs.iter_mut().for_each(|d| d.alloc.reset_peak());
+    }
     pub fn device_used(&self) -> Vec<u64> {
         self.devs.iter().map(|d| d.alloc.used()).collect()
     }
