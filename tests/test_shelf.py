@@ -107,3 +107,18 @@ def test_the_shelved_arena_counts_as_memory_the_next_attach_can_pin(store_dir, g
         left["bytes"] -= 8 * mib  # the arena, pinned
         train(GPT, cfg)
         assert seen[0] is seen[1] and seen[1].config.host.capacity == 8 * mib
+
+
+def test_a_fork_child_never_takes_the_parents_store(store_dir):
+    import multiprocessing
+
+    with ssdtier.reusing_stores():
+        train(GPT, offload_config(store_dir))
+        assert shelf._shelf is not None
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=lambda: q.put((shelf._shelf is None, shelf.wanted())))
+        p.start()
+        got = q.get(timeout=60)
+        p.join(60)
+    assert got == (True, False)

@@ -110,6 +110,7 @@ class ForwardOwner(HookOwner, LayersOwner, Protocol):
 
 class AdaptiveOwner(StatsOwner, LayersOwner, Protocol):
     config: Config
+    c: dict[str, int]  # counters of stats()
     store: ByteStore
     cuda: CudaTransport
     actions: tuple[Action, ...]

@@ -5,6 +5,7 @@ per few GiB, and a bench attaches for every setting and probe."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -111,6 +112,16 @@ def _take() -> Shelved | None:
 def _put(s: Shelved) -> None:
     global _shelf
     _shelf = s
+
+
+def _after_fork_in_child() -> None:
+    """A fork child (a DataLoader worker) never takes the parent's store: its rings, threads
+    and pinned pages are the parent's."""
+    global _lock, _shelf, _depth
+    _lock, _shelf, _depth = threading.Lock(), None, 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close(s: Shelved) -> None:
