@@ -78,8 +78,9 @@ class Adaptive:
         if off.config.policy.device_budget == "auto":
             if self.device is not None:
                 self.gpu = Gpu(self.device)
-                # The budget reads the allocator's peak counter: a higher peak of an earlier
-                # phase (another model, a larger batch) would hide this training's own.
+                # The budget reads the allocator's peak counters: a higher peak of an earlier
+                # phase (another model, a larger batch), or its cache, would hide this training's.
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(self.device)
                 log.info("ssdtier: reset %s's peak memory counter: device_budget = 'auto' reads it", self.device)
             else:

@@ -13,6 +13,7 @@ MARGIN_SHARE = 0.05  # of the memory this process may use, left for fragmentatio
 MARGIN_MIN = 1 * GiB  # ... but at most MARGIN_CAP of it: a process capped to little memory
 MARGIN_CAP = 0.2
 RETRY_CUT = 0.9  # after an allocation was retried (the GPU was full), keep this share of the last
+OVERHEAD_CAP = 0.25  # of the memory: the most the allocator's reserve past its peak may take as margin
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Memory:
     allocated_peak: int  # the most allocated at once since the peak counters were last reset
     retries: int  # allocations retried after emptying the allocator's cache, so far
     allocated: int = 0  # now: before a step, what outlives it (parameters, optimizer state)
+    reserved_peak: int = 0  # the most reserved at once, counted since the same reset
 
 
 class Gpu:
@@ -43,7 +45,8 @@ class Gpu:
             total = int(total * fraction)
             free = max(0, min(free, total - reserved))
         peak, now = _stat(st, "allocated_bytes", "peak"), _stat(st, "allocated_bytes", "current")
-        return Memory(free, total, reserved, peak, st.get("num_alloc_retries", 0), now)
+        top = _stat(st, "reserved_bytes", "peak")
+        return Memory(free, total, reserved, peak, st.get("num_alloc_retries", 0), now, top)
 
     def allocated(self) -> int:
         return self.counters()[1]
@@ -74,8 +77,9 @@ class AutoBudget:
     for a loop that resets the counters before each step. After a retried
     allocation (the GPU ran full), less than the last step held, and a margin more until
     ``QUIET`` steps pass without one; not less again while allocations are retried at what a
-    cut left. A step found to save r times more than the last (a larger batch) gets
-    ``grown(r)``."""
+    cut left. The margin is at least the most the allocator has reserved past its allocated
+    peak (fragmentation, a second stream's pool). A step found to save r times more than the
+    last (a larger batch) gets ``grown(r)``."""
 
     QUIET = 8
 
@@ -88,6 +92,8 @@ class AutoBudget:
         self.retries: int | None = None
         self.cut: int | None = None  # what the last step held when a retry cut the budget
         self.extra = 0  # a margin more after a retry: the GPU ran full with what was seen
+        self.overhead = 0  # the most reserved past the allocated peak (fragmentation, other pools)
+        self.overhead_won = False  # ... and the margin is that, not a share of the memory
         self.quiet = 0  # steps since the last retry
         self.room: int | None = None  # at the last look: the memory for activations and the rest
         self.base = 0  # at the last look: allocated before the step (an optimizer's state appears after the first)
@@ -122,6 +128,10 @@ class AutoBudget:
             most, self.made_at = max(seen)
             self.made = max(0, most) - self.base
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
+        past = min(mem.reserved_peak - mem.allocated_peak, int(mem.total * OVERHEAD_CAP))
+        self.overhead = max(self.overhead, past)  # never less: a plan that frees it might not hold
+        self.overhead_won = self.overhead > margin
+        margin = max(margin, self.overhead)
         self.quiet = 0 if retried else self.quiet + 1
         if self.quiet >= self.QUIET:
             self.extra, self.cut = 0, None
@@ -149,8 +159,9 @@ class AutoBudget:
         free, reserved, margin, queued = (format_size(x) for x in self.parts)
         made = "nothing measured yet" if self.made is None else format_size(max(self.made, 0))
         at = f" (at {self.made_at})" if self.made is not None and self.made_at else ""
+        why = " (what the allocator reserved past its peak)" if self.overhead_won else ""
         return (
-            f"{free} free and {reserved} cached, less a margin of {margin} and {queued} of copies queued; "
+            f"{free} free and {reserved} cached, less a margin of {margin}{why} and {queued} of copies queued; "
             f"less {format_size(self.base)} allocated as the step began and {made} the last step added "
             f"beside the activations held{at}"
         )
