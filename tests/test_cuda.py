@@ -584,6 +584,8 @@ def test_an_auto_device_budget_is_not_hidden_by_an_earlier_peak(store_dir):
     got = train_cuda(CFG, ssd)
     assert_same(train_cuda(CFG), got)
     assert torch.cuda.max_memory_allocated() < high and got[2].plan is not None
+    # Its cache emptied too: what it reserved is not taken for this training's overhead.
+    assert torch.cuda.max_memory_reserved() < high
 
 
 @pytest.mark.parametrize("default", [False, True], ids=["adaptive-auto", "default-policy"])
@@ -670,6 +672,20 @@ def test_the_arena_is_pinned_at_attach(store_dir):
     model = build_model(CFG).cuda()
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:
         assert off.cuda.registered or off.uses_cufile  # before the first forward (cuFile: no arena use)
+
+
+def test_a_reused_store_keeps_its_arena_pinned_and_trains_exactly(store_dir):
+    ref = train_cuda(CFG)
+    ssd = offload_config(store_dir, host="64MiB")
+    arenas = []
+    with ssdtier.reusing_stores():
+        for _ in range(2):
+            got = train_cuda(CFG, ssd, on_step=lambda off: arenas.append((off.store, off.cuda.pinned)))
+            assert_same(ref, got)
+            assert got[2].tensors_offloaded > 0
+        (store, pinned), last = arenas[0], arenas[-1]
+        assert last == (store, pinned) and pinned.arena is not None  # pinned once, still
+    assert store.closed and pinned.arena is None
 
 
 def test_an_auto_arena_is_sized_from_the_models_gpu(store_dir, monkeypatch):
