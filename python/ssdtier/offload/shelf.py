@@ -96,6 +96,8 @@ def put(store: ByteStore, pinned: Pinned | None) -> bool:
         return False
     new = Shelved(store_key(store.config), store, pinned)
     with _lock:
+        if _depth == 0:  # the context ended meanwhile: nothing would close it
+            return False
         old = _take()
         _put(new)
     if old is not None:
