@@ -742,18 +742,16 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
     method = next((r["memory_method"] for r in results if "memory_method" in r), "not measured")
     lines = [describe(w), f"peak: activation memory of a step ({method}); ms/sample: median step / batch", ""]
     lines.append(table(head, rows))
-    lines += [f"{r['setting']}: {r['status']}: {r.get('error', '')}" for r in results if r.get("status") != "ok"]
-    longer = [f"{r['setting']} +{r['settle_steps']}" for r in ok if r.get("settle_steps")]
-    if longer:
-        lines.append(f"warmup steps more, until the plan stood for a step: {', '.join(longer)}")
-    retried = [f"{r['setting']} {r['alloc_retries']}" for r in ok if r.get("alloc_retries")]
-    if retried:
-        lines.append(f"allocations retried in the measured steps (the GPU ran full; each a synchronization): "
-                     f"{', '.join(retried)}")  # fmt: skip
-    guarded = [f"{r['setting']} {r['guard_recomputed']:g}" for r in ok if r.get("guard_recomputed")]
-    if guarded:
-        lines.append(f"blocks a measured step recomputed past ssdtier's plan (its forward would have passed "
-                     f"the budget): {', '.join(guarded)}")  # fmt: skip
+    lines += [outcome(r) for r in results if r.get("status") != "ok"]
+    for key, sign, what in (
+        ("settle_steps", "+", "warmup steps more, until the plan stood for a step"),
+        ("alloc_retries", "", "allocations retried in the measured steps (the GPU ran full; each a synchronization)"),
+        ("guard_recomputed", "", "blocks a measured step recomputed past ssdtier's plan (its forward would have "
+                                 "passed the budget)"),
+    ):  # fmt: skip
+        named = [f"{r['setting']} {sign}{r[key]:g}" for r in ok if r.get(key)]
+        if named:
+            lines.append(f"{what}: {', '.join(named)}")
     if any(r.get("losses_equal_keep") is None for r in ok):
         lines.append("losses '-': not compared (compiled kernels round otherwise)")
     if ok and all("paired_ratio" in r for r in ok):

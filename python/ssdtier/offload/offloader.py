@@ -902,12 +902,13 @@ class Offloader:
 
     def _close_store(self) -> None:
         pinned = None
-        if self._gds is None and shelf.wanted():  # shelved below, with its arena still pinned
+        shelving = self._gds is None and shelf.wanted()  # shelved below, its arena still pinned
+        if shelving:
             pinned, self.cuda.pinned = self.cuda.pinned, None
         self.cuda.close()
         if self._gds is not None:
             self._gds.close()  # its transfers end first; its handles go before the files close
-        if self._gds is None and shelf.put(self.store, pinned):
+        if shelving and shelf.put(self.store, pinned):
             self.cpu.close()
             return
         if pinned is not None:

@@ -94,12 +94,12 @@ def put(store: ByteStore, pinned: Pinned | None) -> bool:
     st = store.stats()
     if st.entries or st.failure is not None or st.quarantined_bytes:
         return False
+    global _shelf
     new = Shelved(store_key(store.config), store, pinned)
     with _lock:
         if _depth == 0:  # the context ended meanwhile: nothing would close it
             return False
-        old = _take()
-        _put(new)
+        old, _shelf = _shelf, new
     if old is not None:
         _close(old)
     return True
@@ -109,11 +109,6 @@ def _take() -> Shelved | None:
     global _shelf
     got, _shelf = _shelf, None
     return got
-
-
-def _put(s: Shelved) -> None:
-    global _shelf
-    _shelf = s
 
 
 def _after_fork_in_child() -> None:
