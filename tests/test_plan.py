@@ -8,6 +8,7 @@ import random
 import pytest
 
 from ssdtier.plan import Action, Block, Head, Outcome, Transfers, simulate, solve
+from ssdtier.sizes import format_size
 
 MB = 1_000_000
 GiB = 1 << 30
@@ -158,6 +159,8 @@ def test_below_checkpointing_the_inputs_leave_too():
 def test_a_budget_nothing_meets_gives_the_least_memory_and_says_so():
     p = solve(uniform(), disk(5e9), device_budget=50 * MB, head=Head(60 * MB))
     assert not p.fits and "nothing fits" in p.reason
+    # What no block's action moves is named: here the head's saved 60 MB.
+    assert f"{format_size(60 * MB)} of it is the loss's" in p.reason, p.reason
     # Every block offloaded holds one block back at a time: less than recomputing any.
     assert p.actions == (OF,) * 8 and p.outcome.peak == 100 * MB
 

@@ -500,6 +500,10 @@ def solve(
     if got.fits_host and got.peak <= budget:
         return _plan(blocks, acts, got, tr, head, budget, step, True, "the fastest mix within the budget")
     reason = f"nothing fits the budget: the least memory found ({format_size(got.peak)} predicted)"
+    fixed = head.bytes + head.working  # no block's action moves these: a smaller loss would
+    if fixed:
+        working = f", {format_size(head.working)} of it working memory" if head.working else ""
+        reason += f"; {format_size(fixed)} of it is the loss's and what follows the last block{working}"
     return _plan(blocks, acts, got, tr, head, budget, step, False, reason)
 
 
