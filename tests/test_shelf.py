@@ -8,7 +8,7 @@ import warnings
 import torch
 
 import ssdtier
-from ssdtier.bench.models import GPTConfig
+from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 from ssdtier.offload import offloader, shelf
 from ssdtier.store import ByteStore
 
@@ -122,3 +122,61 @@ def test_a_fork_child_never_takes_the_parents_store(store_dir):
         got = q.get(timeout=60)
         p.join(60)
     assert got == (True, False)
+
+
+def test_an_attach_that_fails_leaves_no_store_open_nor_takes_the_shelved_one(store_dir, gpu, monkeypatch):  # noqa: F811
+    import pytest
+
+    from ssdtier.errors import ConfigError
+    from ssdtier.offload import readahead
+
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    seen = stores_seen(monkeypatch)
+    cfg = offload_config(store_dir, host="1MiB", zero_copy=False)
+    with ssdtier.reusing_stores():
+        train(GPT, cfg)
+        shelved = shelf._shelf
+        # Bad settings fail before a store is taken: the shelved one waits, still pinned.
+        with pytest.raises(ConfigError):
+            ssdtier.attach(build_model(GPT), {**cfg, "policy": {**cfg["policy"], "layers": "nope"}})
+        assert shelf._shelf is shelved and len(gpu.registered) == 1
+        # A failure after it took the store closes it, the arena unregistered first.
+        monkeypatch.setattr(readahead.ReadAhead, "__init__", lambda *a: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            ssdtier.attach(build_model(GPT), cfg)
+        assert shelf._shelf is None and shelved.store.closed and not gpu.registered
+    assert seen == [shelved.store]
+
+
+def test_a_store_is_shelved_once_when_both_a_detach_and_a_release_ask(store_dir):
+    # A graph outlives detach(): its last release closes the store. Asked again (a detach
+    # racing that release on another thread), the store on the shelf stays open.
+    torch.manual_seed(0)
+    model = build_model(GPT)
+    with ssdtier.reusing_stores():
+        off = ssdtier.attach(model, offload_config(store_dir))
+        loss = batch_loss(model, make_batch(GPT, 2, torch.Generator().manual_seed(1)))
+        assert off.entries.live
+        off.detach()
+        assert shelf._shelf is None  # the graph holds entries
+        del loss
+        assert shelf._shelf is not None and shelf._shelf.store is off.store
+        with off._lock:
+            off._close_store()
+        assert shelf._shelf.store is off.store and not off.store.closed
+
+
+def test_a_fork_child_leaving_its_parents_context_closes_nothing(store_dir):
+    import os
+
+    with ssdtier.reusing_stores():
+        train(GPT, offload_config(store_dir))
+        r, w = os.pipe()
+        pid = os.fork()
+    if pid == 0:  # the child, past the context it inherited
+        os.write(w, str(shelf._depth).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 16) == b"0"
+    os.close(r)
+    os.close(w)

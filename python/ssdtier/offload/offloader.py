@@ -4,6 +4,7 @@ hand its storage to a transport (cpu.py, cuda.py) and rebuild the view in backwa
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import logging
 import os
@@ -28,7 +29,7 @@ from ._util import Once, cuda_device, imported, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
-from .cufile import carries, open_cufile
+from .cufile import CuFile, carries, open_cufile
 from .entry import Distributed, Entry, Kept, Reading, Restored, Same, Saved, Writing, check_version, version_of
 from .forward import (
     NO_OFFLOAD,
@@ -119,6 +120,15 @@ TRACED = (
 )
 
 
+class Life(enum.Enum):
+    """An offloader's lifetime: hooked; detached with entries that graphs still hold; its
+    store closed (or shelved)."""
+
+    ATTACHED = "attached"
+    DETACHED = "detached"
+    CLOSED = "closed"
+
+
 def _on_cpu(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in itertools.chain(model.parameters(), model.buffers()))
 
@@ -157,11 +167,6 @@ class Offloader:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._model = weakref.ref(model)  # the offloader's own cycles must not hold the model
         self.config = config
-        shelved = shelf.take(config)  # inside reusing_stores(): the last detach's, if alike
-        self.store = shelved.store if shelved is not None else ByteStore(config)
-        if shelved is not None:
-            log.info("ssdtier: reusing the store of a detached offloader: %r", self.store)
-        self._native = self.store.native
         self._lock = threading.RLock()
         self.cuda_ok = torch.cuda.is_available()
         self._min_bytes = pol.min_tensor_bytes
@@ -204,16 +209,11 @@ class Offloader:
         # Kept tensors' storages: (device, pointer) -> one item per kept handle holding it
         self._kept_st: dict[StorageKey, list[None]] = {}
         self.entries = Entries()
-        self._closed = False
+        self._life = Life.ATTACHED
         self.c = dict.fromkeys(COUNTS, 0)
         self.res = Resident()
         self.once = Once()
         self.traced = False  # a block's hooks ran inside a graph torch.compile made
-        self._gds = open_cufile(model, config, self._native)  # closed below if attach fails
-        self.cpu = CpuTransport(self, self._gds)
-        self.cuda = CudaTransport(self)
-        self.cuda.pinned = shelved.pinned if shelved is not None else None
-        self.ahead = ReadAhead(self, pol.prefetch_layers)
         # What the first forward held in memory, to say why if it offloaded nothing.
         self._first: FirstForward | None = None if pol.mode in ("none", "adaptive") else FirstForward()
         # Adaptive mode keeps what the I/O cannot hide by itself; with "all" a user is told.
@@ -222,7 +222,19 @@ class Offloader:
         self._recompute: list[Recompute] = []
         self.adaptive: Adaptive | None = None
         self._sample: Callable[[int], None] | None = None  # device_budget = "auto": GPU memory now
+        # The store last: what fails before it leaves nothing open, what fails after closes it.
+        shelved = shelf.take(config)  # inside reusing_stores(): the last detach's, if alike
+        self.store = shelved.store if shelved is not None else ByteStore(config)
+        if shelved is not None:
+            log.info("ssdtier: reusing the store of a detached offloader: %r", self.store)
+        self._native = self.store.native
+        self.cuda = CudaTransport(self)
+        self.cuda.pinned = shelved.pinned if shelved is not None else None  # unpinned by cuda.close()
+        self._gds: CuFile | None = None
         try:
+            self._gds = open_cufile(model, config, self._native)
+            self.cpu = CpuTransport(self, self._gds)
+            self.ahead = ReadAhead(self, pol.prefetch_layers)
             if device is not None and self._gds is None and offloads:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
@@ -252,7 +264,7 @@ class Offloader:
         except BaseException:
             # Nothing left behind: no hook on the model, and the store closed.
             self._unhook()
-            self._closed = True
+            self._life = Life.CLOSED
             self.cuda.close()
             if self._gds is not None:
                 self._gds.close()
@@ -465,7 +477,7 @@ class Offloader:
     def _pack_subclass(self, t: torch.Tensor) -> Any:
         """A DTensor goes through its local tensor (tensor parallelism's activations); other
         subclasses (float8, NF4, ...) stay in memory, said once."""
-        if self._closed:
+        if self._life is not Life.ATTACHED:
             return Same(t)
         if _is_dtensor(t):
             local = self._pack(t._local_tensor)  # counted there
@@ -485,7 +497,7 @@ class Offloader:
             return self._pack_subclass(t)
         c = self.c
         c["packs"] += 1
-        if self._closed:
+        if self._life is not Life.ATTACHED:
             return Same(t)  # hooks an interrupted forward left on another thread, after detach()
         base = t._base
         if base is not None and isinstance(base, nn.Parameter):
@@ -535,7 +547,7 @@ class Offloader:
             self.once.warn("graph", "activations saved while a CUDA graph is captured stay in memory")
             return self._keep(t, nbytes, f, (dev, ptr))
         with self._lock:
-            if self._closed:
+            if self._life is not Life.ATTACHED:
                 return Same(t)  # detach() on another thread since the check above
             hit = self.entries.same_storage((dev, ptr), st, t._version)
             if hit is not None:
@@ -786,7 +798,7 @@ class Offloader:
                     self.cuda.free_key(e)
                 else:
                     self._free_key(e.key)
-            if self._closed and self.entries.live == 0:
+            if self._life is Life.DETACHED and self.entries.live == 0:
                 self._close_store()
 
     def drop_source(self, e: Entry) -> None:
@@ -869,14 +881,14 @@ class Offloader:
 
     def detach(self) -> None:
         """Remove every hook and restore the module; the store closes once no graph holds an entry."""
-        if self._closed:
+        if self._life is not Life.ATTACHED:
             return
         self._unhook()
         self._unregister()
         if any(self._tls.fwd.pushed):
             drop_interrupted(self._tls.fwd, "was not finished at detach()")
-        self._closed = True
         with self._lock:
+            self._life = Life.DETACHED
             if self.entries.live == 0:
                 self._close_store()
 
@@ -885,7 +897,7 @@ class Offloader:
         and the CUDA context are the parent's. The model's hooks go, the handles left let go of
         nothing, and attach() works again here."""
         self._lock = threading.RLock()  # a thread of the parent may have held it
-        self._closed = True
+        self._life = Life.CLOSED
         self._release = _let_go_of_nothing
         self._unhook()
         self._unregister()
@@ -901,6 +913,10 @@ class Offloader:
         self._params.forget()  # the model's parameters, held by their dicts
 
     def _close_store(self) -> None:
+        """Close or shelve the store, once: a detach and the last entry's release may both ask."""
+        if self._life is Life.CLOSED:
+            return
+        self._life = Life.CLOSED
         pinned = None
         shelving = self._gds is None and shelf.wanted()  # shelved below, its arena still pinned
         if shelving:

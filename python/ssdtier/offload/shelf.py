@@ -42,16 +42,18 @@ def reusing_stores() -> Iterator[None]:
     """Inside, a detached offloader's store (its host arena mapped, registered and pinned)
     waits for the next attach with the same store settings; the last one closes on exit."""
     global _depth
+    pid = os.getpid()
     with _lock:
         _depth += 1
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            left = _take() if _depth == 0 else None
-        if left is not None:
-            _close(left)
+        if os.getpid() == pid:  # a fork child leaving its parent's context has nothing of it
+            with _lock:
+                _depth -= 1
+                left = _take() if _depth == 0 else None
+            if left is not None:
+                _close(left)
 
 
 def wanted() -> bool:
@@ -75,7 +77,7 @@ def take(cfg: Config) -> Shelved | None:
         got = _take()
     if got is None:
         return None
-    if got.key != store_key(cfg):
+    if got.store.closed or got.key != store_key(cfg):
         _close(got)
         return None
     got.store.native.reset_counters()
@@ -100,7 +102,7 @@ def put(store: ByteStore, pinned: Pinned | None) -> bool:
         if _depth == 0:  # the context ended meanwhile: nothing would close it
             return False
         old, _shelf = _shelf, new
-    if old is not None:
+    if old is not None and old.store is not store:
         _close(old)
     return True
 
@@ -115,6 +117,8 @@ def _after_fork_in_child() -> None:
     """A fork child (a DataLoader worker) never takes the parent's store: its rings, threads
     and pinned pages are the parent's."""
     global _lock, _shelf, _depth
+    if _shelf is not None and _shelf.pinned is not None:
+        _shelf.pinned.arena = None  # not unregistered here: CUDA is the parent's
     _lock, _shelf, _depth = threading.Lock(), None, 0
 
 
