@@ -137,3 +137,25 @@ def test_the_margin_is_at_least_what_the_allocator_reserved_past_its_peak():
     assert ab.next(2 * g, 0, Memory(50 * g, 100 * g, 10 * g, 20 * g, 0, 0, 21 * g)) == 30 * g  # kept
     ab.sample(20 * g, 2 * g)
     assert ab.next(2 * g, 0, Memory(50 * g, 100 * g, 10 * g, 20 * g, 0, 0, 90 * g)) == 17 * g  # a quarter at most
+
+
+def test_a_loop_that_resets_the_peak_counters_does_not_make_the_cache_a_margin():
+    # Reset before each step, the counters at its start set the whole cache (the last step's
+    # activations) against what outlives a step: the margin reads them as the step's backward
+    # ended instead, where both peaks are the step's.
+    from ssdtier.offload.budget import AutoBudget, Counters, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(50 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    reset = Memory(40 * g, 100 * g, 60 * g, 10 * g, 0, 10 * g, 60 * g)  # peak = allocated, cache 60
+    ab.sample(20 * g, 2 * g)
+    ab.next(40 * g, 0, reset, step_peak=58 * g, end=Counters(58 * g, 12 * g, 62 * g))
+    assert ab.parts[2] == 5 * g  # 4 past the peak in the step: the 5% stand
+    ab.sample(20 * g, 2 * g)
+    ab.next(40 * g, 0, reset, step_peak=58 * g, end=Counters(58 * g, 12 * g, 70 * g))
+    assert ab.parts[2] == 12 * g
+    # Not reset since the backward's end: the counters now count too (the optimizer's step).
+    ab.sample(20 * g, 2 * g)
+    ab.next(40 * g, 0, Memory(40 * g, 100 * g, 60 * g, 58 * g, 0, 10 * g, 73 * g), end=Counters(58 * g, 12 * g, 70 * g))
+    assert ab.parts[2] == 15 * g

@@ -15,7 +15,7 @@ from torch import nn
 import ssdtier
 from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive
-from ssdtier.offload.budget import Memory
+from ssdtier.offload.budget import Counters, Memory
 from ssdtier.offload.recompute import Recompute
 from ssdtier.offload.settled import Settled
 from ssdtier.plan import Action
@@ -526,7 +526,7 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
 
     class Meter:  # the allocator's counters: the step's number
         def counters(self):
-            return len(reads), len(reads)
+            return Counters(len(reads), len(reads))
 
     init, adopt = Adaptive.__init__, Adaptive._adopt
 
@@ -564,7 +564,7 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
         backward = False
 
         def counters(self):
-            return (9 * gib, 2 * gib) if self.backward else (1 * gib, 1 * gib)
+            return Counters(9 * gib, 2 * gib) if self.backward else Counters(1 * gib, 1 * gib)
 
     class FakeGpu:
         def memory(self):
@@ -579,9 +579,9 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
         init(self, off)
         self.meter, self.gpu = Meter(), FakeGpu()
 
-    def recorded(self, held, queued, mem, step_peak=None):
+    def recorded(self, held, queued, mem, step_peak=None, end=None):
         seen.append(step_peak)
-        return next_budget(self, held, queued, mem, step_peak=step_peak)
+        return next_budget(self, held, queued, mem, step_peak=step_peak, end=end)
 
     replan, reached = Adaptive.replan, Adaptive.backward_reached
 
@@ -613,7 +613,7 @@ def test_the_steps_peak_is_read_as_its_backward_ends(store_dir, monkeypatch):
         done = False
 
         def counters(self):
-            return (7 * gib if self.done else 5 * gib), gib
+            return Counters(7 * gib if self.done else 5 * gib, gib)
 
     meter = Meter()
     init = Adaptive.__init__
@@ -709,16 +709,17 @@ def test_a_fixed_budget_learns_the_peak_the_model_misses():
     me = SimpleNamespace(ran=[K] * 4, working=0, transfers=lambda: tr)
     base = 2 * GiB
     peak = base + model + 500 * mb
-    Adaptive._learn(me, blocks, head, (base, base), (peak, base))  # a new peak
+    Adaptive._learn(me, blocks, head, Counters(base, base), Counters(peak, base))  # a new peak
     assert me.working == 500 * mb
-    Adaptive._learn(me, blocks, head, (peak, base + 300 * mb), (peak, base))  # the same, from 300 MiB higher
+    # The same peak, from 300 MiB higher:
+    Adaptive._learn(me, blocks, head, Counters(peak, base + 300 * mb), Counters(peak, base))
     assert me.working == 200 * mb
-    Adaptive._learn(me, blocks, head, (peak, base), (base + mb, base + mb))  # reset within the step
+    Adaptive._learn(me, blocks, head, Counters(peak, base), Counters(base + mb, base + mb))  # reset within the step
     assert me.working == 200 * mb
-    Adaptive._learn(me, blocks, head, (peak, base), None)  # no backward reached the first block
+    Adaptive._learn(me, blocks, head, Counters(peak, base), None)  # no backward reached the first block
     assert me.working == 200 * mb
     # A loop that resets the counters before each step (as benches do): the step's own peak.
-    Adaptive._learn(me, blocks, head, (base + mb, base), (base + model + 700 * mb, base))
+    Adaptive._learn(me, blocks, head, Counters(base + mb, base), Counters(base + model + 700 * mb, base))
     assert me.working == 700 * mb
 
 

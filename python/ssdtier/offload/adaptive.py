@@ -19,7 +19,7 @@ from ..plan import Action, Decision, Head, Outcome, Plan, Transfers, simulate, s
 from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
-from .budget import AutoBudget, Gpu
+from .budget import AutoBudget, Counters, Gpu
 from .control import StepControl
 from .profile import Profile
 from .settled import Settled, shapes
@@ -94,8 +94,8 @@ class Adaptive:
         self.fixed = isinstance(off.config.policy.device_budget, int)
         self.meter = Gpu(self.device) if self.device is not None else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
-        self.mark: tuple[int, int] | None = None  # the allocator's (peak, allocated) as the step began
-        self.end: tuple[int, int] | None = None  # ... as its backward ended (or reached the first block)
+        self.mark: Counters | None = None  # the allocator's counters as the step began
+        self.end: Counters | None = None  # ... as its backward ended (or reached the first block)
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
@@ -276,8 +276,8 @@ class Adaptive:
         queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
         # The step's own peak, read in its backward: a loop may reset the counters before the next.
         mark, end = self.mark, self.end
-        step_peak = end[0] if mark is not None and end is not None and end[0] > mark[0] else None
-        got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak)
+        step_peak = end.peak if mark is not None and end is not None and end.peak > mark.peak else None
+        got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak, end=end)
         got = self.auto.first() if got is None else got
         last = self.auto_last  # not a larger batch's cut of it (grew)
         if got is not None and last is not None and last < got <= last * (1 + SAME):
@@ -364,14 +364,14 @@ class Adaptive:
         f.off_tag = list(self.off._off_tag)
         self.replan_s += time.perf_counter() - t0
 
-    def _learn(self, blocks: list, head: Head, start: tuple[int, int] | None, end: tuple[int, int] | None) -> None:
+    def _learn(self, blocks: list, head: Head, start: Counters | None, end: Counters | None) -> None:
         """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began
         and as its backward ended) against the model's for what it ran; the
         difference is ``Head.working`` from now on. A step that set no new peak only bounds it
         from above; counters reset within the step say nothing."""
         if start is None or end is None or self.ran is None or len(self.ran) != len(blocks):
             return
-        (peak0, base), (peak, _) = start, end
+        peak0, base, peak = start.peak, start.allocated, end.peak
         if peak < peak0:  # the loop reset the counters within the step: nothing to learn
             return
         predicted = simulate(blocks, self.ran, self.transfers(), head).peak

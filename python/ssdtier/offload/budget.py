@@ -4,6 +4,7 @@ measured before each step (docs/planner.md#the-device-budget)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,14 @@ class Memory:
     reserved_peak: int = 0  # the most reserved at once, counted since the same reset
 
 
+class Counters(NamedTuple):
+    """The allocator's counters at one moment (peaks since they were last reset)."""
+
+    peak: int  # allocated
+    allocated: int
+    reserved_peak: int = 0
+
+
 class Gpu:
     """Reads one GPU's memory (tests give adaptive mode a stand-in)."""
 
@@ -51,10 +60,10 @@ class Gpu:
     def allocated(self) -> int:
         return self.counters()[1]
 
-    def counters(self) -> tuple[int, int]:
-        """The allocator's peak and current allocated bytes."""
+    def counters(self) -> Counters:
         st = torch.cuda.memory_stats_as_nested_dict(self.device)
-        return _stat(st, "allocated_bytes", "peak"), _stat(st, "allocated_bytes", "current")
+        peak, now = _stat(st, "allocated_bytes", "peak"), _stat(st, "allocated_bytes", "current")
+        return Counters(peak, now, _stat(st, "reserved_bytes", "peak"))
 
 
 def _stat(st: dict, name: str, which: str) -> int:
@@ -110,11 +119,13 @@ class AutoBudget:
             return None
         return max(0, self.room - self.base) // 2
 
-    def next(self, held: int, queued: int, mem: Memory, step_peak: int | None = None) -> int | None:
+    def next(
+        self, held: int, queued: int, mem: Memory, step_peak: int | None = None, end: Counters | None = None
+    ) -> int | None:
         """The budget for the step about to start, after a step that held at most ``held``
         bytes of activations with at most ``queued`` bytes of copies out queued and, if it set
-        a new one, reached the allocator's peak ``step_peak`` (read in its backward); None at
-        the first look, before any step was seen."""
+        a new one, reached the allocator's peak ``step_peak``; ``end``: the counters as its
+        backward ended. None at the first look, before any step was seen."""
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
@@ -128,7 +139,12 @@ class AutoBudget:
             most, self.made_at = max(seen)
             self.made = max(0, most) - self.base
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
-        past = min(mem.reserved_peak - mem.allocated_peak, int(mem.total * OVERHEAD_CAP))
+        # Past the peak as the step's backward ended, and now unless a loop reset the counters
+        # since (now would set the whole cache against what is allocated between steps).
+        pasts = [end.reserved_peak - end.peak] if end is not None else []
+        if end is None or mem.allocated_peak >= end.peak:
+            pasts.append(mem.reserved_peak - mem.allocated_peak)
+        past = min(max(pasts), int(mem.total * OVERHEAD_CAP))
         self.overhead = max(self.overhead, past)  # never less: a plan that frees it might not hold
         self.overhead_won = self.overhead > margin
         margin = max(margin, self.overhead)
