@@ -61,7 +61,8 @@ def test_bench_train_hf_model(store_dir):
 
 def test_bench_train_on_cuda_shows_reserved_memory_too():
     # On a GPU a freed source whose copy out is still queued is reserved, not allocated.
-    from ssdtier.bench.train import Workload, ratios, render
+    from ssdtier.bench.summary import ratios, render
+    from ssdtier.bench.train import Workload
 
     def result(setting, peak, reserved):
         return {"setting": setting, "mode": setting, "status": "ok", "batch": 2, "peak_bytes": peak << 20,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from ssdtier.bench import lockstep, train
+from ssdtier.bench import lockstep, train, train_cli
 from ssdtier.bench.train import Mode, Setting
 
 from .test_bench_rok import TINY
@@ -72,4 +72,4 @@ def test_the_cli_passes_lockstep_and_refuses_it_on_cuda(monkeypatch):
         assert not parser.parse_args(["bench", bench]).lockstep
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     with pytest.raises(ConfigError, match="CPU only"):
-        train.workload_of(parser.parse_args(["bench", "rok", "--lockstep", "--device", "cuda"]))
+        train_cli.workload_of(parser.parse_args(["bench", "rok", "--lockstep", "--device", "cuda"]))

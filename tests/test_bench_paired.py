@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from ssdtier.bench import paired, rok, train
+from ssdtier.bench import paired, rok, summary, train, train_cli
 from ssdtier.bench.train import Mode, Setting
 
 from .test_bench_rok import TINY, parse
@@ -53,7 +53,7 @@ def test_paired_ratios_judge_where_the_processes_drifted():
         _row("checkpoint", "checkpoint", 30, 1.1, 1.20),
         _row("ssdtier 0.35x keep", "ssdtier", 30, 1.3, 1.01),
     ]
-    train.ratios(results)
+    summary.ratios(results)
     assert [r["time_vs_keep"] for r in results] == [0.99, 1.20, 1.01]
     row = next(d for d in rok.dominance(results) if d["fraction"] == 0.4)
     assert row["ratio"] == pytest.approx(1.01 / 1.20) and row["met"]
@@ -68,15 +68,15 @@ def test_rounds_take_the_median_paired_ratio():
     for (r,) in rounds:
         r["median_step_s"] = r["s_per_sample"]
         r["tokens_per_s"] = 1.0
-    (got,) = train.combine(rounds)
+    (got,) = train_cli.combine(rounds)
     assert got["paired_ratio"] == 1.00 and got["round_paired_ratio"] == [1.02, 0.97, 1.00]
 
 
 def test_the_cli_passes_paired_and_refuses_it_on_cuda(monkeypatch):
     from ssdtier.errors import ConfigError
 
-    assert train.workload_of(parse("--paired", "--device", "cpu")).paired
-    assert not train.workload_of(parse("--device", "cpu")).paired
+    assert train_cli.workload_of(parse("--paired", "--device", "cpu")).paired
+    assert not train_cli.workload_of(parse("--device", "cpu")).paired
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     with pytest.raises(ConfigError, match="CPU only"):
-        train.workload_of(parse("--paired", "--device", "cuda"))
+        train_cli.workload_of(parse("--paired", "--device", "cuda"))

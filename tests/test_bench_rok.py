@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ssdtier.bench import add_parser, fit, rok, train
+from ssdtier.bench import add_parser, fit, rok, summary, train, train_cli
 from ssdtier.bench.train import Mode, Setting, Workload
 
 from .test_cli import ssdtier
@@ -96,9 +96,9 @@ def test_a_setting_that_fails_is_a_row_and_the_run_goes_on(monkeypatch):
     r = train.measure_safely(Setting(Mode.SSDTIER, budget=1 << 20), replace(w, warmup=1), lambda: None)
     assert r["status"] == "OOM" and "(in step 2, after 1 warmup; ssdtier: device budget 1MiB, " in r["error"], r
     results = [train.failed(Setting(Mode.KEEP), TINY, "OOM", "x"), train.failed(Setting(Mode.SAC), TINY, "error", "y")]
-    train.ratios(results)
+    summary.ratios(results)
     assert rok.dominance(results) == [] and "keep did not run" in rok.render_dominance([])
-    text = train.render(results, TINY)
+    text = summary.render(results, TINY)
     assert "keep: OOM: x" in text and "sac: error: y" in text
 
 
@@ -125,26 +125,26 @@ def test_ssdtier_warms_up_until_its_plan_stands(monkeypatch):
     # Its losses are compared with keep's over the steps both took.
     keep = result("keep", "keep", 10, 1, losses=["a", "b"], tokens_per_s=1.0)
     ours = result("ssdtier 0.5x keep", "ssdtier", 5, 1, losses=["a", "b", "c"], tokens_per_s=1.0)
-    train.ratios([keep, ours])
+    summary.ratios([keep, ours])
     assert ours["losses_equal_keep"] is True
     ours["settle_steps"] = 2
-    assert "warmup steps more, until the plan stood for a step: ssdtier 0.5x keep +2" in train.render([keep, ours], w)
+    assert "warmup steps more, until the plan stood for a step: ssdtier 0.5x keep +2" in summary.render([keep, ours], w)
 
 
 def test_allocator_retries_are_said_where_they_happened():
     # A retried allocation empties the cache and synchronizes: a slow step its peak hides.
     keep = result("keep", "keep", 10, 1, losses=["a"], tokens_per_s=1.0, reserved_bytes=11 << 20)
     ours = result("ssdtier 0.5x keep", "ssdtier", 5, 1, losses=["a"], tokens_per_s=1.0, reserved_bytes=9 << 20)
-    train.ratios([keep, ours])
-    assert "allocations retried" not in train.render([keep, ours], TINY)
+    summary.ratios([keep, ours])
+    assert "allocations retried" not in summary.render([keep, ours], TINY)
     assert train.in_a_line(ours) == "peak 5MiB, 0.001 s a step, reserved 9MiB"
     ours["alloc_retries"] = 3
     assert "allocations retried in the measured steps (the GPU ran full; each a synchronization): " \
-        "ssdtier 0.5x keep 3" in train.render([keep, ours], TINY)  # fmt: skip
+        "ssdtier 0.5x keep 3" in summary.render([keep, ours], TINY)  # fmt: skip
     assert train.outcome(ours) == "ssdtier 0.5x keep: peak 5MiB, 0.001 s a step, reserved 9MiB, 3 allocator retries"
     ours["guard_recomputed"] = 1.5
     assert "blocks a measured step recomputed past ssdtier's plan (its forward would have passed the budget): " \
-        "ssdtier 0.5x keep 1.5" in train.render([keep, ours], TINY)  # fmt: skip
+        "ssdtier 0.5x keep 1.5" in summary.render([keep, ours], TINY)  # fmt: skip
     assert train.in_a_line(ours).endswith("retries, 1.5 blocks a step recomputed past the plan")
     ours["plan"] = {"keep": 2, "recompute": 1}
     assert train.in_a_line(ours).endswith("past the plan, plan 2/0/1 (keep/offload/recompute)")
@@ -232,16 +232,16 @@ def test_interleaved_rounds_combine_by_their_medians():
         [timed("keep", "keep", 101, 1.2), timed("ssdtier 0.5x keep", "ssdtier", 49, 1.0)],
         [timed("keep", "keep", 100, 1.1), timed("ssdtier 0.5x keep", "ssdtier", 50, 1.1, ("b",))],
     ]
-    keep, ours = train.combine(rounds)
+    keep, ours = train_cli.combine(rounds)
     assert keep["median_step_s"] == 1.1 and keep["s_per_sample"] == pytest.approx(0.275)
     assert keep["peak_bytes"] == 100 * 2**20 and keep["round_step_s"] == [1.0, 1.2, 1.1]
     assert ours["median_step_s"] == 1.1 and keep["losses_equal_rounds"] and not ours["losses_equal_rounds"]
     assert ours["tokens_per_s"] == pytest.approx(4.0 / 1.1)
     failed = [{**rounds[1][1], "status": "error", "error": "boom"}]
-    assert train.combine([[rounds[0][1]], failed])[0]["status"] == "error"
+    assert train_cli.combine([[rounds[0][1]], failed])[0]["status"] == "error"
     late = [{**rounds[2][1], "status": "skipped", "error": "out of time"}]  # --budget-s ran out
-    assert train.combine([[rounds[0][1]], [rounds[1][1]], late])[0]["round_step_s"] == [1.3, 1.0]
-    assert train.combine(rounds[:1]) is rounds[0]
+    assert train_cli.combine([[rounds[0][1]], [rounds[1][1]], late])[0]["round_step_s"] == [1.3, 1.0]
+    assert train_cli.combine(rounds[:1]) is rounds[0]
 
 
 def test_every_other_round_runs_the_settings_in_reverse(monkeypatch):
@@ -256,7 +256,7 @@ def test_every_other_round_runs_the_settings_in_reverse(monkeypatch):
 
     monkeypatch.setattr(train, "run_one", run_one)
     settings = [Setting(Mode.KEEP), Setting(Mode.SSDTIER, fraction=0.5), Setting(Mode.CHECKPOINT)]
-    got = train.run_rounds(settings, TINY, "t", 4)
+    got = train_cli.run_rounds(settings, TINY, "t", 4)
     labels = [label for label, _ in ran]
     forward, backward = ["keep", "ssdtier 0.5x keep", "checkpoint"], ["checkpoint", "ssdtier 0.5x keep", "keep"]
     assert labels == forward + backward + forward + backward
@@ -270,7 +270,7 @@ def test_quick_runs_three_interleaved_rounds_unless_told():
     add_parser(parser.add_subparsers(dest="cmd"))
     for bench in ("train", "rok"):
         for argv, want in (([], 1), (["--quick"], 3), (["--quick", "--repeats", "1"], 1), (["--repeats", "2"], 2)):
-            assert train.repeats_of(parser.parse_args(["bench", bench, *argv])) == want, (bench, argv)
+            assert train_cli.repeats_of(parser.parse_args(["bench", bench, *argv])) == want, (bench, argv)
 
 
 class FakeAction(enum.Enum):
@@ -298,14 +298,14 @@ def test_the_plan_is_read_defensively():
 
 
 def test_settings_presets_and_options():
-    w = train.workload_of(parse("--quick", "--device", "cpu"))
+    w = train_cli.workload_of(parse("--quick", "--device", "cpu"))
     assert (w.layers, w.d_model, w.seq, w.batch, w.min_tensor_bytes) == (4, 128, 256, 8, "64KiB")
-    w = train.workload_of(parse("--wide", "--device", "cpu", "--layers", "2"))  # an option wins over the preset
+    w = train_cli.workload_of(parse("--wide", "--device", "cpu", "--layers", "2"))  # an option wins over the preset
     assert (w.layers, w.d_model, w.heads, w.sdpa, w.dtype, w.dropout) == (2, 4096, 32, True, "bf16", 0.0)
-    w = train.workload_of(parse("--long", "--device", "cpu"))
+    w = train_cli.workload_of(parse("--long", "--device", "cpu"))
     assert w.seq >= 16384 and w.sdpa
-    w = train.workload_of(parse("--quick", "--device", "cpu", "--throttle", "100MB"))
-    assert w.store_config(Setting(Mode.SSDTIER)).io.throttle == 100_000_000 and "throttled" in train.describe(w)
+    w = train_cli.workload_of(parse("--quick", "--device", "cpu", "--throttle", "100MB"))
+    assert w.store_config(Setting(Mode.SSDTIER)).io.throttle == 100_000_000 and "throttled" in summary.describe(w)
     with pytest.raises(SystemExit):
         parse("--quick", "--long")
     a = parse("--modes", "ssdtier,checkpoint", "--keep-last", "0", "--budget", "1MiB", "--fractions", "0.5")
@@ -332,7 +332,7 @@ def test_the_arena_is_the_packages_default_on_cuda():
     cuda = replace(TINY, device="cuda")
     assert train.auto_arena(cuda) == "auto"
     assert cuda.store_config(Setting(Mode.SSDTIER)).host.capacity == "auto"
-    assert train.losses_compared(replace(cuda, sdpa=True)) == 1 and train.losses_compared(TINY) is None
+    assert summary.losses_compared(replace(cuda, sdpa=True)) == 1 and summary.losses_compared(TINY) is None
 
 
 # ---------------------------------------------------------------- --fit
@@ -585,7 +585,7 @@ def test_ssdtier_on_compiled_blocks_trains_as_compile_does(store_dir, monkeypatc
     done = ours["offload"]  # the stats: a forced plan is not the planner's, so none is reported
     assert (done["layers_recomputed"], done["layers_kept"]) == (1, 1) and done["tensors_offloaded"] > 0, done
     results = [train.measure(Setting(Mode.KEEP), w, lambda: None), alone, ours]
-    train.ratios(results)
+    summary.ratios(results)
     assert ours["losses_equal_keep"] is True, (ours["losses"], alone["losses"])
 
 
@@ -596,7 +596,7 @@ def test_ssdtier_on_compile_is_compared_with_compile_at_its_budget():
     other = result("ssdtier on compile 0.5 0.3x keep", "ssdtier", 30, 9.9, memory_budget=0.5, losses=["c", "x"])
     lone = result("ssdtier on compile 1 0.4x keep", "ssdtier", 40, 9.5, memory_budget=1.0, losses=["e", "f"])
     eager = result("ssdtier 0.4x keep", "ssdtier", 40, 12.0, losses=["a", "b"])
-    train.ratios([keep, alone, same, other, lone, eager])
+    summary.ratios([keep, alone, same, other, lone, eager])
     assert [r["losses_equal_keep"] for r in (alone, same, other, lone, eager)] == [None, True, False, None, True]
     curves = [rok.family_of(r) for r in (keep, alone, same, eager)]
     assert curves == ["keep", "compile", "ssdtier on compile", "ssdtier"]

@@ -27,7 +27,7 @@ def _disk(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import cmd_train
+    from .train_cli import cmd_train
 
     return cmd_train(args)
 
@@ -40,7 +40,7 @@ def _rok(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Add ``bench`` and its commands to the ``ssdtier`` command's subparsers."""
-    from .train import add_workload_arguments
+    from .train_cli import add_workload_arguments
 
     bench = sub.add_parser(
         "bench", help="benchmarks: disk, train, rok", description=__doc__.split("\n\n")[0], formatter_class=Help

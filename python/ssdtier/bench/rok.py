@@ -34,26 +34,9 @@ from ..errors import ConfigError
 from ..sizes import format_size, parse_size
 from ._report import emit, jsonable, table
 from .fit import fit_all, within_mode
-from .train import (
-    Mode,
-    Setting,
-    Skipped,
-    Workload,
-    describe,
-    failed,
-    in_a_line,
-    losses_compared,
-    on_compile,
-    pace,
-    ratios,
-    render,
-    repeats_of,
-    resolve,
-    run_one,
-    run_rounds,
-    skip_reason,
-    workload_of,
-)
+from .summary import describe, losses_compared, on_compile, pace, ratios, render
+from .train import Mode, Setting, Skipped, Workload, failed, in_a_line, resolve, run_one, skip_reason
+from .train_cli import repeats_of, run_rounds, workload_of
 
 __all__ = ["DOMINANCE_FRACTIONS", "FRACTIONS", "TARGET", "cmd_rok", "dominance", "fit_settings", "settings_of"]
 

@@ -1,6 +1,6 @@
-"""``ssdtier bench train``: one model trained several ways side by side (keep, ssdtier,
-checkpoint, save_on_cpu), each setting's peak activation memory and step time; the
-machinery ``bench rok`` runs its modes with.
+"""One model trained several ways side by side (keep, ssdtier, checkpoint, save_on_cpu),
+each setting's peak activation memory and step time: the machinery ``bench train``
+(train_cli.py) and ``bench rok`` run their modes with.
 
 On the CPU each setting runs in a fresh process (``python -m ssdtier.bench.train``) with
 glibc's ``MALLOC_MMAP_THRESHOLD_`` at 64 KiB, so that freed activations leave the RSS: the
@@ -15,7 +15,6 @@ status and why; the others still run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import enum
 import json
@@ -30,27 +29,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from .._cli import CLI, positive
+from .._cli import CLI
 from ..config import Config
 from ..errors import ConfigError
 from ..paths import check_paths
 from ..sizes import format_size
-from ._report import Progress, emit, jsonable, table
+from ._report import Progress, jsonable
 
 __all__ = [
     "Mode",
     "Setting",
     "Workload",
-    "add_workload_arguments",
-    "cmd_train",
     "is_oom",
     "measure_safely",
-    "on_compile",
     "plan_counts",
     "plan_text",
-    "render",
     "run",
-    "workload_of",
 ]
 
 _TAG = "@@ssdtier-bench "  # the worker's lines to its parent: a step done, or the result
@@ -641,303 +635,12 @@ def in_a_line(r: dict[str, Any]) -> str:
     return line + (f", plan {plan_text(r['plan'])} (keep/offload/recompute)" if r.get("plan") else "")
 
 
-def ratios(results: list[dict[str, Any]], compare: int | None = None) -> None:
-    """Adds to each result its memory and time (per sample) against keep's, and whether its
-    first ``compare`` losses (None: all) equal those of the same run without ssdtier: keep's,
-    or for ssdtier on compiled blocks the compile setting's at the same budget (None: not
-    compared; compiled kernels round otherwise than eager ones)."""
-    ok = [r for r in results if r.get("status") == "ok"]
-    keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
-    if keep is None:
-        return
-    compiled = {r["memory_budget"]: r for r in ok if r["mode"] == Mode.COMPILE.value}
-    for r in ok:
-        r["memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
-        if "reserved_bytes" in r and "reserved_bytes" in keep:
-            r["reserved_vs_keep"] = r["reserved_bytes"] / max(keep["reserved_bytes"], 1)
-        r["time_vs_keep"] = pace(r, keep)
-        if r["mode"] == Mode.COMPILE.value:
-            base = None
-        elif on_compile(r):
-            base = compiled.get(r["memory_budget"])
-        else:
-            base = keep
-        same = base is not None and r["batch"] == base["batch"]
-        # A setting that warmed up longer (settle_plan) has more: the steps both took are compared.
-        if same:
-            n = min(len(r["losses"]), len(base["losses"])) if compare is None else compare
-            r["losses_equal_keep"] = r["losses"][:n] == base["losses"][:n]
-        else:
-            r["losses_equal_keep"] = None
-
-
-def pace(r: dict[str, Any], keep: dict[str, Any]) -> float:
-    """A result's time per sample over keep's: with ``--paired``, against keep's twin in its
-    own process, step by step (keep's own row is then the pairing's noise)."""
-    if "paired_ratio" in r and "paired_ratio" in keep:
-        return float(r["paired_ratio"])
-    return float(r["s_per_sample"] / keep["s_per_sample"])
-
-
-def on_compile(r: dict[str, Any]) -> bool:
-    """Whether a result is ssdtier's on blocks compiled before attaching."""
-    return r["mode"] == Mode.SSDTIER.value and r.get("memory_budget") is not None
-
-
-def losses_compared(w: Workload) -> int | None:
-    """How many losses must equal keep's: all, but with fused attention on a GPU only the
-    first (its backward is not bitwise reproducible, so the weights differ after a step)."""
-    return 1 if w.device == "cuda" and (w.sdpa or w.hf) else None
-
-
-def describe(w: Workload) -> str:
-    model = (
-        f"{w.hf} (random weights)" if w.hf else f"GPT (ssdtier.bench.models, {'sdpa' if w.sdpa else 'plain'} attention)"
-    )
-    dtype = ", bf16 autocast" if w.dtype == "bf16" else ""
-    threads = f" ({w.threads} thread{'s' if w.threads != 1 else ''})" if w.threads else ""
-    throttle = f"; ssdtier's disk throttled to {w.throttle}/s" if w.throttle else ""
-    paired = "; each paired with keep's twin" if w.paired else ""
-    return (
-        f"{model}: {w.layers} layers, width {w.d_model}, seq {w.seq}, batch {w.batch}, on {w.device}{threads}"
-        f"{dtype}; {w.warmup} warmup + {w.steps} measured steps{throttle}{paired}"
-    )
-
-
 def plan_text(plan: dict[str, int] | None) -> str:
     """A plan's blocks kept / offloaded / recomputed (and recomputed with their inputs offloaded)."""
     if not plan:
         return "-"
     text = f"{plan.get('keep', 0)}/{plan.get('offload', 0)}/{plan.get('recompute', 0)}"
     return text + (f" +{plan['recompute+offload']} r+o" if plan.get("recompute+offload") else "")
-
-
-def render(results: list[dict[str, Any]], w: Workload) -> str:
-    """Memory and time per sample as ratios to keep's, losses against keep's, ssdtier's plan;
-    then why each setting that did not run to the end did not."""
-    ok = [r for r in results if r.get("status") == "ok" and "memory_vs_keep" in r]
-    reserved = bool(ok) and all("reserved_vs_keep" in r for r in ok)
-    plans = any(r.get("plan") for r in ok)
-    head = ["setting", "peak MiB", "x keep", *(["reserved MiB", "x keep"] if reserved else [])]
-    head += ["ms/sample", "x keep", "tokens/s", "losses = keep", *(["plan keep/offload/recompute"] if plans else [])]
-    rows = []
-    for r in results:
-        if r not in ok:
-            rows.append([r["setting"], r.get("status", "?"), *["-"] * (len(head) - 2)])
-            continue
-        eq = r.get("losses_equal_keep")
-        rows.append(
-            [
-                r["setting"],
-                f"{r['peak_bytes'] / 2**20:.1f}",
-                f"{r['memory_vs_keep']:.2f}",
-                *([f"{r['reserved_bytes'] / 2**20:.1f}", f"{r['reserved_vs_keep']:.2f}"] if reserved else []),
-                f"{r['s_per_sample'] * 1e3:.2f}",
-                f"{r['time_vs_keep']:.2f}",
-                f"{r['tokens_per_s']:.0f}",
-                "-" if eq is None else "yes" if eq else "NO",
-                *([plan_text(r.get("plan"))] if plans else []),
-            ]
-        )
-    method = next((r["memory_method"] for r in results if "memory_method" in r), "not measured")
-    lines = [describe(w), f"peak: activation memory of a step ({method}); ms/sample: median step / batch", ""]
-    lines.append(table(head, rows))
-    lines += [outcome(r) for r in results if r.get("status") != "ok"]
-    for key, sign, what in (
-        ("settle_steps", "+", "warmup steps more, until the plan stood for a step"),
-        ("alloc_retries", "", "allocations retried in the measured steps (the GPU ran full; each a synchronization)"),
-        ("guard_recomputed", "", "blocks a measured step recomputed past ssdtier's plan (its forward would have "
-                                 "passed the budget)"),
-    ):  # fmt: skip
-        named = [f"{r['setting']} {sign}{r[key]:g}" for r in ok if r.get(key)]
-        if named:
-            lines.append(f"{what}: {', '.join(named)}")
-    if any(r.get("losses_equal_keep") is None for r in ok):
-        lines.append("losses '-': not compared (compiled kernels round otherwise)")
-    if ok and all("paired_ratio" in r for r in ok):
-        lines.append("time x keep: paired, the median of each step's time over that of keep's twin, stepped in "
-                     "turn in the setting's process (keep's row: the pairing's own noise)")  # fmt: skip
-    if any(on_compile(r) for r in ok):
-        lines.append("ssdtier on compile B: each block compiled under budget B, then attached; its losses are "
-                     "compared with compile budget B's")  # fmt: skip
-    n = losses_compared(w)
-    if n is not None:
-        lines.append(f"losses: the first {n} compared (fused attention's backward is not bitwise reproducible)")
-    return "\n".join(lines)
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # What a run is without a preset; an option given on the command line wins over any.
-    "default": {
-        "layers": 8, "d_model": 256, "heads": 8, "seq": 256, "batch": 8, "vocab": 1024, "steps": 5, "warmup": 2,
-        "attention": "plain", "dtype": "fp32", "dropout": 0.1, "min_tensor_bytes": "64KiB",
-    },
-    # Small, yet its activations (~180 MiB) are well above what a process's RSS moves by
-    # itself, so that memory saved shows on a CPU (3 rounds: 2 to 5 minutes there).
-    "quick": {"layers": 4, "d_model": 128, "heads": 4, "seq": 256, "batch": 8, "vocab": 512, "steps": 3, "warmup": 1},
-    # For a GPU: wide blocks (more FLOPs per byte saved), and long sequences (SDPA: no T x T
-    # scores); too slow for a CPU.
-    "wide": {
-        "layers": 8, "d_model": 4096, "heads": 32, "seq": 2048, "batch": 8, "vocab": 32000,
-        "attention": "sdpa", "dtype": "bf16", "dropout": 0.0, "min_tensor_bytes": "1MiB",
-    },
-    "long": {
-        "layers": 8, "d_model": 2048, "heads": 16, "seq": 16384, "batch": 1, "vocab": 32000,
-        "attention": "sdpa", "dtype": "bf16", "dropout": 0.0, "min_tensor_bytes": "1MiB",
-    },
-}  # fmt: skip
-
-
-def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
-    d = PRESETS["default"]
-    p.add_argument("--hf", metavar="MODEL_TYPE", help="a transformers model type (llama, gpt2, t5...), random weights")
-    p.add_argument("--layers", type=positive, help=f"blocks (default {d['layers']})")
-    p.add_argument("--d-model", type=positive, help=f"model width (default {d['d_model']})")
-    p.add_argument("--heads", type=positive, help=f"attention heads (default {d['heads']})")
-    p.add_argument("--seq", type=positive, help=f"sequence length (default {d['seq']})")
-    p.add_argument("--batch", type=positive, help=f"batch size (default {d['batch']})")
-    p.add_argument("--vocab", type=positive, help=f"vocabulary size (default {d['vocab']})")
-    p.add_argument("--steps", type=positive, help=f"measured steps per setting (default {d['steps']})")
-    p.add_argument("--warmup", type=int, help=f"steps per setting before the measured ones (default {d['warmup']})")
-    p.add_argument("--attention", choices=("plain", "sdpa"), help="the GPT's attention: plain ops (saves T x T "
-                   "scores) or scaled_dot_product_attention (default plain)")  # fmt: skip
-    p.add_argument("--dtype", choices=("fp32", "bf16"), help="fp32, or the forward under bf16 autocast (default fp32)")
-    p.add_argument("--dropout", type=float, help=f"dropout (default {d['dropout']})")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
-    p.add_argument("--threads", type=positive, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--dir", help="NVMe directory (default: SSDTIER_DIR, else ~/.cache/ssdtier)")
-    p.add_argument("--arena", default="auto", help="ssdtier's host arena (host.capacity); auto: 64MiB on the CPU, "
-                   "the package's default on CUDA")  # fmt: skip
-    p.add_argument("--min-tensor-bytes", help=f"ssdtier's policy.min_tensor_bytes (default {d['min_tensor_bytes']})")
-    p.add_argument("--throttle", metavar="RATE", help="ssdtier's io.throttle (bytes/s per directory): a disk that "
-                   "hides only part of the activations, as a GPU's link does")  # fmt: skip
-    presets = p.add_mutually_exclusive_group()
-    presets.add_argument("--quick", action="store_true", help=quick_note)
-    presets.add_argument("--wide", action="store_true", help="8 blocks of width 4096, seq 2048, bf16, SDPA (a GPU's)")
-    presets.add_argument("--long", action="store_true", help="8 blocks of width 2048, seq 16384, bf16, SDPA (a GPU's)")
-    p.add_argument("--repeats", type=positive, help="rounds of every setting, interleaved; each setting's time "
-                   "and peak are the medians of its rounds (default: 3 with --quick, else 1)")  # fmt: skip
-    p.add_argument("--lockstep", action="store_true", help="CPU: every setting's process alive at once, each "
-                   "taking one step in turn, so that a machine's drift slows them alike (needs the memory of "
-                   "all at once)")  # fmt: skip
-    p.add_argument("--paired", action="store_true", help="CPU: each setting's process also trains keep's twin, "
-                   "a step of each in turn; its time x keep is the median of the steps' ratios")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the results as JSON, not as a table")
-
-
-def workload_of(args: argparse.Namespace) -> Workload:
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{CLI}: --device cuda, but torch sees no CUDA device")
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    preset = next((name for name in ("quick", "wide", "long") if getattr(args, name, False)), None)
-    v = {**PRESETS["default"], **PRESETS.get(preset or "", {})}
-    for key in v:
-        if getattr(args, key, None) is not None:
-            v[key] = getattr(args, key)
-    if device == "cuda" and getattr(args, "lockstep", False):
-        raise ConfigError(f"{CLI}: --lockstep runs each setting in a process of its own: CPU only")
-    if device == "cuda" and getattr(args, "paired", False):
-        raise ConfigError(f"{CLI}: --paired trains a twin in each setting's process: CPU only")
-    if v["d_model"] % v["heads"]:
-        raise ConfigError(f"{CLI}: --d-model ({v['d_model']}) must be a multiple of --heads ({v['heads']})")
-    return Workload(
-        args.hf,
-        v["layers"],
-        v["d_model"],
-        v["heads"],
-        v["seq"],
-        v["batch"],
-        v["vocab"],
-        v["steps"],
-        max(v["warmup"], 0),
-        device,
-        args.dir,
-        args.arena,
-        v["min_tensor_bytes"],
-        args.threads,
-        sdpa=v["attention"] == "sdpa",
-        dtype=v["dtype"],
-        dropout=v["dropout"],
-        throttle=getattr(args, "throttle", None),
-        paired=getattr(args, "paired", False),
-    )
-
-
-TRAIN_MODES = (Mode.KEEP, Mode.SSDTIER, Mode.CHECKPOINT, Mode.SAVE_ON_CPU)
-
-
-def combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One result per setting from rounds of the same settings: the median of the rounds'
-    median steps and of their peaks; a failed round fails the setting, a round skipped (out
-    of time) is left out. On a shared machine a setting's speed drifts between minutes:
-    medians of interleaved rounds compare fairly."""
-    if len(rounds) == 1:
-        return rounds[0]
-    out = []
-    for runs in zip(*rounds, strict=True):
-        ran = [x for x in runs if x.get("status") == "ok"]
-        bad = next((x for x in runs if x.get("status") not in ("ok", "skipped")), None)
-        if bad is not None or not ran:
-            out.append(dict(bad or runs[0]))
-            continue
-        r = dict(ran[0])
-        r["round_step_s"] = [x["median_step_s"] for x in ran]
-        r["round_peak_bytes"] = [x["peak_bytes"] for x in ran]
-        r["median_step_s"] = statistics.median(r["round_step_s"])
-        r["peak_bytes"] = int(statistics.median(r["round_peak_bytes"]))
-        r["s_per_sample"] = r["median_step_s"] / r["batch"]
-        r["tokens_per_s"] = r["tokens_per_s"] * ran[0]["median_step_s"] / r["median_step_s"]
-        r["losses_equal_rounds"] = all(x.get("losses") == ran[0].get("losses") for x in ran)
-        if all("paired_ratio" in x for x in ran):
-            r["round_paired_ratio"] = [x["paired_ratio"] for x in ran]
-            r["paired_ratio"] = statistics.median(r["round_paired_ratio"])
-        out.append(r)
-    return out
-
-
-def repeats_of(args: argparse.Namespace) -> int:
-    """``--repeats``, else 3 rounds for ``--quick`` (a newcomer's first numbers: one round of a
-    small model drifts 1.5x between minutes) and 1 otherwise."""
-    if args.repeats is not None:
-        return args.repeats
-    return 3 if getattr(args, "quick", False) else 1
-
-
-def run_rounds(
-    settings: list[Setting],
-    w: Workload,
-    desc: str,
-    repeats: int,
-    deadline: float | None = None,
-    lockstep: bool = False,
-) -> list[dict[str, Any]]:
-    """``repeats`` interleaved rounds of every setting, combined by their medians. Every other
-    round runs them in reverse: a machine that drifts within a round, or a setting that slows
-    the next (its disk writes flushed after it), then favours no place in the order. Each
-    round's shares of keep's peak are those of the first round's keep. ``lockstep``: each
-    round's settings step in turn (lockstep.py)."""
-    from .lockstep import run_lockstep  # here: it imports this module
-
-    runner = run_lockstep if lockstep else run
-    first = runner(settings, w, desc, deadline)
-    rounds = [first]
-    for k in range(1, repeats):
-        order = settings[::-1] if k % 2 else settings
-        got = runner(order, w, f"{desc} (round {k + 1} of {repeats})", deadline, first)
-        rounds.append(got[::-1] if k % 2 else got)
-    return combine(rounds)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """Keep, ssdtier, checkpoint and save_on_cpu on one model, side by side."""
-    w = workload_of(args)
-    results = run_rounds([Setting(m) for m in TRAIN_MODES], w, "bench train", repeats_of(args), None, args.lockstep)
-    ratios(results, losses_compared(w))
-    emit({"workload": asdict(w), "results": results}, render(results, w), args.json)
-    ssd = [r for r in results if r["mode"] == Mode.SSDTIER.value]
-    return 0 if all(r.get("losses_equal_keep") is not False and r["status"] == "ok" for r in ssd) else 1
 
 
 if __name__ == "__main__":
