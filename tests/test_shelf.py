@@ -180,3 +180,28 @@ def test_a_fork_child_leaving_its_parents_context_closes_nothing(store_dir):
     assert os.read(r, 16) == b"0"
     os.close(r)
     os.close(w)
+
+
+def test_an_arena_whose_pinning_failed_is_pinned_again_by_the_next_attach(store_dir, gpu, monkeypatch):  # noqa: F811
+    import pytest
+
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    real = torch.cuda.cudart()
+    fails = iter([True])
+
+    class Flaky:  # the first registration fails (cudaErrorMemoryAllocation)
+        def cudaHostRegister(self, ptr, n, flags):
+            return 2 if next(fails, False) else real.cudaHostRegister(ptr, n, flags)
+
+        def cudaHostUnregister(self, ptr):
+            return real.cudaHostUnregister(ptr)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Flaky())
+    cfg = offload_config(store_dir, host="1MiB", zero_copy=False)
+    seen = stores_seen(monkeypatch)
+    with ssdtier.reusing_stores():
+        with pytest.warns(UserWarning, match="cudaHostRegister of the host arena failed"):
+            train(GPT, cfg)
+        train(GPT, cfg)
+        assert seen[0] is seen[1] and len(gpu.registered) == 1  # the same store, pinned this time
+    assert not gpu.registered

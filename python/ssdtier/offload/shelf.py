@@ -97,6 +97,8 @@ def put(store: ByteStore, pinned: Pinned | None) -> bool:
     if st.entries or st.failure is not None or st.quarantined_bytes:
         return False
     global _shelf
+    if pinned is not None and pinned.arena is None:  # its registration failed: the next attach tries again
+        pinned = None
     new = Shelved(store_key(store.config), store, pinned)
     with _lock:
         if _depth == 0:  # the context ended meanwhile: nothing would close it
