@@ -70,6 +70,7 @@ def test_the_peak_measured_past_the_model_is_added_to_every_plan():
     p = solve(uniform(), disk(), plain.peak, Head(30 * MB, 0.05, 0.1, working=200 * MB))
     assert p.fits and p.outcome.peak <= plain.peak and p.count(K) < 8, p.table()
     assert "190.7MiB of the peak measured past the model" in p.table(), p.table()
+    assert f"{format_size(30 * MB)} saved after the last block" in p.table()
 
 
 def test_recomputation_costs_a_forward_and_holds_the_inputs():

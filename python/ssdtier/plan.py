@@ -365,6 +365,7 @@ class Plan:
             f"  {link}{host}NVMe write {tr.write / 1e6:.0f} MB/s, read {tr.read / 1e6:.0f} MB/s; "
             f"moved {format_size(o.moved)} ({format_size(o.spill)} to NVMe); waits {o.forward_wait_s * 1e3:.1f} ms "
             f"forward, {o.backward_wait_s * 1e3:.1f} ms backward; recompute {o.recompute_s * 1e3:.1f} ms"
+            + (f"; {format_size(self.head.bytes)} saved after the last block" if self.head.bytes else "")
             + (f"; {format_size(self.head.working)} of the peak measured past the model" if self.head.working else ""),
             "  block      bytes     inputs  forward  action",
         ]
