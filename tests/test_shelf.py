@@ -205,3 +205,33 @@ def test_an_arena_whose_pinning_failed_is_pinned_again_by_the_next_attach(store_
         train(GPT, cfg)
         assert seen[0] is seen[1] and len(gpu.registered) == 1  # the same store, pinned this time
     assert not gpu.registered
+
+
+def test_two_threads_detaching_at_once_close_the_store_once(store_dir, monkeypatch):
+    import threading
+
+    class Gate:  # the offloader's lock, let through only once both threads wait at it
+        def __init__(self) -> None:
+            self.arrived, self.cv, self.inner = 0, threading.Condition(), threading.RLock()
+
+        def __enter__(self) -> None:
+            with self.cv:
+                self.arrived += 1
+                self.cv.notify_all()
+                self.cv.wait_for(lambda: self.arrived >= 2, timeout=60)
+            self.inner.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.release()
+
+    closes = []
+    close = offloader.Offloader._close_store
+    monkeypatch.setattr(offloader.Offloader, "_close_store", lambda self: closes.append(1) or close(self))
+    off = ssdtier.attach(build_model(GPT), offload_config(store_dir))
+    off._lock = Gate()
+    threads = [threading.Thread(target=off.detach) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert off._lock.arrived >= 2 and closes == [1] and off.store.closed

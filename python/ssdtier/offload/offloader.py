@@ -888,6 +888,8 @@ class Offloader:
         if any(self._tls.fwd.pushed):
             drop_interrupted(self._tls.fwd, "was not finished at detach()")
         with self._lock:
+            if self._life is not Life.ATTACHED:  # another thread's detach() came first
+                return
             self._life = Life.DETACHED
             if self.entries.live == 0:
                 self._close_store()
