@@ -253,3 +253,56 @@ def test_a_larger_batch_after_unhooked_recomputing_forwards_is_guarded(store_dir
     assert_same(steps(GPT, batches=sizes), got)
     assert [u for u, _ in seen] == [0, 0, 0, 0, 1, 2, 2, 2], seen  # batch 4's first forward is hooked
     assert seen[6][1] > 0, seen  # and its guard recomputed more blocks
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+class _Reentrant(torch.nn.Module):
+    """Blocks in the user's reentrant checkpointing: run again, as blocks, in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+        self.inp, self.out = torch.nn.Linear(8, 32), torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True)
+        return self.out(h).pow(2).mean()
+
+
+def _reentrant_run(ssd, script):
+    """``script``: a batch size runs a forward (its loss kept), "b" a backward of those kept."""
+    torch.manual_seed(0)
+    model = _Reentrant()
+    gen = torch.Generator().manual_seed(2)
+    off = ssdtier.attach(model, ssd) if ssd is not None else None
+    losses, pending = [], []
+    for item in script:
+        if item == "b":
+            sum(pending).backward()
+            pending = []
+        else:
+            pending.append(model(torch.randn(item, 16, 8, generator=gen, requires_grad=True)))
+            losses.append(pending[-1].detach())
+    stats = off.stats() if off is not None else None
+    if off is not None:
+        off.detach()
+    return losses, {n: p.grad for n, p in model.named_parameters()}, stats
+
+
+def test_a_reentrant_checkpoint_running_a_block_in_backward_wakes_nothing(store_dir):
+    # Unhooked once settled at batch 2; a backward of a batch-4 forward and later ones runs
+    # the first block again with other inputs after the last forward (unhooked again) ended.
+    script = [2, "b"] * 8 + [4, 2, 2, 2, 2, 2, "b"] + [2, "b"] * 3
+    got = _reentrant_run(adaptive(store_dir, device_budget="1GiB"), script)
+    assert_same(_reentrant_run(None, script), got)
+    assert got[2].forwards_unhooked > 0

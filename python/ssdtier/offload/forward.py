@@ -65,7 +65,8 @@ class BlockEnter(Hook):
         off = self.off
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: autograd keeps what it saves
-            if self.tag != 1 or not off.adaptive.settled.woken(args):
+            # Not past the forward's end (a reentrant checkpoint runs the block again in backward).
+            if self.tag != 1 or not f.pushed or not off.adaptive.settled.woken(args):
                 return
             off.wake(f)
         f.tag = self.tag
