@@ -811,3 +811,54 @@ def test_a_plan_stands_while_its_measurements_do():
     grown = [dataclasses.replace(b, bytes=120 * mb) if b.index == 2 else b for b in blocks]
     assert not same_inputs((grown, tr, head, 300 * mb), was)
     assert not same_inputs((blocks, dataclasses.replace(tr, per_byte_s=1e-9), head, 300 * mb), was)
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(32, 32), nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.fc(x)))
+
+
+class _NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 1)
+        self.blocks = nn.ModuleList(_NormBlock() for _ in range(4))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h).pow(2).mean()
+
+
+def _norm_steps(ssd=None, n=4):
+    torch.manual_seed(0)
+    model = _NormNet()
+    gen = torch.Generator().manual_seed(2)
+    off = ssdtier.attach(model, ssd) if ssd is not None else None
+    for _ in range(n):
+        model(torch.randn(16, 8, generator=gen)).backward()
+    unhooked = off.stats().forwards_unhooked if off is not None else 0
+    if off is not None:
+        off.detach()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state, {n: p.grad for n, p in model.named_parameters()}, unhooked
+
+
+@pytest.mark.parametrize("unhooked", [False, True])
+def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, monkeypatch, unhooked):
+    forced(monkeypatch, (R, RO, K, K))
+    if unhooked:  # a settled plan's forwards, from the second on
+        seen = []
+        monkeypatch.setattr(Settled, "skips", lambda self, ad: bool(seen.append(1)) or len(seen) > 1)
+    want_state, want_grads, _ = _norm_steps()
+    state, grads, ran = _norm_steps(adaptive(store_dir, min_tensor_bytes=1024))
+    assert ran == (3 if unhooked else 0)
+    for k in want_state:
+        assert torch.equal(want_state[k], state[k]), k  # running_mean, running_var, num_batches_tracked
+    for k in want_grads:
+        assert torch.equal(want_grads[k], grads[k]), k

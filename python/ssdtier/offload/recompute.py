@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from .forward import top_hooks
@@ -25,24 +26,26 @@ class Recompute:
     under torch.compile, with no grad, or inside someone else's saved-tensor hooks, such as
     the user's own checkpointing) it calls the block's forward as it was."""
 
-    __slots__ = ("__wrapped__", "block", "fn", "off", "own", "tag")
+    __slots__ = ("__wrapped__", "block", "fn", "norms", "off", "own", "tag")
 
     def __init__(self, off: RecomputeOwner, block: nn.Module, tag: int) -> None:
         self.off, self.block, self.tag = off, block, tag
         self.own = block.__dict__.get("forward")  # an instance forward of the user's, put back at detach
         self.fn = block.forward
         self.__wrapped__ = self.fn  # inspect.signature (transformers reads it) sees the block's
+        self.norms = tuple(m for m in block.modules() if isinstance(m, _NormBase))  # running statistics
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         off = self.off
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
             if f.recompute(self.tag) and _may_checkpoint(off, f):
-                return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
+                fn = _Again(self.fn, self.norms) if self.norms else self.fn
+                return checkpoint(fn, *args, use_reentrant=False, **kwargs)
             return self.fn(*args, **kwargs)
         if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off, f):
             return self.fn(*args, **kwargs)
-        return checkpoint(_Timed(self.fn, off, self.tag), *args, use_reentrant=False, **kwargs)
+        return checkpoint(_Timed(self.fn, self.norms, off, self.tag), *args, use_reentrant=False, **kwargs)
 
     def install(self) -> None:
         self.block.forward = self  # type: ignore[method-assign]
@@ -73,23 +76,48 @@ def _may_checkpoint(off: RecomputeOwner, f: Fwd) -> bool:
     return top is not None and top[0] == off._pack
 
 
-class _Timed:
+class _Again:
     """The block's forward as checkpoint calls it: the first call is the forward, the second
-    the recomputation, timed for the plan."""
+    the recomputation, which leaves the running statistics of the block's batch norms as it
+    found them (else a step would update them twice)."""
 
-    __slots__ = ("calls", "fn", "off", "tag")
+    __slots__ = ("calls", "fn", "norms")
 
-    def __init__(self, fn: Any, off: RecomputeOwner, tag: int) -> None:
-        self.fn, self.off, self.tag, self.calls = fn, off, tag, 0
+    def __init__(self, fn: Any, norms: tuple[_NormBase, ...]) -> None:
+        self.fn, self.norms, self.calls = fn, norms, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        ad = self.off.adaptive
-        if self.calls == 1 or ad is None:
+        if self.calls == 1:
             return self.fn(*args, **kwargs)
+        return self.again(*args, **kwargs)
+
+    def again(self, *args: Any, **kwargs: Any) -> Any:
+        stats = [(b, b.clone()) for m in self.norms if m.training and m.track_running_stats for b in m.buffers()]
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for b, was in stats:
+                    b.copy_(was)
+
+
+class _Timed(_Again):
+    """... and the recomputation timed for the plan."""
+
+    __slots__ = ("off", "tag")
+
+    def __init__(self, fn: Any, norms: tuple[_NormBase, ...], off: RecomputeOwner, tag: int) -> None:
+        super().__init__(fn, norms)
+        self.off, self.tag = off, tag
+
+    def again(self, *args: Any, **kwargs: Any) -> Any:
+        ad = self.off.adaptive
+        if ad is None:
+            return super().again(*args, **kwargs)
         token = ad.profile.recompute_begins(self.tag)
         t0 = time.perf_counter()
         try:
-            return self.fn(*args, **kwargs)
+            return super().again(*args, **kwargs)
         finally:
             ad.profile.recompute_ends(self.tag, token, time.perf_counter() - t0)
