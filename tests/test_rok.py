@@ -862,3 +862,46 @@ def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, m
         assert torch.equal(want_state[k], state[k]), k  # running_mean, running_var, num_batches_tracked
     for k in want_grads:
         assert torch.equal(want_grads[k], grads[k]), k
+
+
+class _KeywordNet(nn.Module):
+    """Blocks called with their input by keyword (as diffusers' are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)) for _ in range(4))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(input=h)
+        return self.out(h).pow(2).mean()
+
+
+def test_inputs_passed_by_keyword_leave_with_a_recomputed_block(store_dir, monkeypatch):
+    # Checkpointing saves only positional inputs through the hooks (and keeps only their
+    # devices' RNG): keyword tensors are passed positionally, and counted as the block's inputs.
+    forced(monkeypatch, (RO,) * 4)
+
+    def run(ssd=None):
+        torch.manual_seed(0)
+        model = _KeywordNet()
+        gen = torch.Generator().manual_seed(2)
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        losses = []
+        for _ in range(2):
+            loss = model(torch.randn(2, 64, 8, generator=gen))
+            loss.backward()
+            losses.append(loss.detach())
+        inputs = list(off.adaptive.profile.inputs) if off is not None else None
+        stats = off.stats() if off is not None else None
+        if off is not None:
+            off.detach()
+        return (losses, {n: p.grad for n, p in model.named_parameters()}, stats), inputs
+
+    got, inputs = run(adaptive(store_dir, min_tensor_bytes=1024))
+    assert_same(run()[0], got)
+    block_input = 2 * 64 * 32 * 4
+    assert inputs == [block_input] * 4, inputs
+    assert got[2].bytes_offloaded >= 4 * block_input

@@ -251,7 +251,7 @@ class Offloader:
                 for r in self._recompute:
                     r.install()
             for i, block in enumerate(blocks):
-                self._handles.append(block.register_forward_pre_hook(BlockEnter(self, i + 1)))
+                self._handles.append(block.register_forward_pre_hook(BlockEnter(self, i + 1), with_kwargs=True))
                 # A block's exit changes the tag only after the last block; elsewhere it is
                 # needed only for the adaptive plan's timings (each hook costs ~1.5 us a call).
                 if self.adaptive is not None or i + 1 == self.n_layers:

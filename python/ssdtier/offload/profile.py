@@ -22,8 +22,8 @@ SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence c
 
 
 def input_bytes(args: tuple) -> int:
-    """Bytes of the positional tensor arguments, each storage once: what a recomputation of
-    the block holds (checkpointing saves them)."""
+    """Bytes of the tensor arguments, each storage once: what a recomputation of the block
+    holds (checkpointing saves them)."""
     seen: set[int] = set()
     total = 0
     for a in args:

@@ -40,12 +40,14 @@ class Recompute:
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
             if f.recompute(self.tag) and _may_checkpoint(off, f):
-                fn = _Again(self.fn, self.norms) if self.norms else self.fn
+                fn, args, kwargs = _positional(self.fn, args, kwargs)
+                fn = _Again(fn, self.norms) if self.norms else fn
                 return checkpoint(fn, *args, use_reentrant=False, **kwargs)
             return self.fn(*args, **kwargs)
         if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off, f):
             return self.fn(*args, **kwargs)
-        return checkpoint(_Timed(self.fn, self.norms, off, self.tag), *args, use_reentrant=False, **kwargs)
+        fn, args, kwargs = _positional(self.fn, args, kwargs)
+        return checkpoint(_Timed(fn, self.norms, off, self.tag), *args, use_reentrant=False, **kwargs)
 
     def install(self) -> None:
         self.block.forward = self  # type: ignore[method-assign]
@@ -74,6 +76,29 @@ def _may_checkpoint(off: RecomputeOwner, f: Fwd) -> bool:
     if f.unhooked:
         return top == f.top
     return top is not None and top[0] == off._pack
+
+
+def _positional(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """Tensors passed by keyword, passed to checkpoint positionally: it saves only those
+    through the saved-tensor hooks (so they leave with the inputs), and keeps the RNG state
+    of only their devices (dropout on a GPU)."""
+    names = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    if not names:
+        return fn, args, kwargs
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    return _Keywords(fn, len(args), names), (*args, *(kwargs[k] for k in names)), rest
+
+
+class _Keywords:
+    """``fn`` called with its last positional arguments as the keywords they were."""
+
+    __slots__ = ("fn", "n", "names")
+
+    def __init__(self, fn: Any, n: int, names: tuple[str, ...]) -> None:
+        self.fn, self.n, self.names = fn, n, names
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args[: self.n], **dict(zip(self.names, args[self.n :], strict=True)), **kwargs)
 
 
 class _Again:
