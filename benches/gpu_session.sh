@@ -23,8 +23,10 @@
 #                                                     #   targets' batches)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
-#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda plan_trace rok_fit rok_long: call6's
+#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda plan_trace rok_long: call6's
 #                                                     #   second, with what is left (>= 240)
+#   SESSION_S=... bash benches/gpu_session.sh call9   # install rok_fit: a first call of 590 (ssdtier on blocks
+#                                                     #   compiled at 0.2, at the targets' batches), then call8
 # A session (15 device-minutes, the start included) fits call1 and one of call2, call3, or call4
 # alone.
 # If call1 fails on something fixable, fix it and run call1 again first.
@@ -74,14 +76,15 @@ for a in "$@"; do
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     call6) parts+=(install import rok_targets) ;;
     call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
-    call8) parts+=(install test_cuda plan_trace rok_fit rok_long) ;;
+    call8) parts+=(install test_cuda plan_trace rok_long) ;;
+    call9) parts+=(install rok_fit) ;;
     *) parts+=("$a") ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
     if [[ "$KNOWN" != *" $p "* ]]; then
-        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4, call5, call6, call7, call8" >&2
+        echo "gpu_session: unknown part '$p'; parts:$KNOWN or call1, call2, call3, call4, call5, call6, call7, call8, call9" >&2
         exit 2
     fi
 done
@@ -241,9 +244,10 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
         # memory at 1.03x in H200 run 4; ssdtier on such blocks is what can beat it below that),
         # then --fit: keep searched, the others at the targets' batches: keep's largest x1.4,
         # x1.8, checkpoint's largest and its x1.15 (keep 13 / 26, checkpoint 43 / ~96 on the
-        # H100 / H200). A search compiles afresh at each probe: too long.
-        # rok_fit: ssdtier eager and on blocks compiled at 0.2 (compile alone at 0.2 fit 72 at
-        # 1.05x keep on the H200), at those batches.
+        # H100 / H200). A search compiles afresh at each probe: too long. ssdtier on compile 0.5
+        # is not probed again (run 4: 40, as compile alone).
+        # rok_fit: ssdtier on blocks compiled at 0.2 (compile alone at 0.2 fit 72 at 1.05x keep
+        # on the H200), at those batches (eager ssdtier's are rok_targets').
         batches=19,24,32,43,50
         big_gpu && batches=37,47,72,96,110
         if [ "$p" = rok_targets ]; then
@@ -251,8 +255,8 @@ sys.exit(0 if (parts.get("cufile") or {}).get("status") == "ok" else 1)' "$LOGS/
                 --compile-budgets 0.5,0.2 --fractions 0.8,0.6,0.4,0.25 --ssdtier-compile 0.5
                 --fit-modes keep,ssdtier,checkpoint)
         else
-            secs=$(limit 300) args=(--modes keep,ssdtier --fractions 0.4 --ssdtier-compile 0.2
-                --fit-modes keep,ssdtier)
+            secs=$(limit 560) args=(--modes keep,ssdtier --fractions 0.4 --ssdtier-compile 0.2
+                --fit-modes keep,ssdtier-compile)
         fi
         # The arena is pinned once a run (reusing_stores); 48 GiB holds the blocks' inputs that
         # recompute+offload moves at checkpointing's batches (72-110: 29-44 GB).

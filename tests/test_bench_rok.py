@@ -622,3 +622,78 @@ def test_every_ssdtier_setting_and_probe_of_a_run_in_this_process_shares_one_sto
     assert rok.cmd_rok(args) == 0
     assert len(seen) >= 4 and all(s is seen[0] for s in seen), seen  # 2 settings, 2 probes or more
     assert seen[0].closed
+
+
+def test_the_targets_have_no_reference_when_keeps_search_was_cut():
+    # Keep stopped at batch 2 for time (a sample takes longer there than at its largest):
+    # ratios to it would flatter the others, so there are none.
+    runs = []
+    clock = iter([0, 0, 1, 9])  # keep starts at 0, probes 1 and 2, past half the time at 4
+    got = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, deadline=10, clock=lambda: next(clock, 9))
+    assert got["keep"]["cut"] and got["keep"]["largest"] == 2
+    assert got["ssdtier"]["status"] == "ok" and got["ssdtier"]["within"] == {"1.05": None, "1.1": None}
+    text = rok.render_fit({"cap": None, "limits": [1.05, 1.1], "steps": 1, "modes": got})
+    assert "keep's time per sample at its largest batch: none (keep's search was cut)" in text
+
+
+def test_a_probe_that_errs_past_batches_that_fit_keeps_them():
+    def run_at(mode, b):
+        if mode == "ssdtier" and b > 24:
+            return {"status": "error", "error": "disk full"}
+        return listed_run_at([])(mode, b)
+
+    got = fit.fit_all(["keep", "ssdtier"], run_at, 160, batches=[19, 24, 32])
+    s = got["ssdtier"]
+    assert s["status"] == "ok" and s["largest"] == 24 and s["cut"] and s["within"] == {"1.05": 19, "1.1": 24}
+    text = rok.render_fit({"cap": None, "limits": [1.05, 1.1], "steps": 1, "batches": [19, 24, 32], "modes": got})
+    assert "ssdtier: stopped at error: batch 32: disk full" in text and "at <= 1.1x keep: 24 (ssdtier)" in text
+
+
+def test_dominance_is_not_met_against_settings_that_did_not_run():
+    from ssdtier.bench.train import OUT_OF_TIME
+
+    results = [
+        result("keep", "keep", 100, 10.0),
+        result("ssdtier 0.4x keep", "ssdtier", 39, 11.0),
+        {"setting": "checkpoint", "mode": "checkpoint", "status": "skipped", "error": OUT_OF_TIME},
+        {"setting": "torchtune", "mode": "torchtune", "status": "skipped", "error": "CUDA only"},
+    ]
+    row = rok.dominance(results, (0.4,))[0]
+    assert row["met"] is None and row["unrun"] == ["checkpoint"]
+    assert "not compared with checkpoint, which did not run" in rok.render_dominance([row])
+    assert rok.dominance([r for r in results if r["mode"] != "checkpoint"], (0.4,))[0]["met"] is True
+
+
+def test_fit_searches_keep_and_modes_the_side_by_side_run_had_no_time_for(monkeypatch, tmp_path, store_dir):
+    from ssdtier.bench.train import OUT_OF_TIME
+
+    runs = []
+
+    def fake_run_one(s, w, on_step):
+        r = listed_run_at(runs)(s.mode.value, w.batch)
+        r |= {"setting": s.label, **s.to_dict(), "batch": w.batch}
+        ok = {"s_per_sample": r.get("median_step_s", 0) / w.batch, "tokens_per_s": 1.0, "losses": ["0x1p+0"]}
+        return r | (ok if r["status"] == "ok" else {})
+
+    a = parse("--device", "cpu", "--layers", "2", "--modes", "keep,checkpoint", "--checkpoint-every", "1", "--fit",
+              "--fit-batches", "24,19", "--memory-cap", "1GiB", "--batch", "8")  # fmt: skip
+    w = replace(TINY, batch=8, dir=str(store_dir))
+    settings = rok.settings_of(w, ("keep", "checkpoint"), every=(1,))
+    side = [
+        {"setting": "keep", "mode": "keep", "status": "OOM", "error": "out of memory"},
+        {"setting": "checkpoint", "mode": "checkpoint", "status": "skipped", "error": OUT_OF_TIME},
+    ]
+    monkeypatch.setattr(rok, "run_one", fake_run_one)
+    got = rok.run_fit(settings, w, a, side, None)["modes"]
+    assert got["keep"]["largest"] == 13 and got["checkpoint"]["largest"] == 24
+
+
+def test_fit_modes_tell_ssdtier_on_compiled_blocks_from_eager():
+    settings = rok.settings_of(TINY, ("keep", "ssdtier"), fractions=(0.5,), ssdtier_compile=(0.2,))
+    eager = rok.fit_settings(settings, None, ("keep", "ssdtier"))
+    compiled = rok.fit_settings(settings, None, ("keep", rok.COMPILED))
+    assert [s.memory_budget for s in eager.values()] == [None, None]
+    assert [s.memory_budget for s in compiled.values()] == [None, 0.2]
+    assert parse("--fit-modes", "keep,ssdtier-compile").fit_modes == ["keep", "ssdtier-compile"]
+    with pytest.raises(SystemExit):
+        parse("--modes", "ssdtier-compile")

@@ -108,6 +108,9 @@ def test_each_rok_part_runs_a_command_line_the_bench_takes(tmp_path, part, gpu_m
         assert a.fit and a.fit_batches == ([37, 47, 72, 96, 110] if h200 else [19, 24, 32, 43, 50])
         assert a.ssdtier_compile == ([0.5] if part == "rok_targets" else [0.2]) and a.arena == "48GiB"
         assert "ssdtier" in a.modes and ("compile" in a.modes) == (part == "rok_targets")
+        # rok_fit probes ssdtier on compiled blocks alone: eager ssdtier's probes are rok_targets'.
+        fitted = ["keep", "ssdtier", "checkpoint"] if part == "rok_targets" else ["keep", "ssdtier-compile"]
+        assert a.fit_modes == fitted
 
 
 def test_the_udev_shim_writes_an_entry_once_and_leaves_one_alone(tmp_path):

@@ -85,16 +85,21 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in got]
 
 
-def _modes(text: str) -> list[str]:
-    from .rok import FAMILIES
+def _modes(text: str, fit: bool = False) -> list[str]:
+    from .rok import FAMILIES, FIT_FAMILIES
 
+    known = FIT_FAMILIES if fit else FAMILIES
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in FAMILIES]
+    bad = [m for m in names if m not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(FAMILIES)}"
+            f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(known)}"
         )
     return names
+
+
+def _fit_modes(text: str) -> list[str]:
+    return _modes(text, fit=True)
 
 
 def _rok_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,7 +126,8 @@ def _rok_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--fit: the largest micro-batch of each mode")
     g.add_argument("--fit", action="store_true", help="search each mode's largest micro-batch, and its largest at "
                    "<= --fit-limits x keep's time per sample")  # fmt: skip
-    g.add_argument("--fit-modes", type=_modes, help="the modes searched (default: --modes)")
+    g.add_argument("--fit-modes", type=_fit_modes, help="the modes searched (default: --modes; ssdtier-compile: "
+                   "ssdtier on the blocks --ssdtier-compile compiles, apart from eager ssdtier)")  # fmt: skip
     g.add_argument("--memory-cap", metavar="SIZE", help="a probe fits when its peak activation memory is <= SIZE "
                    "(needed on the CPU, where nothing runs out of memory)")  # fmt: skip
     g.add_argument("--fit-max-batch", type=positive, default=64, help="largest batch tried")

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .train import OUT_OF_TIME
+
 __all__ = [
     "Probe",
     "ProbeError",
@@ -207,11 +209,12 @@ def fit_all(
     for i, mode in enumerate(modes):
         now = clock()
         if deadline is not None and now > deadline:
-            r: dict[str, Any] = {"mode": mode, "status": "skipped", "error": "out of time (--budget-s)", "probes": []}
+            r: dict[str, Any] = {"mode": mode, "status": "skipped", "error": OUT_OF_TIME, "probes": []}
         elif listed == []:
             r = {"mode": mode, "status": "skipped", "error": "no listed batch past keep's largest", "probes": []}
         else:
-            until = None if deadline is None else now + (deadline - now) / (len(modes) - i)
+            # Keep, the reference, may take half the time left; the others share it evenly.
+            until = None if deadline is None else now + (deadline - now) / (2 if i == 0 else len(modes) - i)
             probe = _Prober(mode, run_at, cap, None if ref is None else slow * ref, until, clock)
             r = {"mode": mode, "status": "ok", "probes": []}
             try:
@@ -219,11 +222,16 @@ def fit_all(
                 # Keep is searched: a list that starts past its largest still gives the reference.
                 r.update(search(probe, max_batch, limits_s, r["probes"], listed if i else None))
             except ProbeError as e:
-                r.update(status=e.status, error=str(e))
+                fitted = [p["batch"] for p in r["probes"] if p.get("fits")]
+                if fitted:  # the batches that ran stand; the search ends there
+                    r.update(largest=max(fitted), cut=True, stopped=f"{e.status}: {e}")
+                else:
+                    r.update(status=e.status, error=str(e))
         best = [p for p in r["probes"] if p.get("fits") and p["batch"] == r.get("largest")]
         r["at_largest"] = best[-1] if best else None
         if i == 0:
-            ref = reference({mode: r}, mode)
+            # A search cut short may have stopped below keep's largest, where a sample takes longer.
+            ref = None if r.get("cut") else reference({mode: r}, mode)
             if listed is not None:
                 listed = [b for b in listed if b > r.get("largest", 0)]
         known = ref is not None and r["status"] == "ok"

@@ -35,7 +35,7 @@ from ..sizes import format_size, parse_size
 from ._report import emit, jsonable, table
 from .fit import fit_all, within_mode
 from .summary import describe, losses_compared, on_compile, pace, ratios, render
-from .train import Mode, Setting, Skipped, Workload, failed, in_a_line, resolve, run_one, skip_reason
+from .train import Mode, Setting, Skipped, Workload, failed, in_a_line, out_of_time, resolve, run_one, skip_reason
 from .train_cli import repeats_of, run_rounds, workload_of
 
 __all__ = ["DOMINANCE_FRACTIONS", "FRACTIONS", "TARGET", "cmd_rok", "dominance", "fit_settings", "settings_of"]
@@ -46,6 +46,8 @@ FRACTIONS = (1.0, 0.75, 0.55, 0.35, 0.2)
 DOMINANCE_FRACTIONS = (0.8, 0.6, 0.4, 0.25)
 TARGET = 1.03  # ssdtier's time over the fastest other mode that fits as little memory
 FAMILIES = tuple(m.value for m in Mode)
+COMPILED = "ssdtier-compile"  # --fit-modes: ssdtier on the blocks --ssdtier-compile compiles, apart from eager's
+FIT_FAMILIES = (*FAMILIES, COMPILED)
 
 COLUMNS = [
     "setting", "mode", "status", "error", "batch", "every", "memory_budget", "keep_last", "fraction", "budget",
@@ -104,6 +106,10 @@ def dominance(
     keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
     if keep is None:
         return []
+    # Others that did not run (no time, an error) might have been faster: no "yes" without them.
+    unrun = [
+        r["setting"] for r in results if r["mode"] != Mode.SSDTIER.value and (r["status"] == "error" or out_of_time(r))
+    ]
     rows = []
     for f in fractions:
         limit = f * keep["peak_bytes"]
@@ -121,6 +127,8 @@ def dominance(
             row["met"] = row["ratio"] <= target
         else:
             row["met"] = None if ours is None and other is None else ours is not None
+        if row["met"] and unrun:
+            row["met"], row["unrun"] = None, unrun
         rows.append(row)
     return rows
 
@@ -144,7 +152,9 @@ def render_dominance(rows: list[dict[str, Any]], target: float = TARGET) -> str:
                 met,
             ]
         )
-    return "dominance: at each share of keep's peak, the fastest setting that fits in it\n" + table(head, body)
+    unrun = next((d["unrun"] for d in rows if d.get("unrun")), None)
+    note = f"\n'-' where ssdtier led: not compared with {', '.join(unrun)}, which did not run" if unrun else ""
+    return "dominance: at each share of keep's peak, the fastest setting that fits in it\n" + table(head, body) + note
 
 
 def csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,13 +217,17 @@ def plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
     plt.close(fig)
 
 
-def fit_settings(settings: list[Setting], cap: int | None, families: tuple[str, ...] = FAMILIES) -> dict[str, Setting]:
+def fit_settings(
+    settings: list[Setting], cap: int | None, families: tuple[str, ...] = FIT_FAMILIES
+) -> dict[str, Setting]:
     """The modes ``--fit`` searches, by name: the run's of ``families`` (keep always), but
-    ssdtier once (and once on blocks compiled at each budget of ``--ssdtier-compile``), at a
-    device budget of the memory cap (none: its default, on a GPU what the GPU has room for)."""
+    ssdtier once (``ssdtier-compile``: once on blocks compiled at each budget of
+    ``--ssdtier-compile``), at a device budget of the memory cap (none: its default, on a GPU
+    what the GPU has room for)."""
     out: dict[str, Setting] = {}
     for s in settings:
-        if s.mode is not Mode.KEEP and s.mode.value not in families:
+        family = COMPILED if s.mode is Mode.SSDTIER and s.memory_budget is not None else s.mode.value
+        if s.mode is not Mode.KEEP and family not in families:
             continue
         if s.mode is Mode.SSDTIER:
             s = Setting(Mode.SSDTIER, budget=cap, memory_budget=s.memory_budget)
@@ -232,7 +246,8 @@ def run_fit(
     """``--fit``: each mode's probes (on the CPU each in a fresh process); ``on_mode`` gets
     the answer so far as each mode ends."""
     cap = parse_size(args.memory_cap, key="--memory-cap", source=CLI) if args.memory_cap else None
-    modes = fit_settings(settings, cap, tuple(args.fit_modes or args.modes))
+    compiled = (COMPILED,) if "ssdtier" in args.modes and args.ssdtier_compile else ()
+    modes = fit_settings(settings, cap, tuple(args.fit_modes or (*args.modes, *compiled)))
     probe_w = replace(w, warmup=max(w.warmup, 1), steps=args.fit_steps, paired=False)  # ratios across batches
 
     def run_at(label: str, b: int) -> dict[str, Any]:
@@ -248,8 +263,13 @@ def run_fit(
         print(f"bench rok --fit: {label} at batch {b}: {in_a_line(r)}", file=sys.stderr, flush=True)
         return r
 
-    # A mode that did not run beside keep (not here, or it failed) is not searched.
-    said = {r["setting"]: r for r in results if r["status"] != "ok" and r["mode"] != Mode.SSDTIER.value}
+    # A mode that did not run beside keep (not here, or it failed) is not searched; keep, the
+    # reference, always is, and one the side-by-side run had no time for is too.
+    said = {
+        r["setting"]: r
+        for r in results
+        if r["status"] != "ok" and r["mode"] not in (Mode.SSDTIER.value, Mode.KEEP.value) and not out_of_time(r)
+    }
     searched = [m for m in modes if m not in said]
     out: dict[str, Any] = {"cap": cap, "limits": list(args.fit_limits), "steps": args.fit_steps, "modes": {}}
     if args.fit_batches:
@@ -269,7 +289,7 @@ def run_fit(
 def render_fit(fit: dict[str, Any]) -> str:
     modes, limits = fit["modes"], fit["limits"]
     keep = next(iter(modes.values()), {})
-    ref = (keep.get("at_largest") or {}).get("s_per_sample")
+    ref = None if keep.get("cut") else (keep.get("at_largest") or {}).get("s_per_sample")
     bound = f"peak activation memory <= {format_size(fit['cap'])}" if fit["cap"] else "no out of memory"
     how = "1, 2, 4... then bisection"
     if fit.get("batches"):
@@ -277,7 +297,13 @@ def render_fit(fit: dict[str, Any]) -> str:
     lines = [
         f"fit: the largest micro-batch of each mode ({bound}): {how}, {fit['steps']} "
         f"measured step(s) a probe; keep's time per sample at its largest batch: "
-        + (f"{ref * 1e3:.2f} ms" if ref else "none (keep fit no batch)")
+        + (
+            f"{ref * 1e3:.2f} ms"
+            if ref
+            else "none (keep's search was cut)"
+            if keep.get("cut")
+            else "none (keep fit no batch)"
+        )
     ]
     head = ["mode", "largest batch", "ms/sample", "x keep", "peak MiB", *(f"<= {x:g}x keep" for x in limits)]
     rows = []
@@ -300,6 +326,7 @@ def render_fit(fit: dict[str, Any]) -> str:
         )
     lines += [table(head, rows)]
     lines += [f"{m}: {r['status']}: {r.get('error', '')}" for m, r in modes.items() if r["status"] != "ok"]
+    lines += [f"{m}: stopped at {r['stopped']}" for m, r in modes.items() if r.get("stopped")]
     best = []
     for name, key in [("at any speed", None), *((f"at <= {x:g}x keep", f"{x:g}") for x in limits)]:
         got = {

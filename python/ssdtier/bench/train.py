@@ -47,6 +47,7 @@ __all__ = [
     "run",
 ]
 
+OUT_OF_TIME = "out of time (--budget-s)"  # a setting not started: its status "skipped"
 _TAG = "@@ssdtier-bench "  # the worker's lines to its parent: a step done, or the result
 MMAP_THRESHOLD = 64 << 10
 
@@ -609,11 +610,15 @@ def prepare(
 ) -> tuple[Setting, Workload]:
     """The setting and workload to run (``resolve``), or Skipped: out of time, or not here."""
     if deadline is not None and time.monotonic() > deadline:
-        raise Skipped("out of time (--budget-s)")
+        raise Skipped(OUT_OF_TIME)
     reason = skip_reason(s, w)
     if reason is not None:
         raise Skipped(reason)
     return resolve(s, w, known)
+
+
+def out_of_time(r: dict[str, Any]) -> bool:
+    return r.get("status") == "skipped" and r.get("error") == OUT_OF_TIME
 
 
 def outcome(r: dict[str, Any]) -> str:
