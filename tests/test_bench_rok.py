@@ -662,6 +662,8 @@ def test_dominance_is_not_met_against_settings_that_did_not_run():
     assert row["met"] is None and row["unrun"] == ["checkpoint"]
     assert "not compared with checkpoint, which did not run" in rok.render_dominance([row])
     assert rok.dominance([r for r in results if r["mode"] != "checkpoint"], (0.4,))[0]["met"] is True
+    wrong = {**results[1], "losses_equal_keep": False}  # its losses are not keep's: no win
+    assert rok.dominance([results[0], wrong], (0.4,))[0]["ssdtier"] is None
 
 
 def test_fit_searches_keep_and_modes_the_side_by_side_run_had_no_time_for(monkeypatch, tmp_path, store_dir):

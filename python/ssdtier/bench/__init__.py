@@ -133,7 +133,8 @@ def _rok_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fit-max-batch", type=positive, default=64, help="largest batch tried")
     g.add_argument("--fit-batches", type=_ints, metavar="B,B...", help="the modes after keep probe these batches "
                    "(those past keep's largest) instead of searching; keep is searched")  # fmt: skip
-    g.add_argument("--fit-steps", type=positive, default=2, help="measured steps per probe (after one warmup)")
+    g.add_argument("--fit-steps", type=positive, default=2, help="measured steps per probe (after --warmup's, "
+                   "at least one, and more while ssdtier's plan moves)")  # fmt: skip
     g.add_argument("--fit-limits", type=_floats, default=[1.05, 1.10], help="time per sample allowed, x keep's")
     g.add_argument("--fit-slow", type=float, default=8.0, help="a mode past this x keep's time per sample tries no "
                    "larger batch")  # fmt: skip

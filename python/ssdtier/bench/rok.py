@@ -115,7 +115,9 @@ def dominance(
         limit = f * keep["peak_bytes"]
         fits = [r for r in ok if r["peak_bytes"] <= limit]
         other = min((r for r in fits if r["mode"] != Mode.SSDTIER.value), key=lambda r: pace(r, keep), default=None)
-        ours = min((r for r in fits if r["mode"] == Mode.SSDTIER.value), key=lambda r: pace(r, keep), default=None)
+        # ssdtier's rows whose losses differ from those of the run without it do not count.
+        exact = [r for r in fits if r["mode"] == Mode.SSDTIER.value and r.get("losses_equal_keep") is not False]
+        ours = min(exact, key=lambda r: pace(r, keep), default=None)
         row: dict[str, Any] = {"fraction": f, "limit_bytes": int(limit), "other": None, "ssdtier": None, "ratio": None}
         for key, r in (("other", other), ("ssdtier", ours)):
             if r is not None:
