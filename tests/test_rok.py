@@ -864,24 +864,34 @@ def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, m
         assert torch.equal(want_grads[k], grads[k]), k
 
 
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(32, 128), nn.Linear(128, 32), nn.Dropout(0.1)
+
+    def forward(self, hidden, mask):
+        return hidden + self.drop(self.fc2(torch.relu(self.fc1(hidden)))) * mask
+
+
 class _KeywordNet(nn.Module):
-    """Blocks called with their input by keyword (as diffusers' are)."""
+    """Blocks called with their inputs by keyword (as diffusers' are), one mask for all."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 1)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)) for _ in range(4))
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(4))
 
     def forward(self, x):
-        h = self.inp(x)
+        h, mask = self.inp(x), torch.ones(64, 32)
         for b in self.blocks:
-            h = h + b(input=h)
+            h = b(hidden=h, mask=mask)
         return self.out(h).pow(2).mean()
 
 
 def test_inputs_passed_by_keyword_leave_with_a_recomputed_block(store_dir, monkeypatch):
     # Checkpointing saves only positional inputs through the hooks (and keeps only their
-    # devices' RNG): keyword tensors are passed positionally, and counted as the block's inputs.
+    # devices' RNG): keyword tensors are passed positionally, and counted as the block's
+    # inputs; the mask every block takes, once.
     forced(monkeypatch, (RO,) * 4)
 
     def run(ssd=None):
@@ -902,6 +912,6 @@ def test_inputs_passed_by_keyword_leave_with_a_recomputed_block(store_dir, monke
 
     got, inputs = run(adaptive(store_dir, min_tensor_bytes=1024))
     assert_same(run()[0], got)
-    block_input = 2 * 64 * 32 * 4
-    assert inputs == [block_input] * 4, inputs
+    block_input, mask = 2 * 64 * 32 * 4, 64 * 32 * 4
+    assert inputs == [block_input + mask] + [block_input] * 3, inputs
     assert got[2].bytes_offloaded >= 4 * block_input

@@ -21,10 +21,10 @@ RECENT = 3  # steps whose times of a block are taken together (their median): on
 SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence changed: times did too)
 
 
-def input_bytes(args: tuple) -> int:
-    """Bytes of the tensor arguments, each storage once: what a recomputation of the block
-    holds (checkpointing saves them)."""
-    seen: set[int] = set()
+def input_bytes(args: tuple, seen: set[int] | None = None) -> int:
+    """Bytes of the tensor arguments, each storage once (and none in ``seen``, which gets
+    them): what a recomputation of the block holds (checkpointing saves them)."""
+    seen = set() if seen is None else seen
     total = 0
     for a in args:
         if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
@@ -111,6 +111,7 @@ class Profile:
         self.saved = [0] * (n + 2)  # bytes per tag, each storage once
         self.kept = [0] * (n + 2)  # kept tensors per tag: offloading them would cost the hooks' time
         self.inputs = [0] * n
+        self.inputs_seen: set[int] = set()  # a tensor every block takes (a mask) is one block's input
         self.spans: list[tuple[int, Any]] = []
         self.head_span: Any = None
         self.recomputed = [False] * n
@@ -122,7 +123,7 @@ class Profile:
     # ---------------------------------------------------------------- forward
 
     def block_enter(self, tag: int, args: tuple) -> None:
-        self.inputs[tag - 1] = input_bytes(args)
+        self.inputs[tag - 1] = input_bytes(args, self.inputs_seen)
         self.open[tag] = self.clock.start()
 
     def block_exit(self, tag: int) -> None:
