@@ -668,6 +668,32 @@ def test_every_action_is_exact_on_cuda(store_dir, monkeypatch, acts):
     assert got[2].layers_recomputed == sum(a.startswith("recompute") for a in acts)
 
 
+def test_a_block_taking_its_input_by_keyword_recomputes_dropout_exactly_on_cuda(store_dir, monkeypatch):
+    # Checkpointing keeps the RNG state of the devices of positional tensors only: a block's
+    # keyword tensors are passed positionally, so its dropout draws the same masks again.
+    from .test_rok import RO, _KeywordNet, adaptive, forced
+
+    forced(monkeypatch, (RO,) * 4)
+
+    def run(ssd=None):
+        torch.manual_seed(0)
+        model = _KeywordNet().cuda()
+        gen = torch.Generator().manual_seed(2)
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        losses = []
+        for _ in range(2):
+            loss = model(torch.randn(2, 64, 8, generator=gen).cuda())
+            loss.backward()
+            losses.append(loss.detach())
+        if off is not None:
+            off.detach()
+        return losses, {n: p.grad for n, p in model.named_parameters()}
+
+    want, got = run(), run(adaptive(store_dir, min_tensor_bytes=1024))
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
+    assert all(torch.equal(want[1][n], got[1][n]) for n in want[1])
+
+
 def test_the_arena_is_pinned_at_attach(store_dir):
     model = build_model(CFG).cuda()
     with ssdtier.attach(model, offload_config(store_dir, host="64MiB")) as off:

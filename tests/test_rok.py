@@ -882,7 +882,7 @@ class _KeywordNet(nn.Module):
         self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(4))
 
     def forward(self, x):
-        h, mask = self.inp(x), torch.ones(64, 32)
+        h, mask = self.inp(x), torch.ones(64, 32, device=x.device)
         for b in self.blocks:
             h = b(hidden=h, mask=mask)
         return self.out(h).pow(2).mean()
