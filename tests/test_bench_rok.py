@@ -699,3 +699,17 @@ def test_fit_modes_tell_ssdtier_on_compiled_blocks_from_eager():
     assert parse("--fit-modes", "keep,ssdtier-compile").fit_modes == ["keep", "ssdtier-compile"]
     with pytest.raises(SystemExit):
         parse("--modes", "ssdtier-compile")
+
+
+def test_dominance_by_reserved_memory_too():
+    # ssdtier's 0.4x row fits 0.4 of keep's allocated peak but reserves 0.6 of keep's: by
+    # reserved memory it does not fit 0.4, where checkpointing does.
+    results = [
+        {**result("keep", "keep", 100, 10.0), "reserved_bytes": 110 * 2**20},
+        {**result("ssdtier 0.4x keep", "ssdtier", 39, 10.5), "reserved_bytes": 66 * 2**20},
+        {**result("checkpoint", "checkpoint", 30, 12.0), "reserved_bytes": 35 * 2**20},
+    ]
+    assert rok.dominance(results, (0.4,))[0]["met"] is True
+    row = rok.dominance(results, (0.4,), memory="reserved_bytes")[0]
+    assert row["ssdtier"] is None and row["other"] == "checkpoint" and row["met"] is False
+    assert "at each share of keep's reserved memory" in rok.render_dominance([row], memory="reserved memory")

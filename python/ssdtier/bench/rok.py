@@ -95,14 +95,18 @@ def settings_of(
 
 
 def dominance(
-    results: list[dict[str, Any]], fractions: tuple[float, ...] = DOMINANCE_FRACTIONS, target: float = TARGET
+    results: list[dict[str, Any]],
+    fractions: tuple[float, ...] = DOMINANCE_FRACTIONS,
+    target: float = TARGET,
+    memory: str = "peak_bytes",
 ) -> list[dict[str, Any]]:
     """At each share of keep's peak: the fastest non-ssdtier setting whose peak fits in it, the
     fastest ssdtier setting that does, and ssdtier's time per sample over the other's.
+    ``memory``: the peak compared, allocated (``peak_bytes``) or ``reserved_bytes`` (CUDA).
 
     ``met``: ssdtier is within ``target`` of the other (or fits where no other does); False
     where another fits and ssdtier does not; None where nothing fits."""
-    ok = [r for r in results if r.get("status") == "ok"]
+    ok = [r for r in results if r.get("status") == "ok" and memory in r]
     keep = next((r for r in ok if r["mode"] == Mode.KEEP.value), None)
     if keep is None:
         return []
@@ -112,8 +116,8 @@ def dominance(
     ]
     rows = []
     for f in fractions:
-        limit = f * keep["peak_bytes"]
-        fits = [r for r in ok if r["peak_bytes"] <= limit]
+        limit = f * keep[memory]
+        fits = [r for r in ok if r[memory] <= limit]
         other = min((r for r in fits if r["mode"] != Mode.SSDTIER.value), key=lambda r: pace(r, keep), default=None)
         # ssdtier's rows whose losses differ from those of the run without it do not count.
         exact = [r for r in fits if r["mode"] == Mode.SSDTIER.value and r.get("losses_equal_keep") is not False]
@@ -123,7 +127,7 @@ def dominance(
             if r is not None:
                 row[key] = r["setting"]
                 row[f"{key}_time_vs_keep"] = pace(r, keep)
-                row[f"{key}_memory_vs_keep"] = r["peak_bytes"] / max(keep["peak_bytes"], 1)
+                row[f"{key}_memory_vs_keep"] = r[memory] / max(keep[memory], 1)
         if other is not None and ours is not None:
             row["ratio"] = pace(ours, keep) / pace(other, keep)
             row["met"] = row["ratio"] <= target
@@ -135,7 +139,7 @@ def dominance(
     return rows
 
 
-def render_dominance(rows: list[dict[str, Any]], target: float = TARGET) -> str:
+def render_dominance(rows: list[dict[str, Any]], target: float = TARGET, memory: str = "peak") -> str:
     if not rows:
         return "dominance: keep did not run, so there is nothing to compare with"
     head = ["memory <= x keep", "fastest other", "time x keep", "ssdtier's fastest", "time x keep", "ssdtier / other"]
@@ -156,7 +160,8 @@ def render_dominance(rows: list[dict[str, Any]], target: float = TARGET) -> str:
         )
     unrun = next((d["unrun"] for d in rows if d.get("unrun")), None)
     note = f"\n'-' where ssdtier led: not compared with {', '.join(unrun)}, which did not run" if unrun else ""
-    return "dominance: at each share of keep's peak, the fastest setting that fits in it\n" + table(head, body) + note
+    title = f"dominance: at each share of keep's {memory}, the fastest setting that fits in it\n"
+    return title + table(head, body) + note
 
 
 def csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -378,10 +383,14 @@ def cmd_rok(args: argparse.Namespace) -> int:
         results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline, args.lockstep)
         ratios(results, losses_compared(w))
         doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
+        if w.device == "cuda":  # what the allocator holds decides out of memory too
+            doc["dominance_reserved"] = dominance(results, memory="reserved_bytes")
         files = [out / "rok.csv", out / "rok.json"]
         write_csv(out / "rok.csv", results)
         _write(out, doc)
         text = render(results, w) + "\n\n" + render_dominance(doc["dominance"])
+        if "dominance_reserved" in doc:
+            text += "\n\n" + render_dominance(doc["dominance_reserved"], memory="reserved memory")
         try:
             plot(out / "rok.png", results, describe(w))
             files.insert(1, out / "rok.png")
