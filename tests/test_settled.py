@@ -306,3 +306,45 @@ def test_a_reentrant_checkpoint_running_a_block_in_backward_wakes_nothing(store_
     got = _reentrant_run(adaptive(store_dir, device_budget="1GiB"), script)
     assert_same(_reentrant_run(None, script), got)
     assert got[2].forwards_unhooked > 0
+
+
+def test_a_settled_plan_recomputes_in_a_forward_on_another_thread(store_dir, monkeypatch):
+    # The first forward on a thread that finds the plan settled runs the plan in force, not
+    # none: the blocks it recomputes are recomputed there too.
+    import threading
+
+    _steady(monkeypatch)
+    ssd = _recomputing(store_dir)
+
+    def run(ssd=None):
+        calls = []
+        torch.manual_seed(0)
+        model = build_model(GPT)
+        _counting(calls)(model)
+        gen = torch.Generator().manual_seed(2)
+        batches = [make_batch(GPT, 2, gen) for _ in range(9)]
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        torch.manual_seed(1)
+        losses = []
+
+        def step(b):
+            loss = batch_loss(model, b)
+            loss.backward()
+            losses.append(loss.detach())
+
+        for b in batches[:8]:
+            step(b)
+        before = len(calls)
+        t = threading.Thread(target=step, args=(batches[8],))
+        t.start()
+        t.join(60)
+        stats = off.stats() if off is not None else None
+        if off is not None:
+            off.detach()
+        return (losses, {n: p.grad for n, p in model.named_parameters()}, stats), len(calls) - before
+
+    want, _ = run()
+    got, calls = run(ssd)
+    assert_same(want, got)
+    assert got[2].plan.actions == (R, R, K, K) and got[2].forwards_unhooked == 5
+    assert calls == GPT.n_layers + 2  # each block, and the two recomputed again

@@ -388,6 +388,7 @@ class Offloader:
         if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive):
             f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
             f.top = top_hooks()
+            f.acts = list(self.actions)  # the plan in force: this thread's first forward may be unhooked
             self.c["forwards_unhooked"] += 1
             return
         self._start(f, module)
