@@ -21,10 +21,9 @@ RECENT = 3  # steps whose times of a block are taken together (their median): on
 SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence changed: times did too)
 
 
-def input_bytes(args: tuple, seen: set[int] | None = None) -> int:
+def input_bytes(args: tuple, seen: set[int]) -> int:
     """Bytes of the tensor arguments, each storage once (and none in ``seen``, which gets
     them): what a recomputation of the block holds (checkpointing saves them)."""
-    seen = set() if seen is None else seen
     total = 0
     for a in args:
         if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
