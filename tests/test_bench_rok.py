@@ -470,6 +470,18 @@ def listed_run_at(runs):
     return run_at
 
 
+def listed_run_one(runs):
+    """``run_one`` as ``listed_run_at`` trains: a result of the setting at its batch."""
+
+    def run_one(s, w, on_step):
+        r = listed_run_at(runs)(s.mode.value, w.batch)
+        r |= {"setting": s.label, **s.to_dict(), "batch": w.batch}
+        ok = {"s_per_sample": r.get("median_step_s", 0) / w.batch, "tokens_per_s": 1.0, "losses": ["0x1p+0"]}
+        return r | (ok if r["status"] == "ok" else {})
+
+    return run_one
+
+
 def test_fit_at_listed_batches_answers_the_targets_in_a_few_probes():
     runs = []
     got = fit.fit_all(["keep", "ssdtier", "checkpoint"], listed_run_at(runs), 160, batches=[13, 19, 24, 32, 43, 50])
@@ -530,12 +542,7 @@ def test_fit_reads_the_memory_cap_and_gives_ssdtier_it_as_its_budget(monkeypatch
 def test_fit_batches_from_the_command_line(monkeypatch, tmp_path, store_dir):
     runs = []
 
-    def fake_run_one(s, w, on_step):
-        r = listed_run_at(runs)(s.mode.value, w.batch)
-        r |= {"setting": s.label, **s.to_dict(), "batch": w.batch}
-        ok = {"s_per_sample": r.get("median_step_s", 0) / w.batch, "tokens_per_s": 1.0, "losses": ["0x1p+0"]}
-        return r | (ok if r["status"] == "ok" else {})
-
+    fake_run_one = listed_run_one(runs)
     monkeypatch.setattr(rok, "run_one", fake_run_one)
     monkeypatch.setattr(train, "run_one", fake_run_one)
     a = parse("--device", "cpu", "--layers", "2", "--modes", "keep,ssdtier", "--fractions", "0.5", "--fit",
@@ -671,12 +678,7 @@ def test_fit_searches_keep_and_modes_the_side_by_side_run_had_no_time_for(monkey
 
     runs = []
 
-    def fake_run_one(s, w, on_step):
-        r = listed_run_at(runs)(s.mode.value, w.batch)
-        r |= {"setting": s.label, **s.to_dict(), "batch": w.batch}
-        ok = {"s_per_sample": r.get("median_step_s", 0) / w.batch, "tokens_per_s": 1.0, "losses": ["0x1p+0"]}
-        return r | (ok if r["status"] == "ok" else {})
-
+    fake_run_one = listed_run_one(runs)
     a = parse("--device", "cpu", "--layers", "2", "--modes", "keep,checkpoint", "--checkpoint-every", "1", "--fit",
               "--fit-batches", "24,19", "--memory-cap", "1GiB", "--batch", "8")  # fmt: skip
     w = replace(TINY, batch=8, dir=str(store_dir))
