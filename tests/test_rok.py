@@ -528,6 +528,9 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
         def counters(self):
             return Counters(len(reads), len(reads))
 
+        def reset_peak(self):
+            pass
+
     init, adopt = Adaptive.__init__, Adaptive._adopt
 
     def start(self, off):
@@ -615,6 +618,9 @@ def test_the_steps_peak_is_read_as_its_backward_ends(store_dir, monkeypatch):
         def counters(self):
             return Counters(7 * gib if self.done else 5 * gib, gib)
 
+        def reset_peak(self):
+            pass
+
     meter = Meter()
     init = Adaptive.__init__
 
@@ -640,6 +646,45 @@ def test_the_steps_peak_is_read_as_its_backward_ends(store_dir, monkeypatch):
     got = steps(GPT, adaptive(store_dir, device_budget=1 << 30), batches=(2,) * 3, prepare=prepare)
     assert_same(steps(GPT, batches=(2,) * 3, prepare=prepare), got)
     assert learned and set(learned) == {7 * gib}, learned
+
+
+def test_a_fixed_budget_learns_its_steps_peak_below_an_earlier_higher_one(store_dir, monkeypatch):
+    # The counter holds 100 GiB from before attach (another phase, another model); each step
+    # peaks at 9 GiB. Without a reset no step sets a new peak and the loss's memory stays 0.
+    hooked(monkeypatch)
+    gib = 1 << 30
+    learned = []
+
+    class Meter:  # (peak, allocated): 1 GiB allocated between steps
+        peak = 100 * gib
+
+        def counters(self):
+            return Counters(self.peak, gib)
+
+        def reset_peak(self):
+            self.peak = gib
+
+    meter = Meter()
+    init, learn, reached = Adaptive.__init__, Adaptive._learn, Adaptive.backward_reached
+
+    def start(self, off):
+        init(self, off)
+        self.meter = meter
+
+    def in_backward(self, tag):
+        meter.peak = max(meter.peak, 9 * gib)
+        reached(self, tag)
+
+    def recorded(self, *a):
+        learn(self, *a)
+        learned.append(self.working)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "backward_reached", in_backward)
+    monkeypatch.setattr(Adaptive, "_learn", recorded)
+    got = steps(GPT, adaptive(store_dir, device_budget=64 << 20), batches=(2,) * 4)
+    assert_same(steps(GPT, batches=(2,) * 4), got)
+    assert len(learned) == 3 and all(7 * gib < w < 8 * gib for w in learned), learned
 
 
 def test_an_auto_budget_holds_while_it_grows_by_under_5_percent(store_dir, monkeypatch):

@@ -81,7 +81,7 @@ class Adaptive:
                 # The budget reads the allocator's peak counters: a higher peak of an earlier
                 # phase (another model, a larger batch), or its cache, would hide this training's.
                 torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(self.device)
+                self.gpu.reset_peak()
                 log.info("ssdtier: reset %s's peak memory counter: device_budget = 'auto' reads it", self.device)
             else:
                 warn(
@@ -94,6 +94,7 @@ class Adaptive:
         self.fixed = isinstance(off.config.policy.device_budget, int)
         self.meter = Gpu(self.device) if self.device is not None else None
         self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
+        self.counting = False  # the peak counter was reset for this training (a fixed budget)
         self.mark: Counters | None = None  # the allocator's counters as the step began
         self.end: Counters | None = None  # ... as its backward ended (or reached the first block)
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
@@ -352,6 +353,11 @@ class Adaptive:
         if measured is not None:
             self._adopt(measured[0], measured[1], budget, feedback)
         self.settled.hooked(self, measured is not None)
+        if self.meter is not None and self.fixed and not self.counting and self._timing():
+            # Before the first step: a higher peak from before attach would hide every step's.
+            self.meter.reset_peak()
+            self.counting = True
+            log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
         self.mark = self.meter.counters() if self.meter is not None else None
         self.end = None
         if self.profile.ended and self.profile.inputs:

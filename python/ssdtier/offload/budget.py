@@ -60,6 +60,11 @@ class Gpu:
     def allocated(self) -> int:
         return self.counters()[1]
 
+    def reset_peak(self) -> None:
+        """A higher peak of an earlier phase (another model, a larger batch) would hide the
+        training's own: the counters start again from what is allocated now."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def counters(self) -> Counters:
         st = torch.cuda.memory_stats_as_nested_dict(self.device)
         peak, now = _stat(st, "allocated_bytes", "peak"), _stat(st, "allocated_bytes", "current")
