@@ -66,6 +66,114 @@ def test_less_gpu_room_hooks_the_next_forward(store_dir, monkeypatch):
     assert seen == [0, 0, 0, 1, 2, 3, 3, 4], seen
 
 
+def test_an_allocation_retried_hooks_the_next_forward(store_dir, monkeypatch):
+    # The GPU ran full after the 6th step: its cache emptied, free and cached memory sum as
+    # before, but the retry is news the budget must hear (it cuts) at the next forward.
+    gpu = {"retries": 0}
+    memory = lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, 1 * GiB, gpu["retries"], 2 * GiB)  # noqa: E731
+    fake_gpu(monkeypatch, memory, lambda off: 3 * GiB)
+    seen = []
+
+    def look(off):
+        seen.append(off.stats().forwards_unhooked)
+        if len(seen) == 6:
+            gpu["retries"] += 1
+
+    got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=(2,) * 8, on_step=look)
+    assert_same(steps(GPT, batches=(2,) * 8), got)
+    assert seen[:7] == [0, 0, 0, 1, 2, 3, 3], seen
+
+
+def test_forwards_without_hooks_before_a_backward_teach_a_budget_nothing(store_dir, monkeypatch):
+    # Three forwards, one backward. A step whose hooked forward is not the last holds the
+    # activations of unhooked ones at its peak, which no model counted: it teaches nothing.
+    # A step hooked at its last forward learns the 1 GiB of one forward and the 0.5 GiB past them.
+    from ssdtier.offload.budget import Counters
+
+    base, a, w = GiB, GiB, GiB // 2
+    learned = []
+
+    class Meter:  # a loop that resets the peak counter before each step
+        live = peak = 0
+
+        def counters(self):
+            return Counters(self.peak, base + self.live * a)
+
+        def reset_peak(self):
+            self.peak = base + self.live * a
+
+    meter = Meter()
+    init, learn = Adaptive.__init__, Adaptive._learn
+
+    def start(self, off):
+        init(self, off)
+        self.meter = meter
+
+    def recorded(self, blocks, head, start, end):
+        learn(self, blocks, head, start, end)
+        if start is not None and end is not None:
+            learned.append(self.working)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    monkeypatch.setattr(Adaptive, "_learn", recorded)
+
+    def run(ssd):
+        torch.manual_seed(0)
+        model = build_model(GPT)
+        data = make_batch(GPT, 2, torch.Generator().manual_seed(2))
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        torch.manual_seed(1)
+        for _ in range(20):
+            meter.live, meter.peak = 0, base
+            losses = []
+            for _ in range(3):
+                losses.append(batch_loss(model, data))
+                meter.live += 1
+                meter.peak = max(meter.peak, base + meter.live * a)
+            meter.peak = max(meter.peak, base + 3 * a + w)
+            sum(losses).backward()
+        grads = [p.grad for p in model.parameters()]
+        unhooked = off.stats().forwards_unhooked if off is not None else 0
+        if off is not None:
+            off.detach()
+        return grads, unhooked
+
+    got, unhooked = run(adaptive(store_dir, device_budget="100GiB"))
+    want, _ = run(None)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert unhooked > 0 and len(learned) >= 2, (unhooked, learned)
+    assert all(a + w - (64 << 20) < x <= a + w for x in learned), [x / GiB for x in learned]
+
+
+def test_the_forward_after_a_woken_one_is_hooked(store_dir):
+    # Batches of 4 x 8 tokens, then 2 x 16: the first block takes as many bytes, yet each
+    # block saves more (attention's T x T scores). The woken forward is not a calm one: the
+    # next is hooked and sees what the new shapes save.
+    seen = []
+
+    def run(ssd):
+        torch.manual_seed(0)
+        model = build_model(GPT)
+        gen = torch.Generator().manual_seed(2)
+        short = [make_batch(dataclasses.replace(GPT, seq_len=8), 4, gen) for _ in range(6)]
+        batches = short + [make_batch(GPT, 2, gen) for _ in range(4)]
+        off = ssdtier.attach(model, ssd) if ssd is not None else None
+        torch.manual_seed(1)
+        for b in batches:
+            batch_loss(model, b).backward()
+            if off is not None:
+                seen.append(off.stats().forwards_unhooked)
+        if off is not None:
+            off.detach()
+        return [p.grad for p in model.parameters()]
+
+    got = run(adaptive(store_dir, device_budget="1GiB"))
+    assert all(torch.equal(x, y) for x, y in zip(got, run(None), strict=True))
+    # Hooked after the woken 7th: the 8th to the 10th (the 7th saved nothing before its first
+    # block, so the 8th saved other bytes too; then two forwards alike).
+    assert seen == [0, 0, 0, 1, 2, 3, 3, 3, 3, 3], seen
+
+
 def test_a_plan_that_offloads_is_hooked_every_forward(store_dir, monkeypatch):
     _steady(monkeypatch, offload_s=0.0, disk=1e12, forward_s=1.0)  # the plan offloads, not recomputes
     got = steps(GPT, adaptive(store_dir, device_budget=200_000), batches=(2,) * 6)

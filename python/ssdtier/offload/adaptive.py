@@ -370,6 +370,12 @@ class Adaptive:
         f.off_tag = list(self.off._off_tag)
         self.replan_s += time.perf_counter() - t0
 
+    def unhooked(self) -> None:
+        """A forward runs without hooks before the last hooked one's backward (several
+        forwards, one backward): that step's peak holds activations no model counted."""
+        if self.end is None:
+            self.mark = None
+
     def _learn(self, blocks: list, head: Head, start: Counters | None, end: Counters | None) -> None:
         """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began
         and as its backward ended) against the model's for what it ran; the

@@ -386,6 +386,7 @@ class Offloader:
                 self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             return
         if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive):
+            self.adaptive.unhooked()
             f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
             f.top = top_hooks()
             f.acts = list(self.actions)  # the plan in force: this thread's first forward may be unhooked
@@ -407,6 +408,7 @@ class Offloader:
         tag, excluded = f.tag, f.excluded
         self._start(f, model)
         f.tag, f.excluded = tag, excluded
+        ad.settled.woke()
 
     def _start(self, f: Fwd, module: nn.Module) -> None:
         """Push the saved-tensor hooks for the forward ``f`` of this thread."""

@@ -57,11 +57,19 @@ class Settled:
         if ad.gpu is not None:  # device_budget = "auto": less room than measured, measure again
             if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
                 return False
+            m = ad.gpu.memory()
             budget = ad.off._budget or 0
-            if self.room is None or _left(ad) < self.room - ROOM * budget:
+            if self.room is None or m.free + m.reserved - m.allocated < self.room - ROOM * budget:
+                return False
+            if m.retries > (ad.auto.retries or 0):  # the GPU ran full (its cache emptied: room as before)
                 return False
         self.run += 1
         return True
+
+    def woke(self) -> None:
+        """A forward woken at its first block is hooked from there on: the next one is hooked
+        too, to compare what it saved (its inputs changed) with the forwards before."""
+        self.calm = min(self.calm, CALM - 1)
 
     def woken(self, args: tuple) -> bool:
         """At the first block of a forward without hooks: its inputs differ from those of the
@@ -87,9 +95,3 @@ def as_planned(ad: Adaptive) -> bool:
         and prof.sent == 0  # nothing offloaded for the budget
         and ad.settled.shapes != ()  # a larger batch shows in its first block's tensors
     )
-
-
-def _left(ad: Adaptive) -> int:
-    assert ad.gpu is not None
-    m = ad.gpu.memory()
-    return m.free + m.reserved - m.allocated
