@@ -65,14 +65,17 @@ def loss_of(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-def train(name, cfg=None):
-    """Three accumulated micro-batches from seed 0; returns losses, grads and stats."""
+def train(name, cfg=None, prepare=None):
+    """Three accumulated micro-batches from seed 0 (``prepare(model)`` before attaching);
+    returns losses, grads and stats."""
     torch.manual_seed(0)
     model = MODELS[name]()
     if name.endswith("checkpointing"):
         from ssdtier.integrations.hf import checkpointing
 
         checkpointing(model)
+    if prepare is not None:
+        prepare(model)
     model.train()
     off = ssdtier.attach(model, cfg) if cfg is not None else None
     losses = []
@@ -99,6 +102,32 @@ def test_hf_models_exact_through_nvme(store_dir, name):
     assert got[2].tensors_offloaded > 0 and got[2].bytes_read_nvme > 0
     # model.layers found (not a block's experts), or T5's encoder.block and decoder.block.
     assert got[2].layers_offloaded == (5 if name == "t5" else 3)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_layers_that_checkpoint_themselves_are_not_checkpointed_again(store_dir, monkeypatch, reentrant):
+    # transformers 5 checkpoints a layer inside its forward: a plan that recomputes it runs
+    # it as it is, its own checkpoint serving (reentrant, a second would run it 3 times a step).
+    import ssdtier.offload.recompute as rc
+
+    from .test_rok import RO, forced
+
+    calls, runs = [], []
+    real = rc.checkpoint
+    monkeypatch.setattr(rc, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    forced(monkeypatch, (RO,) * 3)
+
+    def prepare(model):
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.model.layers[1].mlp.register_forward_hook(lambda *a: runs.append(1))
+
+    want = train("llama", prepare=prepare)
+    plain, runs[:] = len(runs), []
+    same(want, train("llama", offload_config(store_dir, mode="adaptive"), prepare))
+    assert calls == [] and len(runs) == plain, (len(calls), len(runs), plain)
 
 
 # ------------------------------------------------------------------ Trainer

@@ -36,6 +36,9 @@ class Recompute:
         self.norms = tuple(m for m in block.modules() if isinstance(m, _NormBase))  # running statistics
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block
+        if block.training and getattr(block, "gradient_checkpointing", False):
+            return self.fn(*args, **kwargs)  # it checkpoints itself (transformers' layers, in forward)
         off = self.off
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
