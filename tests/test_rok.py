@@ -365,7 +365,9 @@ def test_an_auto_device_budget_follows_the_memory_left(store_dir, monkeypatch):
     # The first step: half of the 3 GiB of room (8 cached, less a margin of 5). Then 3 GiB
     # beside the activations leave nothing: every block recomputed, its inputs offloaded.
     assert budgets[:3] == [3 * GiB // 2, 0, 0] and kept[1:3] == [0, 0]
-    assert budgets[3] == 50 * GiB and kept[3:] == [4, 4, 4]  # room for all: kept
+    # Room for all: kept (a step later where a busy machine's store waits filled the last
+    # step's blocks, leaving it unmeasured).
+    assert budgets[3] == 50 * GiB and kept[4:] == [4, 4] and kept[3] in (0, 4), kept
 
 
 def test_an_auto_device_budget_shrinks_at_once_for_a_larger_batch(store_dir, monkeypatch, caplog):
@@ -787,12 +789,41 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
             held=lambda held=held: held,
             before=list(plan.outcome.before),
             plan=plan,
-            growth=1.0,
+            swell=1.0,
             switched=0,
+            _saving=lambda acts, i: 1.0,
         )
         Adaptive.guard(me, f, 2)
         assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
         assert me.off.c["guard_recomputed"] == switched
+
+
+def test_the_guard_scales_by_what_this_forward_saved():
+    # The first block takes the same inputs, yet blocks save 1.2x what the plan has them save
+    # (attention's T x T scores grow faster than a block's inputs): held, the last block's
+    # 100 MiB would fit; its 120 do not.
+    from types import SimpleNamespace
+
+    from ssdtier.plan import Block, Head, Transfers, solve
+
+    mb = 1 << 20
+    blocks = [Block(i, 100 * mb, 10 * mb, 0.01, 0.02, 0.01) for i in range(4)]
+    plan = solve(blocks, Transfers(1e3, 1e3, host=0), 455 * mb, Head())
+    assert plan.fits and plan.actions == (K,) * 4, plan.table()
+    for saved, switched in ((100 * mb, 0), (120 * mb, 1)):
+        f = SimpleNamespace(acts=list(plan.actions), off_tag=[False] * 6)
+        me = SimpleNamespace(
+            off=SimpleNamespace(_budget=455 * mb, c={"guard_recomputed": 0}),
+            held=lambda saved=saved: 3 * saved,
+            before=list(plan.outcome.before),
+            plan=plan,
+            swell=1.0,
+            switched=0,
+            profile=SimpleNamespace(saved=[0, saved, saved, saved, 0, 0]),
+        )
+        me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
+        Adaptive.guard(me, f, 4)
+        assert me.switched == switched and f.acts[3] is (RO if switched else K), (saved, f.acts)
 
 
 def test_a_plan_stands_on_noisy_measurements_until_it_no_longer_serves(store_dir):
@@ -960,3 +991,83 @@ def test_inputs_passed_by_keyword_leave_with_a_recomputed_block(store_dir, monke
     block_input, mask = 2 * 64 * 32 * 4, 64 * 32 * 4
     assert inputs == [block_input + mask] + [block_input] * 3, inputs
     assert got[2].bytes_offloaded >= 4 * block_input
+
+
+def _plan_bytes(off):
+    return [d.block.bytes for d in off.adaptive.plan.decisions]
+
+
+def _loop(ssd, between):
+    """The GPT trained 4 steps of batch 2, with ``between(model, step)`` before each step."""
+    torch.manual_seed(0)
+    model = build_model(GPT)
+    gen = torch.Generator().manual_seed(2)
+    data = [make_batch(GPT, 2, gen) for _ in range(4)]
+    off = ssdtier.attach(model, ssd) if ssd is not None else None
+    torch.manual_seed(1)
+    plans = []
+    for i, b in enumerate(data):
+        between(model, i)
+        batch_loss(model, b).backward()
+        if off is not None and off.adaptive.plan is not None:
+            plans.append(_plan_bytes(off))
+    grads = [p.grad for p in model.parameters()]
+    if off is not None:
+        off.detach()
+    return grads, plans
+
+
+def test_a_forward_that_raised_is_not_planned_from(store_dir):
+    # Block 2 raises in step 0's forward (caught, the step skipped): the next plan comes from
+    # whole forwards, not one whose blocks 2 and 3 never ran (planned as saving 0 bytes).
+    raised = []
+
+    def between(model, step):
+        if step == 0:
+            raised.clear()  # each run raises once
+            blk = model.blocks[2]
+
+            def boom(*a, **k):
+                raise RuntimeError("a bad batch")
+
+            blk.register_forward_pre_hook(lambda m, a: boom() if not raised and not raised.append(1) else None)
+            with pytest.raises(RuntimeError, match="a bad batch"):
+                batch_loss(model, make_batch(GPT, 2, torch.Generator().manual_seed(9)))
+
+    got, plans = _loop(adaptive(store_dir, device_budget=1 << 30), between)
+    want, _ = _loop(None, between)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert plans and all(all(b > 0 for b in p) for p in plans), plans
+
+
+def test_a_forward_no_backward_followed_is_not_planned_from(store_dir):
+    # An evaluation with gradients on (no torch.no_grad), at batch 8 between steps of batch 2:
+    # its blocks' bytes are not the training's, and no backward measured it.
+    def between(model, step):
+        if step == 2:
+            batch_loss(model, make_batch(GPT, 8, torch.Generator().manual_seed(9)))
+
+    budget = adaptive(store_dir, device_budget=1 << 30)
+    got, plans = _loop(budget, between)
+    _, plain = _loop(adaptive(store_dir, device_budget=1 << 30), lambda m, s: None)
+    want, _ = _loop(None, between)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert plans == plain, (plans, plain)
+
+
+def test_a_recomputed_blocks_bytes_follow_the_kept_ones_at_another_length(store_dir, monkeypatch):
+    # Plain attention saves T x T scores: at twice the length a block saves more than twice
+    # as much. A block kept at length 32 and recomputed at 64 is planned as saving what the
+    # blocks kept at 64 save per input byte, not its bytes at 32 scaled by its inputs.
+    cfg = GPTConfig(n_layers=4, **{**TINY, "seq_len": 64})
+    forced(monkeypatch, (K,) * 4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    gen = torch.Generator().manual_seed(2)
+    off = ssdtier.attach(model, adaptive(store_dir))
+    for length, acts in ((32, (K,) * 4), (64, (K, R, K, K))):
+        off.set_actions(acts)
+        batch_loss(model, make_batch(dataclasses.replace(cfg, seq_len=length), 2, gen)).backward()
+    blocks, _ = off.adaptive.profile.blocks()
+    off.detach()
+    assert blocks[1].bytes >= 0.95 * blocks[2].bytes, [b.bytes for b in blocks]

@@ -12,7 +12,7 @@ import ssdtier
 from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Memory
-from ssdtier.offload.settled import MEASURE, Settled, shapes
+from ssdtier.offload.settled import MEASURE, Settled, batch_grew, shapes
 from ssdtier.plan import Action
 
 from .test_attach import assert_same
@@ -267,6 +267,18 @@ def test_inputs_are_told_apart_by_shape_not_storage():
     s.shapes = shapes((buf[:2], 3))
     assert not s.woken((buf[2:], 3))
     assert s.woken((buf[:3], 3)) and s.woken((buf[:2].double(), 3))
+
+
+def test_a_larger_batch_is_told_from_a_longer_sequence():
+    # A batch grows alike per sample; a longer sequence can grow a block's bytes faster
+    # (attention's T x T scores): the guard assumes so until it has measured two lengths.
+    def s(*ts):
+        return shapes(tuple(torch.zeros(t) for t in ts))
+
+    assert batch_grew(s((2, 8, 4), (2, 8)), s((4, 8, 4), (4, 8)))
+    assert not batch_grew(s((2, 8, 4)), s((2, 16, 4)))
+    assert not batch_grew(s((2, 8, 4)), s((4, 8, 4), (4, 8)))
+    assert not batch_grew((), s((4, 8, 4)))
 
 
 def test_an_auto_budget_shrinks_for_a_larger_batch_after_forwards_without_hooks(store_dir, monkeypatch, caplog):

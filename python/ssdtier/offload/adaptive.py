@@ -22,7 +22,7 @@ from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Counters, Gpu
 from .control import StepControl
 from .profile import Profile
-from .settled import Settled, shapes
+from .settled import Settled, batch_grew, shapes
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -60,6 +60,7 @@ class Adaptive:
         self.wait0 = 0.0
         self.inputs_last = 0  # the first block's input bytes in the last forward
         self.growth = 1.0  # this forward's first block's inputs over the last one's (a larger batch)
+        self.swell = 1.0  # ... and what its blocks may save over the last one's (longer: more than that)
         # The guard's view of the plan: bytes held before each block, and at the peak.
         self.before: list[int] | None = None
         self.switched = 0  # blocks the guard recomputed in this forward
@@ -170,9 +171,11 @@ class Adaptive:
             return
         self.profile.block_enter(tag, args)
         if tag == 1:
-            self.settled.shapes = shapes(args)
+            last, self.settled.shapes = self.settled.shapes, shapes(args)
             now = self.profile.inputs[0]
             self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
+            more = self.growth > 1.0 and not batch_grew(last, self.settled.shapes)
+            self.swell = self.growth ** self.profile.exponent() if more else self.growth
             if self.gpu is not None and self.growth > GROWTH:
                 self.grew()
         self.guard(f, tag)
@@ -229,10 +232,10 @@ class Adaptive:
             return
         now = self.held()
         if self.before is not None and self.plan is not None:
-            growth = max(1.0, self.growth)
+            growth = max(1.0, self.swell, self._saving(acts, i))
             out = self.plan.outcome
             coming = growth * max(out.forward_peak - self.before[i], 0)
-            if growth > GROWTH:  # the backward's peak grows too
+            if growth > 1.0:  # the backward's peak grows too
                 now = max(now, int(growth * out.peak) - int(coming))
             if not self.plan.fits:  # the least it could: only growth is news
                 budget = max(budget, out.peak)
@@ -258,6 +261,19 @@ class Adaptive:
                 format_size(budget),
                 i,
             )
+
+    def _saving(self, acts: list[Action], i: int) -> float:
+        """What blocks 1 to ``i`` - 1 saved in this forward against what the plan has them
+        save (block 0's bytes hold what runs before it): attention's T x T scores grow faster
+        than the first block's inputs."""
+        assert self.plan is not None
+        want = got = 0
+        saved = self.profile.saved
+        for j in range(1, i):
+            b = self.plan.decisions[j].block
+            want += b.inputs if acts[j].recomputes else b.bytes
+            got += saved[j + 1]
+        return got / want if want else 1.0
 
     # ---------------------------------------------------------------- device budget
 
@@ -337,7 +353,10 @@ class Adaptive:
         measured = None
         # After dropped steps, their waits spill into this one's.
         feedback = self.unread == 0
-        if self.profile.ended:
+        # A forward no backward followed (an evaluation with gradients, or one of several
+        # before a backward, or one that raised) is not planned from.
+        alone = self.profile.ended and not self.profile.marks
+        if self.profile.ended and not alone:
             if self.profile.ready() or self.unread >= UNREAD:
                 measured = self.profile.blocks()
                 self.unread = 0
@@ -352,7 +371,7 @@ class Adaptive:
             measured = None
         if measured is not None:
             self._adopt(measured[0], measured[1], budget, feedback)
-        self.settled.hooked(self, measured is not None)
+        self.settled.hooked(self, measured is not None, judged=not alone)
         if self.meter is not None and self.fixed and not self.counting and self._timing():
             # Before the first step: a higher peak from before attach would hide every step's.
             self.meter.reset_peak()
@@ -364,7 +383,7 @@ class Adaptive:
             self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()
         self.profile.begin_forward()
-        self.growth = 1.0
+        self.growth = self.swell = 1.0
         self.switched = 0
         f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)

@@ -5,6 +5,7 @@ less the time the step waited on the store."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -19,6 +20,7 @@ BACKWARD = 2.0  # a block's backward against its forward until one is measured (
 OFFLOAD_TENSOR_S = 15e-6  # the hooks' time per offloaded tensor on the CPU (benches/hook_profile.py)
 RECENT = 3  # steps whose times of a block are taken together (their median): one odd step is noise
 SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence changed: times did too)
+UNSEEN = 2.0  # saved bytes ~ inputs ** this, for a longer sequence before two sizes were measured
 
 
 def input_bytes(args: tuple, seen: set[int]) -> int:
@@ -93,6 +95,7 @@ class Profile:
         # Each block's last measurement (None: never): saved bytes when it was not recomputed,
         # and its inputs then, to scale it by.
         self.full: list[tuple[int, int] | None] = [None] * n
+        self.other: list[tuple[int, int] | None] = [None] * n  # ... and one at other inputs before it
         self.recompute_s: list[float | None] = [None] * n
         self.backward_s: list[float | None] = [None] * n
         self.head_back: float | None = None
@@ -146,6 +149,20 @@ class Profile:
             self.sent += 1
         else:
             self.kept[tag] += 1
+
+    def _exponent(self, i: int) -> float | None:
+        """How block ``i``'s saved bytes grew with its inputs between its last two whole
+        measurements at other inputs (bytes ~ inputs ** it, within [1, 2]); None: not seen."""
+        a, b = self.other[i], self.full[i]
+        if a is None or b is None or min(a + b) <= 0:
+            return None
+        return min(max(math.log(b[0] / a[0]) / math.log(b[1] / a[1]), 1.0), 2.0)
+
+    def exponent(self) -> float:
+        """How saved bytes grow with a forward's inputs, from the blocks seen at two sizes:
+        UNSEEN (as attention's scores would) until one was."""
+        seen = [e for e in (self._exponent(i) for i in range(self.n)) if e is not None]
+        return statistics.median(seen) if seen else UNSEEN
 
     def bytes_so_far(self, tag: int) -> int:
         """Saved by this forward before block ``tag`` - 1."""
@@ -217,11 +234,18 @@ class Profile:
         if not self.ended or not any(fwd[1 : n + 1]):
             return None
         self._backward_times(self.recomputed)
+        now = []  # bytes per input byte of the blocks this forward saved whole
         for i in range(n):
             if not self.recomputed[i]:
+                last = self.full[i]
+                if last is not None and not _like(last[1], self.inputs[i]):
+                    self.other[i] = last
                 self.full[i] = (self.saved[i + 1], self.inputs[i])
+                if self.inputs[i] > 0:
+                    now.append(self.saved[i + 1] / self.inputs[i])
         ratios = [b / x for b, x in (f for f in self.full if f is not None) if x > 0]
         per_input = statistics.median(ratios) if ratios else 1.0
+        per_input_now = statistics.median(now) if now else None
         rec = [r / fwd[i + 1] for i, r in enumerate(self.recompute_s) if r is not None and fwd[i + 1] > 0]
         rec_share = statistics.median(rec) if rec else 1.0
         back = [b / fwd[i + 1] for i, b in enumerate(self.backward_s) if b is not None and fwd[i + 1] > 0]
@@ -235,7 +259,10 @@ class Profile:
             if known is None:
                 nbytes = int(per_input * inputs)
             elif self.recomputed[i] and known[1] > 0:
-                nbytes = int(known[0] * inputs / known[1])  # measured at another batch, say
+                # Measured at another batch or length: attention's T x T scores grow faster than inputs.
+                nbytes = int(known[0] * (inputs / known[1]) ** (self._exponent(i) or 1.0))
+                if per_input_now is not None and not _like(known[1], inputs):
+                    nbytes = max(nbytes, int(per_input_now * inputs))
             else:
                 nbytes = known[0]
             if i == 0:
@@ -258,6 +285,11 @@ class Profile:
         head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
         head_b = self.head_back if self.head_back is not None else BACKWARD * head_s
         return blocks, Head(self.saved[n + 1], head_s, head_b)
+
+
+def _like(a: int, b: int) -> bool:
+    """Inputs this close are one batch and length (times and bytes measured at one serve the other)."""
+    return abs(a - b) <= SAME_INPUTS * max(a, b, 1)
 
 
 def steady(recent: deque[tuple[float, int]], inputs: int, last: float) -> float:

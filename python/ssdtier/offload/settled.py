@@ -33,19 +33,21 @@ class Settled:
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
         self.shapes: tuple = ()  # its first block's tensor arguments: (shape, dtype) each
 
-    def hooked(self, ad: Adaptive, measured: bool) -> None:
+    def hooked(self, ad: Adaptive, measured: bool, judged: bool = True) -> None:
         """A hooked forward begins, the plan in force checked against the last one's numbers
         (``measured``: they came in). Hooked forwards as planned that saved other bytes than
         the one before (a model whose memory follows its data, not its shapes) start the count
-        again: no forward of theirs goes without the guard."""
-        saved = tuple(ad.profile.saved)
-        if not (measured and as_planned(ad)):
-            self.calm = 0
-        elif self.calm and saved != self.saved:
-            self.calm = 1
-        else:
-            self.calm += 1
-        self.saved = saved
+        again: no forward of theirs goes without the guard. One no backward followed is not
+        ``judged``: it leaves the count as it was."""
+        if judged:
+            saved = tuple(ad.profile.saved)
+            if not (measured and as_planned(ad)):
+                self.calm = 0
+            elif self.calm and saved != self.saved:
+                self.calm = 1
+            else:
+                self.calm += 1
+            self.saved = saved
         self.run = 0
         self.room = ad.auto.left() if ad.gpu is not None else None  # read by budget() just now
 
@@ -80,6 +82,14 @@ class Settled:
 def shapes(args: tuple) -> tuple:
     """The tensor arguments' shapes and dtypes."""
     return tuple((a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor))
+
+
+def batch_grew(last: tuple, now: tuple) -> bool:
+    """Only the first dimension of the inputs changed (a larger batch: each sample saves as
+    much as before, where a longer sequence can save more per token)."""
+    return len(last) == len(now) > 0 and all(
+        a[1] == b[1] and len(a[0]) == len(b[0]) and a[0][1:] == b[0][1:] for a, b in zip(last, now, strict=True)
+    )
 
 
 def as_planned(ad: Adaptive) -> bool:

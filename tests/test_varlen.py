@@ -1,0 +1,128 @@
+"""Adaptive mode with a sequence length that changes from step to step (dynamic padding): each
+step's true activation peak, under the actions that ran, stays within its device budget.
+Plain attention saves T x T scores: a block's bytes grow faster than its inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import ssdtier
+from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
+from ssdtier.offload.adaptive import SLACK
+from ssdtier.plan import Action, Block, Head, Transfers, simulate
+
+from .test_rok import adaptive
+from .test_settled import _steady
+
+CFG = GPTConfig(n_layers=4, d_model=32, n_heads=4, seq_len=256, vocab_size=64)  # plain attention
+N = CFG.n_layers
+LENGTHS = (64, 64, 64, 128, 64, 128, 96, 160)
+INF = float("inf")
+
+
+def count(L):
+    """Per tag (0 before the blocks, i + 1 block i, N + 1 after), bytes a plain model saves at L; blocks' inputs."""
+    torch.manual_seed(0)
+    model = build_model(CFG)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, inputs, seen, tag = [0] * (N + 2), [0] * N, set(), [0]
+
+    def pack(t):  # counted as ssdtier counts: a storage once, no parameter nor view of one
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in params or ptr in seen or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        seen.add(ptr)
+        saved[tag[0]] += t.untyped_storage().nbytes()
+        return t
+
+    def enter(i):  # block i's pre-hook: tags what it saves, counts its inputs (one fp32 tensor)
+        def hook(module, args):
+            tag[0], inputs[i] = i + 1, sum(a.untyped_storage().nbytes() for a in args)
+
+        return hook
+
+    for i, b in enumerate(model.blocks):
+        b.register_forward_pre_hook(enter(i))
+    model.blocks[-1].register_forward_hook(lambda *a: tag.__setitem__(0, N + 1))
+    batch = make_batch(dataclasses.replace(CFG, seq_len=L), 2, torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        batch_loss(model, batch)
+    return saved, inputs
+
+
+def peak(counts, acts, tr):
+    """The simulated peak under acts at one length, nothing read ahead: with instant transfers, a lower bound."""
+    saved, inputs = counts
+    blocks = [Block(i, saved[i + 1] + (saved[0] if i == 0 else 0), inputs[i], 1e-3, 2e-3, 1e-3) for i in range(N)]
+    return simulate(blocks, acts, tr, Head(saved[N + 1]), limit=0).peak
+
+
+def run(store_dir, budget=None):
+    """Trains on LENGTHS; per step (length, actions ran, budget at its start, profile.saved), grads, transfers."""
+    torch.manual_seed(0)
+    model = build_model(CFG)
+    gen = torch.Generator().manual_seed(2)
+    batches = [make_batch(dataclasses.replace(CFG, seq_len=L), 2, gen) for L in LENGTHS]
+    off = ssdtier.attach(model, adaptive(store_dir, device_budget=budget)) if budget else None
+    torch.manual_seed(1)
+    steps = []
+    for L, b in zip(LENGTHS, batches, strict=True):
+        at_start = off._budget if off else None
+        batch_loss(model, b).backward()
+        if off:
+            steps.append((L, list(off.adaptive.ran), at_start, list(off.adaptive.profile.saved)))
+    tr = off.adaptive.transfers() if off else None
+    if off:
+        off.detach()
+    return steps, {n: p.grad for n, p in model.named_parameters()}, tr
+
+
+def code(acts):
+    """Actions as letters: k keep, o offload, r recompute, R recompute with inputs offloaded."""
+    return "".join({"keep": "k", "offload": "o", "recompute": "r"}.get(a.value, "R") for a in acts)
+
+
+def test_a_varying_sequence_length_stays_within_the_budget(store_dir, monkeypatch):
+    # A 1 kB/s disk and blocks timed alike: the plans keep and recompute, the same at every run.
+    _steady(monkeypatch)
+    counts = {L: count(L) for L in set(LENGTHS)}
+    budget = int(1.05 * peak(counts[64], [Action.KEEP] * N, Transfers(INF, INF)))
+    steps, grads, tr = run(store_dir, budget)
+    _, want, _ = run(store_dir)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in grads)
+    # The counts are ssdtier's: step 1 (length 64) kept blocks, each saving what the plain model did.
+    L, ran, _, saved = steps[1]
+    kept = [0, N + 1] + [i + 1 for i in range(N) if ran[i] is Action.KEEP]
+    assert len(kept) > 2 and [saved[t] for t in kept] == [counts[L][0][t] for t in kept], (saved, counts[L])
+    tr = dataclasses.replace(tr, write=INF, read=INF, out=None, back=None, host=0)  # bytes leave at once
+    rows, over = [], []
+    for i, (L, ran, b, _) in enumerate(steps):
+        fits = peak(counts[L], [Action.RECOMPUTE_OFFLOAD] * N, tr) <= b  # some plan fits at L
+        ratio = peak(counts[L], ran, tr) / b
+        note = "" if fits else " (no plan fits)"
+        rows.append(f"step {i} length {L:3d} ran {code(ran)}: true peak {ratio:.3f}x budget{note}")
+        if fits and ratio > 1 + SLACK:
+            over.append(i)
+    print("\n".join(rows))
+    assert not over, f"steps {over} pass the budget {budget} by more than {SLACK:.0%}:\n" + "\n".join(rows)
+
+
+def test_how_bytes_grow_with_length_is_learned(store_dir):
+    # Two lengths kept: plain attention's blocks save T x T scores, SDPA's do not. Until then
+    # a longer sequence is taken to grow bytes as its square.
+    for sdpa, low, high in ((False, 1.3, 2.0), (True, 1.0, 1.1)):
+        cfg = dataclasses.replace(CFG, sdpa=sdpa, dropout=0.0)  # SDPA with dropout on a CPU saves its scores
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        off = ssdtier.attach(model, adaptive(store_dir, device_budget=1 << 30))
+        seen = []
+        for L in (64, 128):
+            batch_loss(model, make_batch(dataclasses.replace(cfg, seq_len=L), 2)).backward()
+            seen.append(off.adaptive.profile.exponent())
+        batch_loss(model, make_batch(cfg, 2)).backward()  # its start reads the 128 step's measurements
+        seen.append(off.adaptive.profile.exponent())
+        off.detach()
+        assert seen[0] == seen[1] == 2.0 and low <= seen[2] <= high, (sdpa, seen)
