@@ -930,6 +930,8 @@ def test_adaptive_plans_from_a_gpus_second_iteration_not_its_first(store_dir, gp
                 ad.saved(tag, 1 << 20, True)
                 ad.profile.block_exit(tag)
             ad.profile.forward_end()
+            for tag in (2, 1):  # its backward (a forward with none is not planned from)
+                ad.profile.backward_reached(tag)
             gpu.run()
             ad.replan(f)
             plans.append(ad.plan)

@@ -259,8 +259,10 @@ class Profile:
             if known is None:
                 nbytes = int(per_input * inputs)
             elif self.recomputed[i] and known[1] > 0:
-                # Measured at another batch or length: attention's T x T scores grow faster than inputs.
-                nbytes = int(known[0] * (inputs / known[1]) ** (self._exponent(i) or 1.0))
+                # Measured at another batch or length: attention's T x T scores grow faster
+                # than inputs (UNSEEN until the block was measured at two sizes).
+                power = self._exponent(i) or (UNSEEN if inputs > known[1] else 1.0)
+                nbytes = int(known[0] * (inputs / known[1]) ** power)
                 if per_input_now is not None and not _like(known[1], inputs):
                     nbytes = max(nbytes, int(per_input_now * inputs))
             else:
