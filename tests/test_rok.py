@@ -993,10 +993,6 @@ def test_inputs_passed_by_keyword_leave_with_a_recomputed_block(store_dir, monke
     assert got[2].bytes_offloaded >= 4 * block_input
 
 
-def _plan_bytes(off):
-    return [d.block.bytes for d in off.adaptive.plan.decisions]
-
-
 def _loop(ssd, between):
     """The GPT trained 4 steps of batch 2, with ``between(model, step)`` before each step."""
     torch.manual_seed(0)
@@ -1010,7 +1006,7 @@ def _loop(ssd, between):
         between(model, i)
         batch_loss(model, b).backward()
         if off is not None and off.adaptive.plan is not None:
-            plans.append(_plan_bytes(off))
+            plans.append([d.block.bytes for d in off.adaptive.plan.decisions])
     grads = [p.grad for p in model.parameters()]
     if off is not None:
         off.detach()

@@ -289,16 +289,16 @@ class Profile:
         return blocks, Head(self.saved[n + 1], head_s, head_b)
 
 
-def _like(a: int, b: int) -> bool:
+def _like(x: int, inputs: int) -> bool:
     """Inputs this close are one batch and length (times and bytes measured at one serve the other)."""
-    return abs(a - b) <= SAME_INPUTS * max(a, b, 1)
+    return abs(x - inputs) <= SAME_INPUTS * max(inputs, 1)
 
 
 def steady(recent: deque[tuple[float, int]], inputs: int, last: float) -> float:
     """The median of a block's recent times taken with inputs like ``inputs`` (older ones
     dropped), or ``last`` if none: on a GPU one step's time can be off by the host's waits
     (a 6 ms block read as 0 or 23 ms on the H100), and a plan solved from it is too."""
-    like = [(t, x) for t, x in recent if abs(x - inputs) <= SAME_INPUTS * max(inputs, 1)]
+    like = [(t, x) for t, x in recent if _like(x, inputs)]
     if len(like) < len(recent):
         recent.clear()
         recent.extend(like)
