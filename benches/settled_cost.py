@@ -12,13 +12,19 @@ ahead of it.
     python benches/settled_cost.py --layers 8 --d-model 256 --seq 256 --batch 8 --vocab 1024 \
         --heads 8 --compile 0.2 --steps 30 --warmup 8     # ssdtier on compiled blocks
     python benches/settled_cost.py --budget 350KB --throttle 1MB   # a plan that recomputes
+    python benches/settled_cost.py --seq 64 --padded 16   # dynamic padding: lengths 16..64
+
+With ``--padded`` each step's length is drawn (seeded) for both models alike, and the
+figures are means over the counted steps, not medians (the lengths differ step to step).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -34,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--padded", type=int, metavar="MIN", help="dynamic padding: each step's length from MIN to --seq")
     p.add_argument("--steps", type=int, default=400, help="steps of each model")
     p.add_argument("--warmup", type=int, default=20, help="steps of each not counted")
     p.add_argument(
@@ -49,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must be more than --warmup")
+    if args.padded is not None and not 1 <= args.padded <= args.seq:
+        p.error("--padded must be from 1 to --seq")
 
     import torch
 
@@ -68,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     plain = GPT(cfg)
     torch.manual_seed(0)
     twin = GPT(cfg)
-    idx, targets = gpt_batch(cfg, args.batch)
+    rng = random.Random(0)
+    lengths = [rng.randint(args.padded, args.seq) if args.padded else args.seq for _ in range(args.steps)]
+    batches = {n: gpt_batch(dataclasses.replace(cfg, seq_len=n), args.batch) for n in set(lengths)}
     budget = contextlib.nullcontext()
     if args.compile is not None:
         import torch._functorch.config as functorch_config
@@ -87,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             conf["io"] = {"throttle": args.throttle}
         times: dict[str, list[float]] = {"keep": [], "ssdtier": []}
         with budget, ssdtier.attach(twin, conf) as off:
-            for i in range(args.steps):
+            for i, n in enumerate(lengths):
+                idx, targets = batches[n]
                 pair = (("keep", plain), ("ssdtier", twin))
                 for name, model in pair if i % 2 else reversed(pair):
                     t0 = time.perf_counter()
@@ -96,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(time.perf_counter() - t0)
             st = off.stats()
             plan = off.plan()
-    keep, ssd = (statistics.median(times[k][args.warmup :]) for k in ("keep", "ssdtier"))
+    average = statistics.mean if args.padded else statistics.median
+    keep, ssd = (average(times[k][args.warmup :]) for k in ("keep", "ssdtier"))
     out = {
         "model": {"layers": args.layers, "d_model": args.d_model, "seq": args.seq, "batch": args.batch},
+        "padded": args.padded,
         "compile": args.compile,
         "budget": args.budget,
         "throttle": args.throttle,
@@ -113,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     how = "" if args.compile is None else f", blocks compiled under memory budget {args.compile}"
-    print(f"GPT of {args.layers} blocks, width {args.d_model}, seq {args.seq}, batch {args.batch}, 1 thread{how}")
-    print(f"{'':10}{'ms/step':>9}{'x keep':>8}")
+    seq = f"seq {args.padded}-{args.seq} (padded per step)" if args.padded else f"seq {args.seq}"
+    print(f"GPT of {args.layers} blocks, width {args.d_model}, {seq}, batch {args.batch}, 1 thread{how}")
+    print(f"{'':10}{'ms/step':>9}{'x keep':>8}  ({'mean' if args.padded else 'median'} of the counted steps)")
     print(f"{'keep':10}{keep * 1e3:9.2f}{1:8.2f}")
     print(f"{'ssdtier':10}{ssd * 1e3:9.2f}{ssd / keep:8.2f}")
     print(f"plan: {out['plan']}; packs {st.packs}; forwards without hooks: {out['forwards_unhooked']} of {args.steps}")

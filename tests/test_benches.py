@@ -237,3 +237,16 @@ def test_settled_cost_times_plain_and_attached_twins(store_dir, tmp_path):
     got = json.loads(out.read_text())
     assert got["keep_ms"] > 0 and got["ssdtier_ms"] > 0 and got["plan"].startswith("2 keep")
     assert 0 < got["forwards_unhooked"] < 8, got  # the first forwards are hooked
+
+
+def test_settled_cost_with_dynamic_padding(store_dir, tmp_path):
+    out = tmp_path / "padded.json"
+    p = run(
+        "settled_cost.py", "--layers", "2", "--seq", "32", "--padded", "8", "--steps", "24", "--warmup", "2",
+        "--dir", str(store_dir), "--json", str(out),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["padded"] == 8 and "seq 8-32 (padded per step)" in p.stdout and "mean of" in p.stdout
+    assert 0 < got["forwards_unhooked"] < 24, got  # shorter than the longest hooked one: unhooked
+    assert run("settled_cost.py", "--seq", "8", "--padded", "9").returncode != 0

@@ -63,6 +63,25 @@ def test_an_auto_budget_counts_a_steps_peak_read_in_its_backward():
     assert "the step's peak counter" in ab.explain()
 
 
+def test_after_forwards_without_hooks_the_peak_counter_is_not_read_nor_a_budget_raised():
+    # Forwards without hooks held activations nothing counted: a peak counter they may have
+    # set (a longer step under the ceiling, after a loop reset the counters) is not the last
+    # hooked step's, and its samples alone would forget what the counter showed before.
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(60 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(20 * g, 4 * g)  # 16 GiB beside the activations, 10 before the step; the peak: 26
+    assert ab.next(4 * g, 0, Memory(50 * g, 100 * g, 20 * g, 36 * g, 0, 10 * g)) == (70 - 5 - 10 - 22) * g
+    ab.sample(16 * g, 4 * g)  # 12 GiB sampled; a peak of 50 GiB, of an unhooked step's
+    peak = Memory(50 * g, 100 * g, 20 * g, 50 * g, 0, 10 * g)
+    assert ab.next(4 * g, 0, peak, unhooked=True) == (70 - 5 - 10 - 22) * g  # as it was
+    assert ab.next(4 * g, 0, peak) == (70 - 5 - 10 - 22) * g  # no new peak since: as it was
+    ab.sample(40 * g, 4 * g)  # samples that saw more raise what is set beside the activations
+    assert ab.next(4 * g, 0, peak, unhooked=True) == (70 - 5 - 10 - 26) * g
+
+
 def test_an_auto_budget_counts_what_was_allocated_after_the_step_it_measured():
     # The optimizer's state appears after the first step (20 GiB for AdamW): the 6 GiB the
     # step added beside its activations come on top of it, not in place of it.

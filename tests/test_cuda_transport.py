@@ -804,8 +804,8 @@ def test_an_auto_device_budget_leaves_room_for_the_copies_queued(store_dir, gpu,
         init(self, off)
         self.gpu = FakeGpu(off)
 
-    def recorded(self, held, queued, mem, step_peak=None, end=None):
-        budgets.append((queued, budget_for(self, held, queued, mem, step_peak=step_peak, end=end)))
+    def recorded(self, held, queued, mem, **kw):
+        budgets.append((queued, budget_for(self, held, queued, mem, **kw)))
         return budgets[-1][1]
 
     monkeypatch.setattr(Adaptive, "__init__", on_a_fake_gpu)

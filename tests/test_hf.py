@@ -65,9 +65,9 @@ def loss_of(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-def train(name, cfg=None, prepare=None):
-    """Three accumulated micro-batches from seed 0 (``prepare(model)`` before attaching);
-    returns losses, grads and stats."""
+def train(name, cfg=None, prepare=None, data=None, loss_fn=loss_of):
+    """Three accumulated micro-batches from seed 0 (``prepare(model)`` before attaching), or
+    ``loss_fn(model, item)`` for each item of ``data``; returns losses, grads and stats."""
     torch.manual_seed(0)
     model = MODELS[name]()
     if name.endswith("checkpointing"):
@@ -79,8 +79,8 @@ def train(name, cfg=None, prepare=None):
     model.train()
     off = ssdtier.attach(model, cfg) if cfg is not None else None
     losses = []
-    for ids in batches():
-        loss = loss_of(model, ids)
+    for item in batches() if data is None else data:
+        loss = loss_fn(model, item)
         loss.backward()
         losses.append(loss.detach())
     stats = off.stats() if off is not None else None
@@ -93,6 +93,27 @@ def same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
     for x, y in zip(a[1], b[1], strict=True):
         assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_dynamic_padding_runs_shorter_batches_without_hooks(store_dir):
+    # A collator padding each batch to its longest sequence, with an attention mask: once two
+    # hooked forwards ran the all-keep plan, each batch no longer than the longest hooked one
+    # runs without hooks (the layers take hidden states, a 4-D mask, positions by keyword).
+    lengths = (16, 12, 16, 8, 12, 16, 10, 8, 12, 14, 16, 9)
+    gen = torch.Generator().manual_seed(2)
+    data = []
+    for n in lengths:
+        mask = torch.ones(2, n, dtype=torch.long)
+        mask[1, n - 3 :] = 0  # the second sample is shorter: padded
+        data.append((torch.randint(0, 64, (2, n), generator=gen), mask))
+
+    def padded(model, item):
+        ids, mask = item
+        return model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+
+    got = train("llama", offload_config(store_dir, mode="adaptive", device_budget="1GiB"), data=data, loss_fn=padded)
+    same(train("llama", data=data, loss_fn=padded), got)
+    assert got[2].forwards_unhooked == len(lengths) - 3, got[2]  # hooked: 1 (no plan), 2 and 3
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -136,6 +136,25 @@ def test_bytes_are_counted_once_per_storage(store_dir, monkeypatch):
     assert saved[1] == 2 * h and saved[2] == 2 * h
 
 
+def test_a_blocks_inputs_at_the_address_of_a_freed_storage_are_counted():
+    # A recomputed block's inputs, offloaded, free their storage: a later block's inputs can
+    # take its address (on the CPU they did, and a block measured 0 bytes at a new length).
+    import weakref
+
+    from ssdtier.offload.profile import input_bytes
+
+    a, seen = torch.zeros(256), {}
+    assert input_bytes((a, a[:10], torch.zeros(3, dtype=torch.long)), seen) == 1024  # a storage once
+    assert input_bytes((a,), seen) == 0  # a tensor every block takes (a mask): one block's input
+    m, per_block = torch.zeros(64), {}
+    assert input_bytes((m[None],), per_block) == 256
+    assert input_bytes((m[None],), per_block) == 0  # ... or a view of it made for each block
+    gone = torch.zeros(1)
+    seen[a.untyped_storage().data_ptr()] = weakref.ref(gone)
+    del gone  # the tensor seen at this address is freed: what is there now is another one's
+    assert input_bytes((a,), seen) == 1024
+
+
 # ------------------------------------------------------------------ attach, detach, copies
 
 
@@ -584,9 +603,9 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
         init(self, off)
         self.meter, self.gpu = Meter(), FakeGpu()
 
-    def recorded(self, held, queued, mem, step_peak=None, end=None):
+    def recorded(self, held, queued, mem, step_peak=None, **kw):
         seen.append(step_peak)
-        return next_budget(self, held, queued, mem, step_peak=step_peak, end=end)
+        return next_budget(self, held, queued, mem, step_peak=step_peak, **kw)
 
     replan, reached = Adaptive.replan, Adaptive.backward_reached
 
@@ -931,6 +950,7 @@ def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, m
     if unhooked:  # a settled plan's forwards, from the second on
         seen = []
         monkeypatch.setattr(Settled, "skips", lambda self, ad: bool(seen.append(1)) or len(seen) > 1)
+        monkeypatch.setattr(Settled, "woken", lambda self, args: False)  # no plan, so no ceiling
     want_state, want_grads, _ = _norm_steps()
     state, grads, ran = _norm_steps(adaptive(store_dir, min_tensor_bytes=1024))
     assert ran == (3 if unhooked else 0)

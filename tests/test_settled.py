@@ -12,7 +12,7 @@ import ssdtier
 from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Memory
-from ssdtier.offload.settled import MEASURE, Settled, batch_grew, shapes
+from ssdtier.offload.settled import MEASURE, Ceiling, Settled, batch_grew, shapes
 from ssdtier.plan import Action
 
 from .test_attach import assert_same
@@ -169,9 +169,9 @@ def test_the_forward_after_a_woken_one_is_hooked(store_dir):
 
     got = run(adaptive(store_dir, device_budget="1GiB"))
     assert all(torch.equal(x, y) for x, y in zip(got, run(None), strict=True))
-    # Hooked after the woken 7th: the 8th to the 10th (the 7th saved nothing before its first
-    # block, so the 8th saved other bytes too; then two forwards alike).
-    assert seen == [0, 0, 0, 1, 2, 3, 3, 3, 3, 3], seen
+    # Hooked after the woken 7th: the 8th and 9th (the 7th's inputs, neither larger nor smaller
+    # than 4 x 8, are the new ceiling; the 8th saved alike); the 10th goes without hooks.
+    assert seen == [0, 0, 0, 1, 2, 3, 3, 3, 3, 4], seen
 
 
 def test_a_plan_that_offloads_is_hooked_every_forward(store_dir, monkeypatch):
@@ -262,11 +262,55 @@ def test_a_model_whose_saved_bytes_follow_its_data_stays_hooked(store_dir):
 
 
 def test_inputs_are_told_apart_by_shape_not_storage():
-    # A batch sliced from a buffer allocated once: more rows, the same storage.
+    # A batch sliced from a buffer allocated once: more rows, the same storage. Fewer rows or
+    # columns stay under the ceiling; more of either, another dtype or rank, pass it.
     s, buf = Settled(), torch.zeros(4, 8)
-    s.shapes = shapes((buf[:2], 3))
-    assert not s.woken((buf[2:], 3))
-    assert s.woken((buf[:3], 3)) and s.woken((buf[:2].double(), 3))
+    assert s.woken((buf[:2], 3))  # no ceiling yet
+    s.ceiling = Ceiling(shapes((buf[:2, :6], 3)), (), None, 0)
+    assert not s.woken((buf[2:, :6], 3)) and not s.woken((buf[:1, :3], 3))
+    assert s.woken((buf[:3, :6], 3)) and s.woken((buf[:2], 3)) and s.woken((buf[:2, :6].double(), 3))
+    assert s.woken((buf[:2, :6].reshape(12), 3)) and s.woken((buf[:2, :6], buf[:2, :6]))
+    # Packed sequences: as many tokens in fewer, longer sequences can save more (T x T scores),
+    # so other tensors are under the ceiling only beside smaller floating-point ones.
+    x, offsets = torch.zeros(256, 8), torch.arange(9)
+    s.ceiling = Ceiling(shapes((x, offsets)), (), None, 0)
+    assert s.woken((x, offsets[:2])) and not s.woken((x, offsets)) and not s.woken((x[:200], offsets[:2]))
+
+
+def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monkeypatch):
+    from types import SimpleNamespace
+
+    from ssdtier.offload import settled
+
+    monkeypatch.setattr(settled, "as_planned", lambda ad: True)
+    off = SimpleNamespace(_budget=100)
+    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, off=off, working=0, ran=[K])
+
+    def hooked(s, shape, saved, measured=True):
+        s.shapes, ad.profile.saved = shapes((torch.zeros(shape),)), saved
+        s.hooked(ad, measured)
+        return s.calm
+
+    s = Settled()
+    assert [hooked(s, (2, 16), [9, 10, 10, 5]) for _ in range(2)] == [1, 2]
+    assert hooked(s, (2, 8), [0, 5, 5, 3]) == 3  # shorter, saving less (tag 0: not counted, as when woken)
+    assert not s.woken((torch.zeros(2, 12),)) and s.woken((torch.zeros(2, 17),))
+    off._budget = 96  # less than the budget the ceiling's plan fitted: this forward is the ceiling
+    assert hooked(s, (2, 8), [0, 5, 5, 3]) == 1 and s.woken((torch.zeros(2, 12),))
+    off._budget = 90  # ... but at the ceiling's own inputs the plan is known to fit (as_planned)
+    assert hooked(s, (2, 8), [0, 5, 5, 3]) == 2 and s.ceiling.budget == 90
+    assert hooked(s, (2, 8), [0, 5, 5, 3], measured=False) == 0 and s.woken((torch.zeros(2, 8),))
+    assert not s.varies
+
+    # A model whose bytes follow its data: a shorter forward saving more than the ceiling, or
+    # two at the same inputs saving other bytes. Only the ceiling's own inputs go unhooked since.
+    for second in ([0, 5, 11, 3], [0, 4, 4, 3]):  # block 2 more; or other bytes than the first (2, 8)
+        s = Settled()
+        assert [hooked(s, (2, 16), [9, 10, 10, 5]) for _ in range(2)] == [1, 2]
+        assert hooked(s, (2, 8), [0, 5, 5, 3]) == 3
+        assert hooked(s, (2, 8), second) == 1 and s.varies, second
+        assert hooked(s, (2, 8), second) == 2
+        assert s.woken((torch.zeros(2, 4),)) and not s.woken((torch.zeros(2, 8),))
 
 
 def test_a_larger_batch_is_told_from_a_longer_sequence():

@@ -60,20 +60,26 @@ def peak(counts, acts, tr):
     return simulate(blocks, acts, tr, Head(saved[N + 1]), limit=0).peak
 
 
-def run(store_dir, budget=None):
-    """Trains on LENGTHS; per step (length, actions ran, budget at its start, profile.saved), grads, transfers."""
+def run(store_dir, budget=None, lengths=LENGTHS, unhooked=None, prepare=None):
+    """Trains on ``lengths``; per step (length, actions ran, budget at its start, profile.saved),
+    grads, transfers. ``unhooked``: a list told per step whether it ran without hooks."""
     torch.manual_seed(0)
     model = build_model(CFG)
+    if prepare is not None:
+        prepare(model)
     gen = torch.Generator().manual_seed(2)
-    batches = [make_batch(dataclasses.replace(CFG, seq_len=L), 2, gen) for L in LENGTHS]
+    batches = [make_batch(dataclasses.replace(CFG, seq_len=L), 2, gen) for L in lengths]
     off = ssdtier.attach(model, adaptive(store_dir, device_budget=budget)) if budget else None
     torch.manual_seed(1)
     steps = []
-    for L, b in zip(LENGTHS, batches, strict=True):
+    for L, b in zip(lengths, batches, strict=True):
         at_start = off._budget if off else None
+        before = off.stats().forwards_unhooked if off else 0
         batch_loss(model, b).backward()
         if off:
             steps.append((L, list(off.adaptive.ran), at_start, list(off.adaptive.profile.saved)))
+            if unhooked is not None:
+                unhooked.append(off.stats().forwards_unhooked > before)
     tr = off.adaptive.transfers() if off else None
     if off:
         off.detach()
@@ -126,3 +132,61 @@ def test_how_bytes_grow_with_length_is_learned(store_dir):
         seen.append(off.adaptive.profile.exponent())
         off.detach()
         assert seen[0] == seen[1] == 2.0 and low <= seen[2] <= high, (sdpa, seen)
+
+
+PADDED = (64, 96, 128, 64, 96, 128, 64, 64, 96, 160, 128, 96, 64, 160, 96, 128, 64, 96, 128, 64)
+
+
+def test_dynamic_padding_runs_shorter_forwards_without_hooks(store_dir):
+    # A budget that keeps every block at every length: once two hooked forwards ran the plan,
+    # each forward no longer than the longest hooked one runs without hooks (but one in 16);
+    # a longer one (160) is hooked, and becomes the ceiling.
+    flags = []
+    steps, grads, _ = run(store_dir, 1 << 30, PADDED, flags)
+    _, want, _ = run(store_dir, lengths=PADDED)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in grads)
+    assert all(code(ran) == "k" * N for _, ran, _, _ in steps)
+    ceiling, seen = 0, []
+    for L, unhooked in zip(PADDED, flags, strict=True):
+        assert not unhooked or L <= ceiling, (L, ceiling, flags)
+        if not unhooked:
+            ceiling = max(ceiling, L)
+        seen.append(unhooked)
+    # Hooked: 1 (no plan), 2-5 (64, 96, 128 each a new ceiling, then one under it), 10 (160
+    # passes 128, woken at its first block), 11 and 12 (after a new ceiling, two as planned).
+    assert [i + 1 for i, u in enumerate(seen) if not u] == [1, 2, 3, 4, 5, 10, 11, 12], seen
+
+
+def test_a_model_whose_saved_bytes_follow_its_data_stays_hooked_under_dynamic_padding(store_dir):
+    # Its two hooked forwards at length 64 saved other bytes: only the ceiling's own inputs may
+    # go without hooks since, and there too its forwards never save alike twice.
+    from .test_settled import _varying
+
+    flags = []
+    _, grads, _ = run(store_dir, 1 << 30, PADDED, flags, prepare=_varying)
+    _, want, _ = run(store_dir, lengths=PADDED, prepare=_varying)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in grads)
+    assert not any(flags), flags
+
+
+def test_dynamic_padding_without_hooks_stays_within_a_budget_that_recomputes(store_dir, monkeypatch):
+    # As the test above, within the budget of the varying-length test: the plans keep and
+    # recompute (as the step's timings have them: some settle). Every step, those without
+    # hooks included, stays within its budget.
+    _steady(monkeypatch)
+    counts = {L: count(L) for L in set(PADDED)}
+    budget = int(1.05 * peak(counts[64], [Action.KEEP] * N, Transfers(INF, INF)))
+    flags = []
+    steps, grads, tr = run(store_dir, budget, PADDED, flags)
+    _, want, _ = run(store_dir, lengths=PADDED)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in grads)
+    tr = dataclasses.replace(tr, write=INF, read=INF, out=None, back=None, host=0)
+    rows, over = [], []
+    for i, ((L, ran, b, _), unhooked) in enumerate(zip(steps, flags, strict=True)):
+        fits = peak(counts[L], [Action.RECOMPUTE_OFFLOAD] * N, tr) <= b
+        ratio = peak(counts[L], ran, tr) / b
+        rows.append(f"step {i} length {L:3d} ran {code(ran)}{' unhooked' if unhooked else ''}: {ratio:.3f}x budget")
+        if fits and ratio > 1 + SLACK:
+            over.append(i)
+    print("\n".join(rows))
+    assert not over, f"steps {over} pass the budget {budget}:\n" + "\n".join(rows)

@@ -294,7 +294,8 @@ class Adaptive:
         # The step's own peak, read in its backward: a loop may reset the counters before the next.
         mark, end = self.mark, self.end
         step_peak = end.peak if mark is not None and end is not None and end.peak > mark.peak else None
-        got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak, end=end)
+        unhooked = self.settled.run > 0
+        got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked)
         got = self.auto.first() if got is None else got
         last = self.auto_last  # not a larger batch's cut of it (grew)
         if got is not None and last is not None and last < got <= last * (1 + SAME):

@@ -125,24 +125,34 @@ class AutoBudget:
         return max(0, self.room - self.base) // 2
 
     def next(
-        self, held: int, queued: int, mem: Memory, step_peak: int | None = None, end: Counters | None = None
+        self,
+        held: int,
+        queued: int,
+        mem: Memory,
+        step_peak: int | None = None,
+        end: Counters | None = None,
+        unhooked: bool = False,
     ) -> int | None:
         """The budget for the step about to start, after a step that held at most ``held``
         bytes of activations with at most ``queued`` bytes of copies out queued and, if it set
         a new one, reached the allocator's peak ``step_peak``; ``end``: the counters as its
-        backward ended. None at the first look, before any step was seen."""
+        backward ended. ``unhooked``: steps without hooks ran since, so the allocator's peak
+        may be theirs (held nothing counted): not read, and what was learned is not lowered.
+        None at the first look, before any step was seen."""
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
         seen = [] if self.sampled is None else [(self.sampled, self.where)]
-        if not first and mem.allocated_peak > self.peak:  # a new peak: in the last step
+        if not first and not unhooked and mem.allocated_peak > self.peak:  # a new peak: in the last step
             seen.append((mem.allocated_peak - held, "the peak counter"))
         if not first and step_peak is not None:  # ... where a loop resets the counter before each step
             seen.append((step_peak - held, "the step's peak counter"))
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
-            most, self.made_at = max(seen)
-            self.made = max(0, most) - self.base
+            most, at = max(seen)
+            made = max(0, most) - self.base
+            if not unhooked or self.made is None or made > self.made:
+                self.made, self.made_at = made, at
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
         # Past the peak as the step's backward ended, and now unless a loop reset the counters
         # since (now would set the whole cache against what is allocated between steps).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -23,15 +24,19 @@ SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence c
 UNSEEN = 2.0  # saved bytes ~ inputs ** this, for a longer sequence before two sizes were measured
 
 
-def input_bytes(args: tuple, seen: set[int]) -> int:
+def input_bytes(args: tuple, seen: dict[int, weakref.ref]) -> int:
     """Bytes of the tensor arguments, each storage once (and none in ``seen``, which gets
-    them): what a recomputation of the block holds (checkpointing saves them)."""
+    them): what a recomputation of the block holds (checkpointing saves them). A storage
+    freed since (an offloaded input) may lend its address to a later block's: not the same."""
     total = 0
     for a in args:
         if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
             st = a.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
+            ptr = st.data_ptr()
+            was = seen.get(ptr)
+            t = was() if was is not None else None
+            if t is None or t.untyped_storage().data_ptr() != ptr:
+                seen[ptr] = weakref.ref(a if a._base is None else a._base)  # a view made per block dies
                 total += st.nbytes()
     return total
 
@@ -113,7 +118,7 @@ class Profile:
         self.saved = [0] * (n + 2)  # bytes per tag, each storage once
         self.kept = [0] * (n + 2)  # kept tensors per tag: offloading them would cost the hooks' time
         self.inputs = [0] * n
-        self.inputs_seen: set[int] = set()  # a tensor every block takes (a mask) is one block's input
+        self.inputs_seen: dict[int, weakref.ref] = {}  # a tensor every block takes (a mask) is one block's input
         self.spans: list[tuple[int, Any]] = []
         self.head_span: Any = None
         self.recomputed = [False] * n

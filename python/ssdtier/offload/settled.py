@@ -2,12 +2,14 @@
 recomputed with its inputs kept) and has settled, a hooked forward with the same inputs
 would only count what autograd keeps anyway: it runs without ssdtier's saved-tensor hooks,
 at no cost per tensor, and checkpointing recomputes what the plan recomputes. One forward
-in ``MEASURE`` is hooked still, and one whose first block takes other inputs is hooked from
-that block on (docs/planner.md#a-settled-plan)."""
+in ``MEASURE`` is hooked still, and one whose first block takes larger inputs than a hooked
+forward ran the plan with (the ceiling) is hooked from that block on: under dynamic padding
+the shorter forwards run without hooks (docs/planner.md#a-settled-plan)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import operator
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,37 +21,75 @@ if TYPE_CHECKING:
 CALM = 2  # hooked forwards in a row that ran a plan moving nothing as planned, before any goes unhooked
 MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
 ROOM = 0.03  # of the budget: GPU room this much below the last hooked forward's start hooks the next
+KNOWN = 64  # (inputs, actions) whose saved bytes are remembered, to find a model whose bytes follow its data
+
+
+class Ceiling(NamedTuple):
+    """The largest inputs a hooked forward ran the plan with, what it saved per block and after
+    them (not before the first block: a forward woken there did not count it), and the budget
+    and working memory that plan fitted."""
+
+    inputs: tuple  # the first block's tensor arguments: (shape, dtype) each
+    saved: tuple[int, ...]
+    budget: int | None
+    working: int
+
+    def holds(self, ad: Adaptive) -> bool:
+        """The budget is not less (but for ``ROOM``), nor the working memory learned more."""
+        budget = ad.off._budget
+        if budget is None:
+            return True
+        return self.budget is not None and budget >= self.budget * (1 - ROOM) and ad.working <= self.working
 
 
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("calm", "room", "run", "saved", "shapes")
+    __slots__ = ("calm", "ceiling", "known", "room", "run", "shapes", "varies")
 
     def __init__(self) -> None:
-        self.calm = 0  # hooked forwards in a row that moved nothing as planned, saving alike
-        self.saved: tuple[int, ...] = ()  # bytes the last hooked forward saved, per tag (blocks, before, after)
+        self.calm = 0  # hooked forwards in a row that moved nothing as planned, within the ceiling
+        self.ceiling: Ceiling | None = None
+        self.known: dict[tuple, tuple[int, ...]] = {}  # bytes hooked forwards saved, by (inputs, actions)
+        self.varies = False  # ... not alike at the same ones: only the ceiling's own inputs go unhooked
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
-        self.shapes: tuple = ()  # its first block's tensor arguments: (shape, dtype) each
+        self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
 
     def hooked(self, ad: Adaptive, measured: bool, judged: bool = True) -> None:
         """A hooked forward begins, the plan in force checked against the last one's numbers
-        (``measured``: they came in). Hooked forwards as planned that saved other bytes than
-        the one before (a model whose memory follows its data, not its shapes) start the count
-        again: no forward of theirs goes without the guard. One no backward followed is not
-        ``judged``: it leaves the count as it was."""
+        (``measured``: they came in). One no backward followed is not ``judged``: it leaves
+        the count as it was."""
         if judged:
-            saved = tuple(ad.profile.saved)
-            if not (measured and as_planned(ad)):
-                self.calm = 0
-            elif self.calm and saved != self.saved:
-                self.calm = 1
-            else:
-                self.calm += 1
-            self.saved = saved
+            self.calm = self._judge(ad, measured)
         self.run = 0
         self.room = ad.auto.left() if ad.gpu is not None else None  # read by budget() just now
+
+    def _judge(self, ad: Adaptive, measured: bool) -> int:
+        """The calm count after the last hooked forward. One as planned at the ceiling's inputs
+        saving alike, or at smaller ones saving no more on any block, counts; larger or other
+        inputs, a budget less than the ceiling's, or bytes that follow the data (a model whose
+        memory is not its shapes') make it the new ceiling and start the count again."""
+        if not (measured and as_planned(ad)):
+            self.ceiling = None
+            return 0
+        saved, now, c = tuple(ad.profile.saved[1:]), self.shapes, self.ceiling
+        key = (now, tuple(ad.ran or ()))
+        was = self.known.get(key)
+        if was is None and len(self.known) < KNOWN:
+            self.known[key] = saved
+        self.varies = self.varies or (was is not None and was != saved)
+        if c is not None and now == c.inputs and saved == c.saved:  # the plan fits now at these inputs
+            self.ceiling = c._replace(budget=ad.off._budget, working=ad.working)
+            return self.calm + 1
+        if c is not None and c.holds(ad):
+            smaller = not self.varies and now != c.inputs and within(now, c.inputs)
+            if smaller and all(s <= m for s, m in zip(saved, c.saved, strict=True)):
+                return self.calm + 1
+            self.varies = self.varies or smaller  # smaller inputs saving more: not the shapes' bytes
+        # The plan is predicted to fit the budget now from this forward's numbers (as_planned).
+        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.working)
+        return 1
 
     def skips(self, ad: Adaptive) -> bool:
         """Whether the forward about to start runs without hooks: the hooked ones before it,
@@ -74,14 +114,28 @@ class Settled:
         self.calm = min(self.calm, CALM - 1)
 
     def woken(self, args: tuple) -> bool:
-        """At the first block of a forward without hooks: its inputs differ from those of the
-        last hooked forward (a batch or sequence of another size), so it is hooked from here."""
-        return shapes(args) != self.shapes
+        """At the first block of a forward without hooks: its inputs pass the ceiling (a larger
+        batch, a longer sequence, another dtype), so it is hooked from here."""
+        c, now = self.ceiling, shapes(args)
+        return c is None or (now != c.inputs if self.varies else not within(now, c.inputs))
 
 
 def shapes(args: tuple) -> tuple:
     """The tensor arguments' shapes and dtypes."""
     return tuple((a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor))
+
+
+def within(now: tuple, ceiling: tuple) -> bool:
+    """Each tensor argument of ``now`` no larger in any dimension than the ceiling's, alike in
+    number, rank and dtype: a forward that saves no more, under the same plan. Floating-point
+    ones as large as the ceiling's need the others alike too (offsets of packed sequences:
+    fewer, longer sequences in as many tokens can save more)."""
+    if not (len(now) == len(ceiling) > 0):
+        return False
+    pairs = list(zip(now, ceiling, strict=True))
+    if not all(a[1] == b[1] and len(a[0]) == len(b[0]) and all(map(operator.le, a[0], b[0])) for a, b in pairs):
+        return False
+    return now == ceiling or any(a[0] != b[0] for a, b in pairs if a[1].is_floating_point)
 
 
 def batch_grew(last: tuple, now: tuple) -> bool:
@@ -94,14 +148,13 @@ def batch_grew(last: tuple, now: tuple) -> bool:
 
 def as_planned(ad: Adaptive) -> bool:
     """Whether the last hooked forward kept or recomputed each block (inputs kept) as the plan
-    in force does, within its budget, with the inputs of the one before."""
+    in force does, within its budget (the guard, scaled for larger inputs, switched nothing)."""
     plan, prof = ad.plan, ad.profile
     return (
         plan is not None
         and plan.fits
         and all(a is Action.KEEP or a is Action.RECOMPUTE for a in plan.actions)
         and ad.ran == list(plan.actions)  # the guard switched nothing
-        and ad.growth == 1.0
         and prof.sent == 0  # nothing offloaded for the budget
         and ad.settled.shapes != ()  # a larger batch shows in its first block's tensors
     )
