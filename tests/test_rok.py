@@ -331,6 +331,27 @@ def fake_gpu(monkeypatch, memory, beside):
     monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e3, 1e3))  # 1 kB/s: no block's I/O hides
 
 
+def test_an_evaluation_without_gradients_does_not_cut_an_auto_budget(store_dir, monkeypatch):
+    # An evaluation under no_grad between steps, at a larger batch, sets the allocator's peak:
+    # it is not a training step's, and the next step's budget does not count it.
+    gpu = {"peak": 1 * GiB}
+    fake_gpu(monkeypatch, lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, gpu["peak"], 0, 2 * GiB), lambda off: 3 * GiB)
+    forced(monkeypatch, (K,) * 4)  # no plan: every forward hooked, every step's budget looked at
+    budgets = []
+
+    def look(off):
+        budgets.append(off._budget)
+        if len(budgets) == 3:
+            with torch.no_grad(), torch.random.fork_rng():  # the training's dropout as without it
+                batch_loss(off.model, make_batch(GPT, 8, torch.Generator().manual_seed(3)))
+            gpu["peak"] = 40 * GiB
+
+    sizes = (2,) * 5
+    got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=sizes, on_step=look)
+    assert_same(steps(GPT, batches=sizes), got)
+    assert budgets[1] is not None and budgets[1:] == [budgets[1]] * 4, [b / GiB for b in budgets[1:]]
+
+
 def test_an_auto_device_budget_does_not_depend_on_the_plan(store_dir, monkeypatch):
     # 3 GiB beside the activations whatever the plan holds: every plan sees the same budget.
     budgets = {}

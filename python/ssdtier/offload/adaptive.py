@@ -102,6 +102,7 @@ class Adaptive:
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
         self.replan_s = 0.0  # host seconds spent planning at forwards' starts
+        self.aside = False  # a forward that saved nothing (no grad: an evaluation) ran since the last budget
 
     def calibrate(self) -> tuple[float, float]:
         """The store's write and read bandwidth, measured at attach through a store of its own
@@ -294,7 +295,8 @@ class Adaptive:
         # The step's own peak, read in its backward: a loop may reset the counters before the next.
         mark, end = self.mark, self.end
         step_peak = end.peak if mark is not None and end is not None and end.peak > mark.peak else None
-        unhooked = self.settled.run > 0
+        # The allocator's peak since the last look may be an unhooked forward's or an evaluation's.
+        unhooked, self.aside = self.settled.run > 0 or self.aside, False
         got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked)
         got = self.auto.first() if got is None else got
         last = self.auto_last  # not a larger batch's cut of it (grew)

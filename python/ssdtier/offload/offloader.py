@@ -384,6 +384,8 @@ class Offloader:
         if why is not None:
             if why:
                 self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
+            if self.adaptive is not None:
+                self.adaptive.aside = True
             return
         if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive):
             self.adaptive.unhooked()
