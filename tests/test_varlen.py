@@ -5,7 +5,9 @@ Plain attention saves T x T scores: a block's bytes grow faster than its inputs.
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -190,3 +192,15 @@ def test_dynamic_padding_without_hooks_stays_within_a_budget_that_recomputes(sto
             over.append(i)
     print("\n".join(rows))
     assert not over, f"steps {over} pass the budget {budget}:\n" + "\n".join(rows)
+
+
+def test_inputs_that_crept_back_to_an_earlier_size_give_no_exponent():
+    # Lengths 20, then 21, 22 ... 30 (each within 10% of the last: measured as one size), after
+    # 30: the block's two measurements are both at 30. Bytes over inputs there is 0 / 0.
+    from ssdtier.offload.profile import UNSEEN, Profile
+
+    p = Profile(1, None, lambda: 0.0, True)
+    p.other[0], p.full[0] = (3000, 30), (3000, 30)
+    assert p._exponent(0) is None and p.exponent() == UNSEEN
+    p.full[0] = (1600, 20)
+    assert p._exponent(0) == pytest.approx(math.log(3000 / 1600) / math.log(1.5))

@@ -159,7 +159,7 @@ class Profile:
         """How block ``i``'s saved bytes grew with its inputs between its last two whole
         measurements at other inputs (bytes ~ inputs ** it, within [1, 2]); None: not seen."""
         a, b = self.other[i], self.full[i]
-        if a is None or b is None or min(a + b) <= 0:
+        if a is None or b is None or min(a + b) <= 0 or _like(a[1], b[1]):  # alike: no growth to read
             return None
         return min(max(math.log(b[0] / a[0]) / math.log(b[1] / a[1]), 1.0), 2.0)
 
