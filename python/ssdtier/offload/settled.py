@@ -125,15 +125,21 @@ def shapes(args: tuple) -> tuple:
     return tuple((a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor))
 
 
+def _pairs(now: tuple, other: tuple) -> list[tuple] | None:
+    """The tensor arguments paired, if alike in number, rank and dtype; else None."""
+    pairs = list(zip(now, other, strict=False))
+    if not (len(now) == len(other) > 0) or any(a[1] != b[1] or len(a[0]) != len(b[0]) for a, b in pairs):
+        return None
+    return pairs
+
+
 def within(now: tuple, ceiling: tuple) -> bool:
     """Each tensor argument of ``now`` no larger in any dimension than the ceiling's, alike in
     number, rank and dtype: a forward that saves no more, under the same plan. Floating-point
     ones as large as the ceiling's need the others alike too (offsets of packed sequences:
     fewer, longer sequences in as many tokens can save more)."""
-    if not (len(now) == len(ceiling) > 0):
-        return False
-    pairs = list(zip(now, ceiling, strict=True))
-    if not all(a[1] == b[1] and len(a[0]) == len(b[0]) and all(map(operator.le, a[0], b[0])) for a, b in pairs):
+    pairs = _pairs(now, ceiling)
+    if pairs is None or not all(all(map(operator.le, a[0], b[0])) for a, b in pairs):
         return False
     return now == ceiling or any(a[0] != b[0] for a, b in pairs if a[1].is_floating_point)
 
@@ -141,9 +147,8 @@ def within(now: tuple, ceiling: tuple) -> bool:
 def batch_grew(last: tuple, now: tuple) -> bool:
     """Only the first dimension of the inputs changed (a larger batch: each sample saves as
     much as before, where a longer sequence can save more per token)."""
-    return len(last) == len(now) > 0 and all(
-        a[1] == b[1] and len(a[0]) == len(b[0]) and a[0][1:] == b[0][1:] for a, b in zip(last, now, strict=True)
-    )
+    pairs = _pairs(now, last)
+    return pairs is not None and all(a[0][1:] == b[0][1:] for a, b in pairs)
 
 
 def as_planned(ad: Adaptive) -> bool:
