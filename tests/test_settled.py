@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 import ssdtier
 from ssdtier.bench.models import batch_loss, build_model, make_batch
@@ -47,6 +48,55 @@ def test_a_forward_with_other_inputs_is_hooked_from_its_first_block(store_dir):
     assert_same(steps(GPT, batches=sizes), got)
     assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3], seen
     assert seen[6][1] > 0, seen  # blocks switched to recompute in batch 4's first forward
+
+
+class _Widen(nn.Module):
+    """Saves ``reps`` times its input's bytes: an int argument sizes what it saves, as
+    ``max_seqlen`` does in a block taking packed sequences."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, *, reps: int) -> torch.Tensor:
+        y = torch.tanh(self.lin(x).repeat(1, reps))
+        return x + y.view(x.shape[0], reps, -1).mean(1)
+
+
+class _WidenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Widen(64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, reps: int) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, reps=reps)
+        return x.square().mean()
+
+
+def _widen(store_dir, reps, budget=None):
+    torch.manual_seed(0)
+    model = _WidenNet()
+    off = ssdtier.attach(model, adaptive(store_dir, device_budget=budget)) if budget else None
+    x, seen = torch.randn(64, 64), []
+    for r in reps:
+        model(x, r).backward()
+        if off:
+            seen.append((off.stats().forwards_unhooked, off.adaptive.switched))
+    if off:
+        off.detach()
+    return [p.grad for p in model.parameters()], seen
+
+
+def test_an_int_argument_larger_than_the_ceilings_hooks_the_forward(store_dir):
+    # Same tensors, 4x the bytes saved at reps 8: that forward is hooked, and the guard
+    # recomputes blocks to stay within a budget that keeps everything at reps 2.
+    reps = (2,) * 6 + (8,) * 2
+    got, seen = _widen(store_dir, reps, budget=300_000)
+    for a, b in zip(_widen(store_dir, reps)[0], got, strict=True):
+        assert torch.equal(a, b)
+    assert [u for u, _ in seen] == [0, 0, 0, 1, 2, 3, 3, 3], seen
+    assert seen[6][1] > 0, seen
 
 
 def test_less_gpu_room_hooks_the_next_forward(store_dir, monkeypatch):
@@ -275,6 +325,12 @@ def test_inputs_are_told_apart_by_shape_not_storage():
     x, offsets = torch.zeros(256, 8), torch.arange(9)
     s.ceiling = Ceiling(shapes((x, offsets)), (), None, 0)
     assert s.woken((x, offsets[:2])) and not s.woken((x, offsets)) and not s.woken((x[:200], offsets[:2]))
+    # An int argument (max_seqlen) is a size: no larger, and alike beside floats as large;
+    # other numbers (flags) match.
+    s.ceiling = Ceiling(shapes((x[:200], 64, True)), (), None, 0)
+    assert not s.woken((x[:100], 32, True)) and not s.woken((x[:200], 64, True))
+    assert s.woken((x[:100], 65, True)) and s.woken((x[:200], 32, True)) and s.woken((x[:100], 32, False))
+    assert batch_grew(shapes((x[:100], 64)), shapes((x[:200], 64))) and not batch_grew(shapes((x, 64)), shapes((x, 65)))
 
 
 def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monkeypatch):

@@ -121,8 +121,17 @@ class Settled:
 
 
 def shapes(args: tuple) -> tuple:
-    """The tensor arguments' shapes and dtypes."""
-    return tuple((a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor))
+    """The tensor arguments' shapes and dtypes; an int argument (a ``max_seqlen``) as a size
+    that only a longer sequence changes, other numbers (flags) as values to match."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.shape, a.dtype))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            out.append(((1, a), int))
+        elif isinstance(a, (bool, float)):
+            out.append(((), a))
+    return tuple(out)
 
 
 def _pairs(now: tuple, other: tuple) -> list[tuple] | None:
@@ -141,7 +150,11 @@ def within(now: tuple, ceiling: tuple) -> bool:
     pairs = _pairs(now, ceiling)
     if pairs is None or not all(all(map(operator.le, a[0], b[0])) for a, b in pairs):
         return False
-    return now == ceiling or any(a[0] != b[0] for a, b in pairs if a[1].is_floating_point)
+    return now == ceiling or any(a[0] != b[0] for a, b in pairs if _floating(a[1]))
+
+
+def _floating(kind: object) -> bool:
+    return isinstance(kind, torch.dtype) and kind.is_floating_point
 
 
 def batch_grew(last: tuple, now: tuple) -> bool:
