@@ -23,7 +23,7 @@
 #                                                     #   targets' batches)
 #   SESSION_S=... bash benches/gpu_session.sh call7   # install test_cuda test_graphs compile_peak rok_wide: the
 #                                                     #   second, with what is left (>= 240)
-#   SESSION_S=... bash benches/gpu_session.sh call8   # install test_cuda plan_trace rok_long: call6's
+#   SESSION_S=... bash benches/gpu_session.sh call8   # install plan_trace test_cuda rok_long: call6's
 #                                                     #   second, with what is left (>= 240)
 #   SESSION_S=... bash benches/gpu_session.sh call9   # install rok_fit: a first call of 590 (ssdtier on blocks
 #                                                     #   compiled at 0.2, at the targets' batches), then call8
@@ -76,7 +76,7 @@ for a in "$@"; do
     call5) parts+=(install import plan_trace test_cuda compile_peak rok) ;;
     call6) parts+=(install import rok_targets) ;;
     call7) parts+=(install test_cuda test_graphs compile_peak rok_wide) ;;
-    call8) parts+=(install test_cuda plan_trace rok_long) ;;
+    call8) parts+=(install plan_trace test_cuda rok_long) ;;
     call9) parts+=(install rok_fit) ;;
     *) parts+=("$a") ;;
     esac
@@ -93,6 +93,7 @@ OUT="${OUT:-benches/out/gpu}"
 LOGS="${LOGS:-$(mktemp -d /tmp/gpu_session.XXXXXX)}" # packed into $OUT after each part
 PY="${PY:-python3}"
 SESSION_S="${SESSION_S:-300}"
+PACK_S="${PACK_S:-30}"
 if [ -x .wheels/bin/fio ] && ! command -v fio >/dev/null; then
     export PATH="$PWD/.wheels/bin:$PATH"
 fi
@@ -122,8 +123,21 @@ part() { # name, seconds, command...
         return 124
     fi
     local t0=$SECONDS
-    timeout "$secs" "$@" >"$LOGS/$name.log" 2>&1
+    # Packed every PACK_S seconds meanwhile: a call cut short by the device's time still brings this log.
+    (
+        trap 'kill $nap 2>/dev/null; exit 0' TERM
+        while :; do
+            sleep "$PACK_S" &
+            nap=$!
+            wait $nap
+            tar -czf "$LOGS.tgz" -C "$LOGS" . && mv -f "$LOGS.tgz" "$OUT/gpu_session.tgz"
+        done
+    ) >/dev/null 2>&1 &
+    local packer=$!
+    timeout -k 10 "$secs" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
+    kill "$packer" 2>/dev/null
+    wait "$packer" 2>/dev/null
     summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$LOGS/$name.log")")")
     [ $rc -ne 0 ] && failed+=("$name")
     pack
@@ -156,6 +170,10 @@ for p in "${parts[@]}"; do
         [ -e "${extra[0]}" ] || extra=()
         part install "$(limit 60)" "$PY" -m pip install -q --no-deps --no-index --force-reinstall "$wheel" ${extra[@]+"${extra[@]}"} || {
             cat "$LOGS/install.log"
+            exit 1
+        }
+        part wheel_check "$(limit 30)" "$PY" benches/_wheel_check.py || { # a stale wheel: stop now
+            cat "$LOGS/wheel_check.log"
             exit 1
         }
         ;;

@@ -88,9 +88,9 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             row["solves"], row["replan_s"] = off.adaptive.solving.count, off.adaptive.replan_s  # running totals
             # Each block's last forward and backward as timed (the step before's, read at this
             # one's plan), not scaled for offloading: where an offloaded block's cost lies.
-            prof = off.adaptive.profile
-            row["block_fwd_ms"] = [round(d[-1][0] * 1e3, 2) if d else None for d in prof.fwd_recent]
-            row["block_bwd_ms"] = [None if b is None else round(b * 1e3, 2) for b in prof.backward_s]
+            measured = off.adaptive.profile
+            row["block_fwd_ms"] = [round(d[-1][0] * 1e3, 2) if d else None for d in measured.fwd_recent]
+            row["block_bwd_ms"] = [None if b is None else round(b * 1e3, 2) for b in measured.backward_s]
         if prof is not None:
             try:
                 prof.__exit__(None, None, None)

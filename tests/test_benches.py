@@ -250,3 +250,59 @@ def test_settled_cost_with_dynamic_padding(store_dir, tmp_path):
     assert got["padded"] == 8 and "seq 8-32 (padded per step)" in p.stdout and "mean of" in p.stdout
     assert 0 < got["forwards_unhooked"] < 24, got  # shorter than the longest hooked one: unhooked
     assert run("settled_cost.py", "--seq", "8", "--padded", "9").returncode != 0
+
+
+def test_plan_trace_records_every_run_on_a_stand_in_gpu(tmp_path, store_dir, monkeypatch):
+    """plan_trace runs on a GPU only: here its CUDA calls are stubbed and its model is tiny, so
+    that an error in its own code (not the GPU's) shows before a device session is spent."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    import ssdtier
+    from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
+
+    spec = importlib.util.spec_from_file_location("plan_trace", BENCHES / "plan_trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+
+    def gpt(batch, every=0):
+        cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2, checkpoint_every=every)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        data = make_batch(cfg, batch, torch.Generator().manual_seed(1))
+        return model, lambda: batch_loss(model, data)
+
+    attach = ssdtier.attach
+
+    def small(model, cfg):  # the script's 16 GiB arena and NVMe directory, as a test's
+        return attach(model, {**cfg, "host": {"capacity": "1MiB"}, "nvme": [{"path": str(store_dir)}]})
+
+    cuda = torch.cuda
+    for name, fn in {
+        "synchronize": lambda *a: None,
+        "memory_allocated": lambda *a: 0,
+        "max_memory_allocated": lambda *a: 4 << 20,
+        "memory_reserved": lambda *a: 8 << 20,
+        "memory_stats": lambda *a: {"num_alloc_retries": 0},
+        "reset_peak_memory_stats": lambda *a: None,
+        "empty_cache": lambda: None,
+        "current_stream": lambda *a: SimpleNamespace(cuda_stream=1),
+        "memory_snapshot": lambda: [{"stream": 1, "total_size": 8 << 20}],
+    }.items():
+        monkeypatch.setattr(cuda, name, fn)
+    monkeypatch.setattr(trace, "gpt", gpt)
+    monkeypatch.setattr(trace.ssdtier, "attach", small)
+    runs = "keep,0.8,0.25"
+    argv = ["plan_trace", "--out", str(tmp_path), "--steps", "3", "--runs", runs, "--dir", str(store_dir)]
+    monkeypatch.setattr("sys.argv", [*argv, "--profile", "0.8"])
+    trace.main()
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    assert list(doc) == runs.split(",")
+    for run in doc.values():
+        assert run["status"] == "ok", run.get("error")
+        assert len(run["steps"]) == 3
+    row = doc["0.8"]["steps"][-1]
+    assert row["plan"] and len(row["block_fwd_ms"]) == 4 and "made_gib" in row
+    assert (tmp_path / "profile_0.8_python.txt").read_text()

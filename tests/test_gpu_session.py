@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,46 @@ def test_the_cufile_probe_runs_only_where_cufile_failed(tmp_path):
     (logs / "cufile_bandwidth.json").write_text('{"parts": {"cufile": {"status": "failed"}}}')
     session(tmp_path, "cufile_probe", CUDA_VISIBLE_DEVICES="")
     assert (logs / "cufile_probe.log").exists()
+
+
+def test_a_wheel_built_from_another_tree_is_told(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from _wheel_check import differing
+    finally:
+        sys.path.pop(0)
+    tree, wheel = tmp_path / "tree", tmp_path / "wheel"
+    for d in (tree, wheel, tree / "bench", wheel / "bench"):
+        d.mkdir()
+    for root in (tree, wheel):
+        (root / "a.py").write_text("x = 1\n")
+        (root / "bench" / "b.py").write_text("y = 1\n")
+    assert differing(tree, wheel) == []
+    (tree / "bench" / "b.py").write_text("y = 2\n")
+    (tree / "c.py").write_text("")
+    assert differing(tree, wheel) == ["bench/b.py", "c.py"]
+    # Here ssdtier is the tree itself (an editable install): it matches.
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "_wheel_check.py")], capture_output=True, text=True)
+    assert r.returncode == 0 and "is this tree's" in r.stdout, r.stderr
+
+
+def test_a_part_cut_short_from_outside_still_brings_its_log(tmp_path):
+    # The device's time can end inside a part: its log is packed every PACK_S seconds meanwhile.
+    fake = tmp_path / "py"
+    fake.write_text('#!/bin/sh\ncase "$*" in *" info "*) echo started; exec sleep 60 ;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "OUT": str(tmp_path / "out"), "LOGS": str(tmp_path / "logs"), "PACK_S": "1"}
+    p = subprocess.Popen(["bash", str(SCRIPT), "info"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tgz = tmp_path / "out" / "gpu_session.tgz"
+    try:
+        for _ in range(300):  # up to 30 s on a busy machine
+            if tgz.exists():
+                with tarfile.open(tgz) as tar:
+                    if any(Path(n).name == "info.log" for n in tar.getnames()):
+                        break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("info.log was not packed while the part ran")
+    finally:
+        p.kill()
+        p.wait()
