@@ -178,3 +178,23 @@ def test_a_loop_that_resets_the_peak_counters_does_not_make_the_cache_a_margin()
     ab.sample(20 * g, 2 * g)
     ab.next(40 * g, 0, Memory(40 * g, 100 * g, 60 * g, 58 * g, 0, 10 * g, 73 * g), end=Counters(58 * g, 12 * g, 70 * g))
     assert ab.parts[2] == 15 * g
+
+
+def test_a_step_that_sets_no_new_peak_does_not_forget_what_the_last_peak_showed():
+    # The loss's backward makes the logits' gradient (9.8 GiB at batch 40 on the H200) between
+    # two samples: only a peak counter sees it. An identical step after it passes no peak, and
+    # its samples alone would raise the budget by those bytes.
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(60 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(30 * g, 14 * g)  # 6 GiB beside the activations, 10 before the step; the peak: 40
+    step = Memory(50 * g, 100 * g, 20 * g, 40 * g, 0, 10 * g)
+    assert ab.next(14 * g, 0, step) == (70 - 5 - 10 - 16) * g
+    for _ in range(3):
+        ab.sample(30 * g, 14 * g)
+        assert ab.next(14 * g, 0, step) == (70 - 5 - 10 - 16) * g
+    # A step that held more activations under the same peak made less beside them: bounded.
+    ab.sample(34 * g, 22 * g)
+    assert ab.next(22 * g, 0, step) == (70 - 5 - 10 - 8) * g

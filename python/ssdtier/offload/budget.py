@@ -143,14 +143,20 @@ class AutoBudget:
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
         seen = [] if self.sampled is None else [(self.sampled, self.where)]
-        if not first and not unhooked and mem.allocated_peak > self.peak:  # a new peak: in the last step
+        new_peak = not first and not unhooked and mem.allocated_peak > self.peak  # set in the last step
+        if new_peak:
             seen.append((mem.allocated_peak - held, "the peak counter"))
         if not first and step_peak is not None:  # ... where a loop resets the counter before each step
             seen.append((step_peak - held, "the step's peak counter"))
+        same_peak = mem.allocated_peak == self.peak
         self.peak, self.sampled = mem.allocated_peak, None
         if seen:
             most, at = max(seen)
             made = max(0, most) - self.base
+            if self.made is not None and not new_peak and step_peak is None and same_peak:
+                # Samples alone miss what is made between them (the loss's backward): the peak
+                # counter, not passed, only bounds what was learned from above.
+                made = max(made, min(self.made, mem.allocated_peak - held - self.base))
             if not unhooked or self.made is None or made > self.made:
                 self.made, self.made_at = made, at
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
