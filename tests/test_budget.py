@@ -198,3 +198,22 @@ def test_a_step_that_sets_no_new_peak_does_not_forget_what_the_last_peak_showed(
     # A step that held more activations under the same peak made less beside them: bounded.
     ab.sample(34 * g, 22 * g)
     assert ab.next(22 * g, 0, step) == (70 - 5 - 10 - 8) * g
+
+
+def test_a_larger_forward_is_cut_from_the_step_that_made_the_most():
+    # Under dynamic padding the last hooked step may be short (one in 16 is measured) while
+    # what is made beside the activations was learned at a long one, and not lowered since by
+    # unhooked steps. A forward at that long one's inputs needs no cut.
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    g = 1 << 30
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(60 * g, 100 * g, 10 * g, 12 * g, 0, 10 * g))
+    ab.sample(30 * g, 14 * g)  # 6 GiB beside the activations at inputs of 400 bytes
+    mem = Memory(50 * g, 100 * g, 10 * g, 30 * g, 0, 10 * g)
+    assert ab.next(14 * g, 0, mem, inputs=400) == 39 * g
+    ab.sample(20 * g, 7 * g)  # a short step, after unhooked ones: 3 GiB, not lowered
+    assert ab.next(7 * g, 0, mem, unhooked=True, inputs=100) == 39 * g
+    assert ab.grown(4.0, 400) == 39 * g  # four times the last hooked step, as long as the one that made 6
+    assert ab.grown(4.0, 800) == 33 * g
+    assert ab.grown(4.0) == 21 * g  # inputs not known: the ratio as given

@@ -297,7 +297,10 @@ class Adaptive:
         step_peak = end.peak if mark is not None and end is not None and end.peak > mark.peak else None
         # The allocator's peak since the last look may be an unhooked forward's or an evaluation's.
         unhooked, self.aside = self.settled.run > 0 or self.aside, False
-        got = self.auto.next(held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked)
+        inputs = self.profile.inputs[0] if self.profile.inputs else 0  # the last forward's, as yet
+        got = self.auto.next(
+            held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked, inputs=inputs
+        )
         got = self.auto.first() if got is None else got
         last = self.auto_last  # not a larger batch's cut of it (grew)
         if got is not None and last is not None and last < got <= last * (1 + SAME):
@@ -314,7 +317,7 @@ class Adaptive:
         longer sequences) makes more of everything: its budget shrinks now, before the GPU
         runs full, rather than after the step."""
         budget = self.off._budget
-        grown = self.auto.grown(self.growth) if budget is not None else None
+        grown = self.auto.grown(self.growth, self.profile.inputs[0]) if budget is not None else None
         if grown is not None and grown < budget:
             log.info(
                 "ssdtier: this forward saves %.2fx the last one's: device budget %s for it, not %s",

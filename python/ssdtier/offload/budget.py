@@ -100,6 +100,7 @@ class AutoBudget:
     def __init__(self) -> None:
         self.peak = -1  # the allocator's peak counter at the last look
         self.made: int | None = None  # the most bytes a step added at once that were not held activations
+        self.made_inputs = 0  # ... that step's first block's input bytes (0: not known)
         self.sampled: int | None = None  # ... in the step under way, from the samples
         self.where = ""  # the sample that set ``sampled``: its layer, or the forward's end
         self.made_at = ""  # ... that set ``made``: a sample's, or the peak counter
@@ -132,13 +133,15 @@ class AutoBudget:
         step_peak: int | None = None,
         end: Counters | None = None,
         unhooked: bool = False,
+        inputs: int = 0,
     ) -> int | None:
         """The budget for the step about to start, after a step that held at most ``held``
         bytes of activations with at most ``queued`` bytes of copies out queued and, if it set
         a new one, reached the allocator's peak ``step_peak``; ``end``: the counters as its
         backward ended. ``unhooked``: steps without hooks ran since, so the allocator's peak
         may be theirs (held nothing counted): not read, and what was learned is not lowered.
-        None at the first look, before any step was seen."""
+        ``inputs``: the last step's first block's input bytes. None at the first look, before
+        any step was seen."""
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
@@ -158,6 +161,8 @@ class AutoBudget:
                 # counter, not passed, only bounds what was learned from above.
                 made = max(made, min(self.made, mem.allocated_peak - held - self.base))
             if not unhooked or self.made is None or made > self.made:
+                if made != self.made:  # (kept by the bound: still the step's that made it)
+                    self.made_inputs = inputs
                 self.made, self.made_at = made, at
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
         # Past the peak as the step's backward ended, and now unless a loop reset the counters
@@ -203,9 +208,12 @@ class AutoBudget:
             f"beside the activations held{at}"
         )
 
-    def grown(self, ratio: float) -> int | None:
+    def grown(self, ratio: float, inputs: int = 0) -> int | None:
         """The budget for a step that saves ``ratio`` times what the last one did: what was not
-        kept activations grows as much, but for what was allocated before the step."""
+        kept activations grows as much, but for what was allocated before the step. With its
+        first block's ``inputs``, the ratio is to those of the step that made the most."""
         if self.room is None or self.made is None:
             return None
+        if inputs and self.made_inputs:
+            ratio = inputs / self.made_inputs
         return max(0, self.room - self.base - int(max(self.made, 0) * ratio))
