@@ -78,22 +78,10 @@ def _stat(st: dict, name: str, which: str) -> int:
 
 class AutoBudget:
     """Before each step: the memory this process can have (free and its allocator's cache),
-    less a margin, less what is allocated now (parameters, gradients, optimizer state), less
-    the most that the last step added beside the activations the offloader held, less the
-    sources whose copies out were queued at once (freed, yet reserved until copied).
-
-    What is not held activations is sampled (allocated less what the offloader holds: kept,
-    restored, read ahead, sources in flight) at the forward's end and as the backward reaches
-    each layer: the same whatever the plan keeps, offloads or recomputes, and robust to a loop
-    that resets the peak counters. A step that raised ``max_memory_allocated`` also counts
-    (its peak less the most held), for what happens between samples (inside the loss's
-    backward): read at the next step's start, and as the backward ended,
-    for a loop that resets the counters before each step. After a retried
-    allocation (the GPU ran full), less than the last step held, and a margin more until
-    ``QUIET`` steps pass without one; not less again while allocations are retried at what a
-    cut left. The margin is at least the most the allocator has reserved past its allocated
-    peak (fragmentation, a second stream's pool). A step found to save r times more than the
-    last (a larger batch) gets ``grown(r)``."""
+    less a margin, what is allocated now (parameters, optimizer state), the most the last
+    step made beside the activations held (sampled, and from the peak counters), and the
+    copies out queued at once. After a retried allocation, less than the last step held.
+    ``grown(r)``: for a step that saves r times more (docs/planner.md#the-device-budget)."""
 
     QUIET = 8
 
