@@ -339,7 +339,7 @@ def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monke
     from ssdtier.offload import settled
 
     monkeypatch.setattr(settled, "as_planned", lambda ad: True)
-    off = SimpleNamespace(_budget=100)
+    off = SimpleNamespace(_budget=100, n_layers=2)  # saved: before the blocks, 2 blocks, the head
     ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, off=off, working=0, ran=[K])
 
     def hooked(s, shape, saved, measured=True):
@@ -367,6 +367,23 @@ def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monke
         assert hooked(s, (2, 8), second) == 1 and s.varies, second
         assert hooked(s, (2, 8), second) == 2
         assert s.woken((torch.zeros(2, 4),)) and not s.woken((torch.zeros(2, 8),))
+
+
+def test_the_heads_bytes_are_no_evidence_of_bytes_that_follow_the_data(monkeypatch):
+    # A forward woken at its first block ran the embedding unhooked: the head's targets, one
+    # storage with the batch's token ids, count there and not in a hooked forward.
+    from types import SimpleNamespace
+
+    from ssdtier.offload import settled
+
+    monkeypatch.setattr(settled, "as_planned", lambda ad: True)
+    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, working=0, ran=[K])
+    ad.off = SimpleNamespace(_budget=100, n_layers=2)
+    s = Settled()
+    for head in (5, 7, 5):
+        s.shapes, ad.profile.saved = shapes((torch.zeros(2, 8),)), [0, 10, 10, head]
+        s.hooked(ad, True)
+    assert s.calm == 3 and not s.varies
 
 
 def test_a_larger_batch_is_told_from_a_longer_sequence():

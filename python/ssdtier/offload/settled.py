@@ -25,9 +25,8 @@ KNOWN = 64  # (inputs, actions) whose saved bytes are remembered, to find a mode
 
 
 class Ceiling(NamedTuple):
-    """The largest inputs a hooked forward ran the plan with, what it saved per block and after
-    them (not before the first block: a forward woken there did not count it), and the budget
-    and working memory that plan fitted."""
+    """The largest inputs a hooked forward ran the plan with, what it saved per block, and the
+    budget and working memory that plan fitted."""
 
     inputs: tuple  # the first block's tensor arguments: (shape, dtype) each
     saved: tuple[int, ...]
@@ -73,7 +72,9 @@ class Settled:
         if not (measured and as_planned(ad)):
             self.ceiling = None
             return 0
-        saved, now, c = tuple(ad.profile.saved[1:]), self.shapes, self.ceiling
+        # The blocks' bytes: the head's count storages it shares with what ran before the first
+        # block (the batch's targets and inputs), which a forward woken at that block did unhooked.
+        saved, now, c = tuple(ad.profile.saved[1 : ad.off.n_layers + 1]), self.shapes, self.ceiling
         key = (now, tuple(ad.ran or ()))
         was = self.known.get(key)
         if was is None and len(self.known) < KNOWN:
