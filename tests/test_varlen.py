@@ -62,9 +62,10 @@ def peak(counts, acts, tr):
     return simulate(blocks, acts, tr, Head(saved[N + 1]), limit=0).peak
 
 
-def run(store_dir, budget=None, lengths=LENGTHS, unhooked=None, prepare=None):
+def run(store_dir, budget=None, lengths=LENGTHS, unhooked=None, prepare=None, on_step=None):
     """Trains on ``lengths``; per step (length, actions ran, budget at its start, profile.saved),
-    grads, transfers. ``unhooked``: a list told per step whether it ran without hooks."""
+    grads, transfers. ``unhooked``: a list told per step whether it ran without hooks;
+    ``on_step(offloader)`` after each."""
     torch.manual_seed(0)
     model = build_model(CFG)
     if prepare is not None:
@@ -82,6 +83,8 @@ def run(store_dir, budget=None, lengths=LENGTHS, unhooked=None, prepare=None):
             steps.append((L, list(off.adaptive.ran), at_start, list(off.adaptive.profile.saved)))
             if unhooked is not None:
                 unhooked.append(off.stats().forwards_unhooked > before)
+            if on_step is not None:
+                on_step(off)
     tr = off.adaptive.transfers() if off else None
     if off:
         off.detach()
@@ -204,3 +207,29 @@ def test_inputs_that_crept_back_to_an_earlier_size_give_no_exponent():
     assert p._exponent(0) is None and p.exponent() == UNSEEN
     p.full[0] = (1600, 20)
     assert p._exponent(0) == pytest.approx(math.log(3000 / 1600) / math.log(1.5))
+
+
+def test_a_plan_chosen_at_a_longer_forward_stands_through_shorter_ones(store_dir, monkeypatch):
+    # A faster plan solved from a shorter forward would not fit the longer ones: each longer
+    # forward after it would have its guard recompute blocks with their inputs offloaded. The
+    # plan changes only after a forward at least as long as any it was chosen at.
+    _steady(monkeypatch)
+    budget = int(1.05 * peak(count(64), [Action.KEEP] * N, Transfers(INF, INF)))
+    plans = []
+
+    def look(off):
+        plans.append(code(off.adaptive.plan.actions) if off.adaptive.plan else None)
+
+    flags = []
+    steps, grads, _ = run(store_dir, budget, PADDED, flags, on_step=look)
+    _, want, _ = run(store_dir, lengths=PADDED)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in grads)
+    rows = "\n".join(f"{L} ran {code(ran)}, plan {p}" for (L, ran, _, _), p in zip(steps, plans, strict=True))
+    longest = 0
+    for i, (L, ran, _, _) in enumerate(steps):
+        if i >= 2 and plans[i] != plans[i - 1]:  # solved at step i's start from step i - 1's numbers
+            assert PADDED[i - 1] >= longest, f"step {i}:\n{rows}"
+        if i >= 3 and L < 128:  # under the plan chosen at 128: run as planned, the guard idle
+            assert code(ran) == plans[i], f"step {i}:\n{rows}"
+        if not flags[i]:
+            longest = max(longest, L)

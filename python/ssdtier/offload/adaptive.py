@@ -22,7 +22,7 @@ from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Counters, Gpu
 from .control import StepControl
 from .profile import Profile
-from .settled import Settled, batch_grew, shapes
+from .settled import Settled, batch_grew, shapes, within
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -38,6 +38,7 @@ RESOLVE = 32  # steps a plan stands on measurements that moved before it is solv
 FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
 SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
+LONGEST = 8  # hooked forwards, all smaller, that a plan chosen at larger inputs stands through
 UNREAD = 3  # steps whose GPU timings are dropped, not waited for, before the host waits for one
 SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (each read: tens of us)
 SAY = 0.1  # an auto budget this share away from the one last logged is logged, with its parts
@@ -432,6 +433,14 @@ class Adaptive:
         tr = dataclasses.replace(self.transfers(), per_byte_s=self.per_byte)
         head = dataclasses.replace(head, working=self.working)
         plan, inputs, solving = self.plan, (blocks, tr, head, budget), self.solving
+        # Measured at smaller inputs than the plan was chosen at (dynamic padding): a faster
+        # plan for these would not fit those, so the plan stands while it fits, for a while.
+        at, longest = self.settled.shapes, solving.longest
+        shorter = at != longest and within(at, longest) and not self.settled.varies
+        shorter = shorter and solving.since_longest < LONGEST
+        solving.since_longest = solving.since_longest + 1 if shorter else 0
+        if not shorter:
+            solving.longest = at
         if plan is not None and solving.inputs is not None and same_inputs(solving.inputs, inputs):
             return
         now = None
@@ -445,7 +454,7 @@ class Adaptive:
             fits = budget is None or now.peak <= budget
             better = new.outcome.extra_s < now.extra_s - SWITCH * step
             lower = budget is None and new.outcome.peak < now.peak * (1 - SWITCH) and new.outcome.extra_s <= now.extra_s
-            if fits and not better and not lower:
+            if fits and (shorter or (not better and not lower)):
                 new = self._again(now, *inputs, step)
         if plan is None or new.actions != plan.actions:
             log.info("%s", new.table())
@@ -471,6 +480,8 @@ class Solving:
 
     def __init__(self) -> None:
         self.inputs: tuple | None = None  # (blocks, transfers, head, budget)
+        self.longest: tuple = ()  # the first block's inputs of the largest forward the plan was chosen at
+        self.since_longest = 0  # forwards measured since, all smaller
         self.plan: Plan | None = None
         self.stood = 0
         self.count = 0  # solves so far
