@@ -198,6 +198,14 @@ def test_a_step_that_sets_no_new_peak_does_not_forget_what_the_last_peak_showed(
     # A step that held more activations under the same peak made less beside them: bounded.
     ab.sample(34 * g, 22 * g)
     assert ab.next(22 * g, 0, step) == (70 - 5 - 10 - 8) * g
+    ab.sample(30 * g, 14 * g)
+    assert ab.next(14 * g, 0, step) == (70 - 5 - 10 - 8) * g
+    # The loop reset the counters after a step (a memory log): the peak as its backward ended bounds it.
+    from ssdtier.offload.budget import Counters
+
+    reset = Memory(50 * g, 100 * g, 20 * g, 24 * g, 0, 10 * g)
+    ab.sample(30 * g, 14 * g)
+    assert ab.next(14 * g, 0, reset, end=Counters(40 * g, 30 * g, 42 * g)) == (70 - 5 - 10 - 8) * g
 
 
 def test_a_larger_forward_is_cut_from_the_step_that_made_the_most():

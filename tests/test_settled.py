@@ -331,6 +331,7 @@ def test_inputs_are_told_apart_by_shape_not_storage():
     assert not s.woken((x[:100], 32, True)) and not s.woken((x[:200], 64, True))
     assert s.woken((x[:100], 65, True)) and s.woken((x[:200], 32, True)) and s.woken((x[:100], 32, False))
     assert batch_grew(shapes((x[:100], 64)), shapes((x[:200], 64))) and not batch_grew(shapes((x, 64)), shapes((x, 65)))
+    assert shapes((x, 0.1)) == shapes((x, 0.2)) == shapes((x,))  # a scheduled rate sizes nothing
 
 
 def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monkeypatch):

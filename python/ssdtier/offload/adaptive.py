@@ -436,7 +436,7 @@ class Adaptive:
         # Measured at smaller inputs than the plan was chosen at (dynamic padding): a faster
         # plan for these would not fit those, so the plan stands while it fits, for a while.
         at, longest = self.settled.shapes, solving.longest
-        shorter = at != longest and within(at, longest) and not self.settled.varies
+        shorter = budget is not None and at != longest and within(at, longest) and not self.settled.varies
         shorter = shorter and solving.since_longest < LONGEST
         solving.since_longest = solving.since_longest + 1 if shorter else 0
         if not shorter:
@@ -446,7 +446,7 @@ class Adaptive:
         now = None
         if plan is not None and len(plan.decisions) == len(blocks):
             now = simulate(blocks, plan.actions, tr, head, budget)
-            if solving.stands(now, budget, step):
+            if (shorter and budget is not None and now.peak <= budget) or solving.stands(now, budget, step):
                 self._use(self._again(now, *inputs, step))
                 return
         new = solving.solve(inputs)
@@ -454,7 +454,7 @@ class Adaptive:
             fits = budget is None or now.peak <= budget
             better = new.outcome.extra_s < now.extra_s - SWITCH * step
             lower = budget is None and new.outcome.peak < now.peak * (1 - SWITCH) and new.outcome.extra_s <= now.extra_s
-            if fits and (shorter or (not better and not lower)):
+            if fits and not better and not lower:
                 new = self._again(now, *inputs, step)
         if plan is None or new.actions != plan.actions:
             log.info("%s", new.table())

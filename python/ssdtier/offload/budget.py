@@ -144,10 +144,11 @@ class AutoBudget:
         if seen:
             most, at = max(seen)
             made = max(0, most) - self.base
-            if self.made is not None and not new_peak and step_peak is None and same_peak:
-                # Samples alone miss what is made between them (the loss's backward): the peak
-                # counter, not passed, only bounds what was learned from above.
-                made = max(made, min(self.made, mem.allocated_peak - held - self.base))
+            if self.made is not None and not new_peak and step_peak is None and (same_peak or end is not None):
+                # Samples alone miss what is made between them (the loss's backward): a peak
+                # counter not passed (as the backward ended, if reset since) only bounds it.
+                top = max(mem.allocated_peak, end.peak if end is not None else 0)
+                made = max(made, min(self.made, top - held - self.base))
             if not unhooked or self.made is None or made > self.made:
                 if made != self.made:  # (kept by the bound: still the step's that made it)
                     self.made_inputs = inputs

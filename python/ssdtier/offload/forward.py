@@ -65,7 +65,7 @@ class BlockEnter(Hook):
         off = self.off
         f = off._tls.fwd
         if kwargs:  # tensors passed by keyword are inputs too (a recomputation holds them), numbers size them
-            args = (*args, *(v for v in kwargs.values() if isinstance(v, (torch.Tensor, int, float))))
+            args = (*args, *(v for v in kwargs.values() if isinstance(v, (torch.Tensor, int))))
         if f.unhooked:  # a settled plan's forward: autograd keeps what it saves
             # Not past the forward's end (a reentrant checkpoint runs the block again in backward).
             if self.tag != 1 or not f.pushed or not off.adaptive.settled.woken(args):

@@ -123,15 +123,16 @@ class Settled:
 
 def shapes(args: tuple) -> tuple:
     """The tensor arguments' shapes and dtypes; an int argument (a ``max_seqlen``) as a size
-    that only a longer sequence changes, other numbers (flags) as values to match."""
+    that only a longer sequence changes, a flag as a value to match. Floats (a rate that a
+    schedule moves each step) size nothing."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append((a.shape, a.dtype))
-        elif isinstance(a, int) and not isinstance(a, bool):
-            out.append(((1, a), int))
-        elif isinstance(a, (bool, float)):
+        elif isinstance(a, bool):
             out.append(((), a))
+        elif isinstance(a, int):
+            out.append(((1, a), int))
     return tuple(out)
 
 
