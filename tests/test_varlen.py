@@ -13,7 +13,7 @@ from torch import nn
 
 import ssdtier
 from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
-from ssdtier.offload.adaptive import SLACK
+from ssdtier.offload.adaptive import LONGEST, SLACK
 from ssdtier.plan import Action, Block, Head, Transfers, simulate
 
 from .test_rok import adaptive
@@ -233,3 +233,23 @@ def test_a_plan_chosen_at_a_longer_forward_stands_through_shorter_ones(store_dir
             assert code(ran) == plans[i], f"step {i}:\n{rows}"
         if not flags[i]:
             longest = max(longest, L)
+
+
+def test_a_plan_for_longer_inputs_gives_way_after_eight_shorter_forwards(store_dir, monkeypatch):
+    # Only shorter forwards since: after 8 of them measured, the plan is solved for them.
+    from ssdtier.offload import settled
+
+    _steady(monkeypatch)
+    monkeypatch.setattr(settled, "MEASURE", 2)  # every other forward hooked, not one in 16
+    budget = int(1.05 * peak(count(64), [Action.KEEP] * N, Transfers(INF, INF)))
+    lengths = (128,) * 3 + (64,) * 24
+    plans, flags = [], []
+
+    def look(off):
+        plans.append(off.adaptive.plan and code(off.adaptive.plan.actions))
+
+    run(store_dir, budget, lengths, flags, on_step=look)
+    changed = [i for i in range(4, len(plans)) if plans[i] != plans[i - 1]]
+    assert changed and plans[changed[0]].count("r") < plans[3].count("r"), plans
+    hooked = sum(1 for f in flags[3 : changed[0]] if not f)  # shorter forwards measured before it
+    assert hooked >= LONGEST, (hooked, flags, plans)

@@ -436,17 +436,20 @@ class Adaptive:
         # Measured at smaller inputs than the plan was chosen at (dynamic padding): a faster
         # plan for these would not fit those, so the plan stands while it fits, for a while.
         at, longest = self.settled.shapes, solving.longest
-        shorter = budget is not None and at != longest and within(at, longest) and not self.settled.varies
-        shorter = shorter and solving.since_longest < LONGEST
+        smaller = budget is not None and at != longest and within(at, longest) and not self.settled.varies
+        shorter = smaller and solving.since_longest < LONGEST
         solving.since_longest = solving.since_longest + 1 if shorter else 0
         if not shorter:
             solving.longest = at
+        expired = smaller and not shorter  # solved now for these inputs, not left to stand
         if plan is not None and solving.inputs is not None and same_inputs(solving.inputs, inputs):
             return
         now = None
         if plan is not None and len(plan.decisions) == len(blocks):
             now = simulate(blocks, plan.actions, tr, head, budget)
-            if (shorter and budget is not None and now.peak <= budget) or solving.stands(now, budget, step):
+            if (shorter and budget is not None and now.peak <= budget) or (
+                not expired and solving.stands(now, budget, step)
+            ):
                 self._use(self._again(now, *inputs, step))
                 return
         new = solving.solve(inputs)
