@@ -447,9 +447,7 @@ class Adaptive:
         now = None
         if plan is not None and len(plan.decisions) == len(blocks):
             now = simulate(blocks, plan.actions, tr, head, budget)
-            if (shorter and budget is not None and now.peak <= budget) or (
-                not expired and solving.stands(now, budget, step)
-            ):
+            if (shorter and now.peak <= budget) or (not expired and solving.stands(now, budget, step)):
                 self._use(self._again(now, *inputs, step))
                 return
         new = solving.solve(inputs)
