@@ -225,3 +225,170 @@ def test_a_larger_forward_is_cut_from_the_step_that_made_the_most():
     assert ab.grown(4.0, 400) == 39 * g  # four times the last hooked step, as long as the one that made 6
     assert ab.grown(4.0, 800) == 33 * g
     assert ab.grown(4.0) == 21 * g  # inputs not known: the ratio as given
+
+
+MiB, G = 1 << 20, 1 << 30
+
+
+def logits(batch: int) -> int:
+    return 125 * batch * MiB
+
+
+def gradient(batch: int) -> int:  # the logits', in fp32
+    return 251 * batch * MiB
+
+
+class _Loop:
+    """A training loop driving AutoBudget as adaptive does, on a toy allocator with the H200's
+    numbers: 139 GiB to use (of 140), 21 allocated between steps, 3.39 GiB of activations per
+    sample of batch (24 blocks); logits (4.9 GiB at batch 40) from a forward's end to its
+    backward, their fp32 gradient (9.8) between two samples. The allocator reserves ``over``
+    past what is allocated; ``reset``: the loop resets the peak counters before each step."""
+
+    def __init__(self, over: float = 6, reset: bool = False) -> None:
+        from ssdtier.offload.budget import AutoBudget
+
+        self.auto, self.over, self.reset = AutoBudget(), int(over * G), reset
+        self.now = self.peak = self.reserved = self.top = 21 * G
+        self.held = self.held_peak = self.worst = self.batch = 0
+        self.mark = self.end = None
+        self.alone = False  # the last forward had no backward yet
+        self.budgets: list[int] = []
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        self.reserved = max(self.reserved, self.now + self.over)
+        self.top, self.worst = max(self.top, self.reserved), max(self.worst, self.now + self.over)
+
+    def memory(self):
+        from ssdtier.offload.budget import Memory
+
+        return Memory(139 * G - self.reserved, 140 * G, self.reserved, self.peak, 0, self.now, self.top)
+
+    def counters(self):
+        from ssdtier.offload.budget import Counters
+
+        return Counters(self.peak, self.now, self.top)
+
+    def sample(self) -> None:
+        self.held_peak = max(self.held_peak, self.held)
+        self.auto.sample(self.now, self.held)
+
+    def forward(self, batch: int) -> tuple[int, int]:
+        held, self.held_peak = self.held_peak, self.held
+        mark, end = self.mark, self.end
+        step_peak = end.peak if mark is not None and end is not None and end.peak > mark.peak else None
+        got = self.auto.next(held, 0, self.memory(), step_peak, end, inputs=self.batch, alone=self.alone)
+        budget = self.auto.first() if got is None else got
+        if self.batch and batch > self.batch:  # adaptive's grew()
+            budget = min(budget, self.auto.grown(batch / self.batch, batch))
+        self.batch = batch
+        self.budgets.append(budget)
+        self.mark, self.end = self.counters(), None
+        kept = max(0, min(budget - self.held, 3471 * batch * MiB))  # the guard counts what is held
+        self.alloc(kept + logits(batch))
+        self.held += kept
+        self.sample()
+        self.alone = True
+        return kept, batch
+
+    def backward(self, *forwards: tuple[int, int]) -> None:
+        for kept, batch in reversed(forwards):
+            self.alloc(gradient(batch))  # only the peak counter sees it
+            self.now -= gradient(batch)
+            self.sample()
+            self.now -= kept + logits(batch)
+            self.held -= kept
+            self.sample()
+        self.end, self.alone = self.counters(), False
+
+    def step(self, *batches: int) -> None:
+        if self.reset:
+            self.peak, self.top = self.now, self.reserved
+        self.backward(*[self.forward(b) for b in batches])
+
+
+def test_several_forwards_before_one_backward_share_the_budget_of_their_cycle():
+    # Gradient accumulation: at the second forward's look forward 1's activations are allocated
+    # and held both. Learned from there, the next budget left out the logits' gradient and both
+    # forwards' logits (simulated on the H200: 116 GiB for 97 of room, a peak of 152 of 139).
+    for reset in (False, True):
+        two = _Loop(reset=reset)
+        for _ in range(4):
+            two.step(40, 40)
+        assert two.auto.made >= 2 * logits(40) + gradient(40)
+        assert two.worst <= 139 * G  # what was allocated and what the allocator reserved past it
+        assert two.budgets[2:] == [two.budgets[2]] * 6  # the cycle's budget at each of its forwards
+    # Two forwards of 20 hold what one of 40 would, and make less beside: no less room for them.
+    one, half = _Loop(), _Loop()
+    for _ in range(4):
+        one.step(40)
+        half.step(20, 20)
+    assert one.worst <= 139 * G and half.worst <= 139 * G
+    assert one.budgets[-1] <= half.budgets[-1] <= one.budgets[-1] + 5 * G
+    # The GPU ran full in forward 1: the second keeps no more than is held.
+    from ssdtier.offload.budget import Memory
+
+    m = half.memory()
+    half.forward(20)
+    retried = Memory(m.free, m.total, m.reserved, m.allocated_peak, 1, half.now, m.reserved_peak)
+    assert half.auto.next(half.held, 0, retried, alone=True) == half.held
+
+
+def test_an_evaluation_forward_with_gradients_learns_nothing_from_its_look():
+    # Reset before each training step, the look after an evaluation run with gradients (no
+    # backward) saw a reset peak and only that forward's samples: 4.9 GiB made, not 14.7.
+    loop = _Loop(reset=True)
+    for _ in range(3):
+        loop.step(40)
+    kept, batch = loop.forward(40)
+    loop.now -= kept + logits(batch)  # the graph dropped
+    loop.held -= kept
+    for _ in range(2):
+        loop.step(40)
+    assert loop.auto.made >= logits(40) + gradient(40)
+    assert loop.budgets[2:] == [loop.budgets[2]] * 4 and loop.worst <= 139 * G
+
+
+def test_a_smaller_step_after_a_reset_does_not_make_the_idle_cache_a_margin():
+    # Reset before each step, the reserved peak starts at the whole cache: a partial batch of
+    # 12 after batches of 40 read 72 GiB past its peak, kept as a 35 GiB margin for good.
+    loop = _Loop(reset=True)
+    for b in (40, 40, 12, 40, 40):
+        loop.step(b)
+        assert loop.auto.parts[2] == int(140 * G * 0.05) and loop.worst <= 139 * G
+    # An allocator that reserves 10 GiB past what is allocated: the margin is that.
+    loop = _Loop(over=10, reset=True)
+    for b in (40, 40, 12, 40, 40):
+        loop.step(b)
+    assert loop.auto.parts[2] == 10 * G and loop.worst <= 139 * G
+
+
+def test_a_cut_after_a_retry_stands_at_the_cycles_later_forwards():
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(100 * G, 140 * G, 30 * G, 30 * G, 0, 21 * G, 30 * G))
+    ab.sample(30 * G, 4 * G)
+    assert ab.next(4 * G, 0, Memory(100 * G, 140 * G, 30 * G, 30 * G, 0, 21 * G, 30 * G)) == 97 * G  # 123 - 21 - 5
+    cut = ab.next(50 * G, 0, Memory(100 * G, 140 * G, 30 * G, 30 * G, 1, 21 * G, 30 * G))
+    assert cut == 45 * G  # the GPU ran full: 0.9 of what the step held
+    # The cycle's second forward, no retry since: the cut holds, and left() is room now.
+    alone = Memory(60 * G, 140 * G, 70 * G, 70 * G, 1, 61 * G, 70 * G)
+    assert ab.next(40 * G, 0, alone, alone=True) == cut
+    assert ab.left() == 60 * G + 70 * G - 61 * G
+
+
+def test_a_reserve_that_did_not_grow_is_no_overhead_without_the_backwards_counters():
+    from ssdtier.offload.budget import AutoBudget, Memory
+
+    ab = AutoBudget()
+    ab.next(0, 0, Memory(50 * G, 140 * G, 80 * G, 75 * G, 0, 21 * G, 80 * G))
+    assert ab.parts[2] == 7 * G  # 5 GiB past the peak: the 5% margin
+    # The counters reset, then a smaller step: the cache of 80 GiB was there before it.
+    ab.next(0, 0, Memory(50 * G, 140 * G, 80 * G, 40 * G, 0, 21 * G, 80 * G))
+    assert ab.parts[2] == 7 * G
+    # A step that grew the reserve 12 GiB past its peak: that is the margin.
+    ab.next(0, 0, Memory(40 * G, 140 * G, 90 * G, 78 * G, 0, 21 * G, 90 * G))
+    assert ab.parts[2] == 12 * G

@@ -96,11 +96,17 @@ class AutoBudget:
         self.cut: int | None = None  # what the last step held when a retry cut the budget
         self.extra = 0  # a margin more after a retry: the GPU ran full with what was seen
         self.overhead = 0  # the most reserved past the allocated peak (fragmentation, other pools)
+        self.reserved = 0  # at the last look not ``alone``: a reserve not grown past it shows no overhead
         self.overhead_won = False  # ... and the margin is that, not a share of the memory
         self.quiet = 0  # steps since the last retry
         self.room: int | None = None  # at the last look: the memory for activations and the rest
-        self.base = 0  # at the last look: allocated before the step (an optimizer's state appears after the first)
+        # At the last look not ``alone``: allocated before the step (an optimizer's state appears after the first).
+        self.base = 0
+        self.allocated = 0  # at the last look
         self.parts = (0, 0, 0, 0)  # at the last look: free, cached, margin, queued
+        self.cycle: int | None = None  # the budget that look gave: ``alone`` ones give no more
+        self.pending_unhooked = False  # passed at ``alone`` looks since that one, for the next
+        self.pending_queued = 0
 
     def sample(self, allocated: int, held: int, where: str = "") -> None:
         other = allocated - held
@@ -122,6 +128,8 @@ class AutoBudget:
         end: Counters | None = None,
         unhooked: bool = False,
         inputs: int = 0,
+        *,
+        alone: bool = False,
     ) -> int | None:
         """The budget for the step about to start, after a step that held at most ``held``
         bytes of activations with at most ``queued`` bytes of copies out queued and, if it set
@@ -129,7 +137,12 @@ class AutoBudget:
         backward ended. ``unhooked``: steps without hooks ran since, so the allocator's peak
         may be theirs (held nothing counted): not read, and what was learned is not lowered.
         ``inputs``: the last step's first block's input bytes. None at the first look, before
-        any step was seen."""
+        any step was seen. ``alone``: the last hooked forward had no backward yet (one of several
+        before one backward, an evaluation's with gradients): see ``_alone``."""
+        if alone and self.retries is not None:
+            return self._alone(held, queued, mem, unhooked)
+        unhooked, self.pending_unhooked = unhooked or self.pending_unhooked, False
+        queued, self.pending_queued = max(queued, self.pending_queued), 0
         first = self.retries is None
         retried = not first and mem.retries > (self.retries or 0)
         self.retries = mem.retries
@@ -155,33 +168,56 @@ class AutoBudget:
                 self.made, self.made_at = made, at
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
         # Past the peak as the step's backward ended, and now unless a loop reset the counters
-        # since (now would set the whole cache against what is allocated between steps).
-        pasts = [end.reserved_peak - end.peak] if end is not None else []
-        if end is None or mem.allocated_peak >= end.peak:
+        # since (now would set the whole cache against what is allocated between steps). Only
+        # where the reserve grew: a cache a smaller step left idle after a reset is no overhead.
+        pasts = [end.reserved_peak - end.peak] if end is not None and end.reserved_peak > self.reserved else []
+        if (end is None or mem.allocated_peak >= end.peak) and mem.reserved_peak > self.reserved:
             pasts.append(mem.reserved_peak - mem.allocated_peak)
-        past = min(max(pasts), int(mem.total * OVERHEAD_CAP))
-        self.overhead = max(self.overhead, past)  # never less: a plan that frees it might not hold
+        if pasts:  # never less: a plan that frees it might not hold
+            self.overhead = max(self.overhead, min(max(pasts), int(mem.total * OVERHEAD_CAP)))
+        self.reserved = mem.reserved
         self.overhead_won = self.overhead > margin
         margin = max(margin, self.overhead)
         self.quiet = 0 if retried else self.quiet + 1
         if self.quiet >= self.QUIET:
             self.extra, self.cut = 0, None
         self.room, self.base = mem.free + mem.reserved - margin - self.extra - queued, mem.allocated
+        self.allocated = mem.allocated
         self.parts = (mem.free, mem.reserved, margin + self.extra, queued)
         if self.made is None or first:
+            self.cycle = None
             return None
         budget = max(0, self.room - self.base - max(self.made, 0))
-        if retried:
-            if self.cut is not None and held <= self.cut:
-                return min(budget, held)  # retried after a cut too: keeping less is not the cure
+        if retried and self.cut is not None and held <= self.cut:
+            budget = min(budget, held)  # retried after a cut too: keeping less is not the cure
+        elif retried:
             self.extra = margin
             self.cut = held
             budget = min(budget, int(held * RETRY_CUT))
+        self.cycle = budget
+        return budget
+
+    def _alone(self, held: int, queued: int, mem: Memory, unhooked: bool) -> int | None:
+        """A look after a forward no backward followed: allocated now are its activations, which
+        ``held`` counts too, and the samples and peak go on to the backward. Nothing is learned;
+        the budget is the cycle's from its start (the guard counts what is held against it)."""
+        self.pending_unhooked = self.pending_unhooked or unhooked
+        self.pending_queued = max(self.pending_queued, queued)
+        margin, queued = self.parts[2], max(self.parts[3], queued)
+        self.room = mem.free + mem.reserved - margin - queued
+        self.parts, self.allocated = (mem.free, mem.reserved, margin, queued), mem.allocated
+        if self.made is None:
+            return None
+        budget = max(0, self.room - self.base - max(self.made, 0))
+        if self.cycle is not None:  # a retry's cut stands through the cycle
+            budget = min(budget, self.cycle)
+        if mem.retries > (self.retries or 0):  # the GPU ran full in this forward: no more kept
+            budget = min(budget, held)  # (the cut and its margin come at the cycle's end)
         return budget
 
     def left(self) -> int:
         """At the last look: memory free or cached, less what was allocated."""
-        return self.parts[0] + self.parts[1] - self.base
+        return self.parts[0] + self.parts[1] - self.allocated
 
     def explain(self) -> str:
         """What the last budget was made of, for the log."""
