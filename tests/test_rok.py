@@ -44,7 +44,7 @@ def forced(monkeypatch, acts):
 
 def hooked(monkeypatch):
     """Every forward hooked: for tests of what each one measures and plans."""
-    monkeypatch.setattr(Settled, "skips", lambda self, ad: False)
+    monkeypatch.setattr(Settled, "skips", lambda self, ad, state: False)
 
 
 def steps(cfg, ssd=None, batches=(2, 2, 2), on_step=None, prepare=None):
@@ -423,6 +423,79 @@ def test_an_auto_device_budget_shrinks_at_once_for_a_larger_batch(store_dir, mon
     # from its first block on; the same batch again: as measured.
     assert budgets[1:3] == [50 * GiB] * 2 and 48.9 * GiB < budgets[3] < 49.1 * GiB and budgets[4] == 50 * GiB
     assert caplog.text.count("this forward saves 2.00x the last one's: device budget 49") == 1
+
+
+def test_an_auto_device_budget_shrinks_for_inputs_longer_than_any_by_a_little(store_dir, monkeypatch, caplog):
+    # Batches of 10, then 11 and 12: each under 1.1x the last, each larger than any before:
+    # the budget is cut for each (what is allocated beside the activations grows with it).
+    fake_gpu(monkeypatch, lambda: Memory(50 * GiB, 100 * GiB, 8 * GiB, 1 * GiB, 0, 2 * GiB), lambda off: 3 * GiB)
+    sizes = (10, 10, 10, 11, 12, 12)
+    with caplog.at_level("INFO", logger="ssdtier"):
+        got = steps(GPT, adaptive(store_dir, device_budget="auto"), batches=sizes)
+    assert_same(steps(GPT, batches=sizes), got)
+    assert caplog.text.count("this forward saves 1.10x the last one's") == 1, caplog.text
+    assert caplog.text.count("this forward saves 1.09x the last one's") == 1, caplog.text
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in backward: a step whose backward fails midway (a caught out-of-memory error)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("raised", [False, True], ids=["", "after-a-backward-raised"])
+def test_a_backward_that_reaches_no_early_block_still_reads_the_counters_as_it_ends(store_dir, monkeypatch, raised):
+    # The embedding and the first block frozen: the backward unpacks nothing there, yet the
+    # step's peak is read as it ends (a loop that resets the counters would hide it); also
+    # after a backward that raised, whose callback never ran.
+    reads = []
+
+    class Meter:
+        def counters(self):
+            return Counters(len(reads), 0)
+
+        def reset_peak(self):
+            pass
+
+    init = Adaptive.__init__
+
+    def start(self, off):
+        init(self, off)
+        self.meter = Meter()
+
+    def frozen(model):
+        for m in (model.tok_emb, model.pos_emb, model.blocks[0]):
+            m.requires_grad_(False)
+        calls = []
+
+        def boom(module, args, out):  # the second forward's backward raises at block 2
+            calls.append(1)
+            return _Boom.apply(out) if raised and len(calls) == 2 else out
+
+        model.blocks[1].register_forward_hook(boom)
+
+    def backward(loss):
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert raised and "boom" in str(e)
+
+    def look(off):
+        reads.append(off.adaptive.end)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+    sizes = (2,) * 4
+    got = train(
+        GPT, adaptive(store_dir, device_budget="1GiB"), sizes=sizes, prepare=frozen, on_step=look, backward=backward
+    )
+    assert_same(train(GPT, sizes=sizes, prepare=frozen, backward=backward), got)
+    assert all(end is not None for i, end in enumerate(reads) if not (raised and i == 1)), reads
 
 
 def test_an_auto_device_budget_reads_the_allocator_a_bounded_number_of_times(store_dir, monkeypatch):
@@ -970,7 +1043,7 @@ def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, m
     forced(monkeypatch, (R, RO, K, K))
     if unhooked:  # a settled plan's forwards, from the second on
         seen = []
-        monkeypatch.setattr(Settled, "skips", lambda self, ad: bool(seen.append(1)) or len(seen) > 1)
+        monkeypatch.setattr(Settled, "skips", lambda self, ad, state: bool(seen.append(1)) or len(seen) > 1)
         monkeypatch.setattr(Settled, "woken", lambda self, args: False)  # no plan, so no ceiling
     want_state, want_grads, _ = _norm_steps()
     state, grads, ran = _norm_steps(adaptive(store_dir, min_tensor_bytes=1024))

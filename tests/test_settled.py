@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -341,11 +342,11 @@ def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monke
 
     monkeypatch.setattr(settled, "as_planned", lambda ad: True)
     off = SimpleNamespace(_budget=100, n_layers=2)  # saved: before the blocks, 2 blocks, the head
-    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, off=off, working=0, ran=[K])
+    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, off=off, working=0, ran=[K], beside=None)
 
     def hooked(s, shape, saved, measured=True):
         s.shapes, ad.profile.saved = shapes((torch.zeros(shape),)), saved
-        s.hooked(ad, measured)
+        s.hooked(ad, (), measured)
         return s.calm
 
     s = Settled()
@@ -378,12 +379,12 @@ def test_the_heads_bytes_are_no_evidence_of_bytes_that_follow_the_data(monkeypat
     from ssdtier.offload import settled
 
     monkeypatch.setattr(settled, "as_planned", lambda ad: True)
-    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, working=0, ran=[K])
+    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, working=0, ran=[K], beside=None)
     ad.off = SimpleNamespace(_budget=100, n_layers=2)
     s = Settled()
     for head in (5, 7, 5):
         s.shapes, ad.profile.saved = shapes((torch.zeros(2, 8),)), [0, 10, 10, head]
-        s.hooked(ad, True)
+        s.hooked(ad, (), True)
     assert s.calm == 3 and not s.varies
 
 
@@ -586,3 +587,203 @@ def test_a_settled_plan_recomputes_in_a_forward_on_another_thread(store_dir, mon
     assert_same(want, got)
     assert got[2].plan.actions == (R, R, K, K) and got[2].forwards_unhooked == 5
     assert calls == GPT.n_layers + 2  # each block, and the two recomputed again
+
+
+class _Mlp(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _OwnCheckpointing(nn.Module):
+    """Checkpoints its blocks itself while ``ckpt``: a state no input of the first block shows."""
+
+    ckpt = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Mlp() for _ in range(4))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return x.square().mean()
+
+
+class _Kept:
+    """Bytes autograd keeps while these hooks are on top (a forward without ssdtier's)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t):
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+            self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _nine(make, step, ssd):
+    """Nine steps of ``make()``'s model (seed 0), ``step(model, i)`` giving each one's loss:
+    the gradients, and after each step (forwards without hooks, blocks the guard recomputed)."""
+    torch.manual_seed(0)
+    model = make()
+    off = ssdtier.attach(model, ssd) if ssd is not None else None
+    rows = []
+    torch.manual_seed(1)
+    for i in range(9):
+        step(model, i).backward()
+        if off is not None:
+            s = off.stats()
+            rows.append((s.forwards_unhooked, s.guard_recomputed))
+    grads = [p.grad for p in model.parameters()]
+    if off is not None:
+        off.detach()
+    return grads, rows
+
+
+def _same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_forward_without_hooks_that_holds_more_than_planned_recomputes_the_rest(store_dir, monkeypatch):
+    # The model stops checkpointing itself in step 6, a forward without hooks: on a stand-in
+    # GPU its allocations pass the budget, and the blocks from there on recompute.
+    from ssdtier.offload.budget import Counters
+
+    budget, base = 500_000, 1 << 30
+    kept = [_Kept()]
+
+    class Meter:  # allocated: what ssdtier holds, or autograd keeps beside it
+        def allocated(self):
+            return base + ad[0].held() + kept[0].total()
+
+        def counters(self):
+            return Counters(self.allocated(), self.allocated())
+
+        def reset_peak(self):
+            pass
+
+    ad, init = [], Adaptive.__init__
+
+    def start(self, off):
+        init(self, off)
+        self.meter = Meter()
+        ad.append(self)
+
+    monkeypatch.setattr(Adaptive, "__init__", start)
+
+    x, held = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2)), []
+
+    def step(model, i):
+        model.ckpt = i < 6
+        kept[0] = _Kept()
+        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
+            loss = model(x)
+        held.append(kept[0].total())
+        return loss
+
+    want, _ = _nine(_OwnCheckpointing, step, None)
+    held.clear()
+    got, rows = _nine(_OwnCheckpointing, step, adaptive(store_dir, device_budget=budget))
+    _same(got, want)
+    (u5, g5), (u6, g6), (u7, _) = rows[5], rows[6], rows[7]
+    assert u6 == u5 + 1 and u7 == u6, rows  # step 6 ran without hooks; step 7 is hooked
+    assert g6 > g5, rows  # ... and recomputed blocks from where it passed the budget
+    block = 4 * 32 * 64 * 4 * 9  # a block's saved bytes at most: x, a(x), relu(a(x)) (4 wide)
+    assert held[6] <= budget * 1.03 + block, held
+
+
+class _DropMlp(_Mlp):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.b(self.drop(torch.relu(self.a(x))))
+
+
+class _DropNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_DropMlp() for _ in range(4))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.float().square().mean()
+
+
+def _eval(model, train):
+    model.train(train)
+
+
+def _frozen(model, train):
+    for p in model.blocks[:3].parameters():
+        p.requires_grad_(train)
+
+
+@pytest.mark.parametrize(
+    "change, budget",
+    [(_eval, 900_000), (_frozen, 600_000), ("autocast", 1_450_000)],
+    ids=["eval-then-train", "frozen-then-not", "autocast-then-not"],
+)
+def test_a_state_the_inputs_do_not_show_hooks_the_forward(store_dir, change, budget):
+    # Six steps in one state (evaluation mode with gradients, three blocks frozen, autocast to
+    # bf16), then three in another, where each block saves more at the same inputs: the first
+    # of them is hooked, and its guard recomputes, rather than run unhooked past the budget.
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(model, i):
+        if change != "autocast":
+            change(model, i >= 6)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=change == "autocast" and i < 6):
+            return model(x)
+
+    want, _ = _nine(_DropNet, step, None)
+    got, rows = _nine(_DropNet, step, adaptive(store_dir, device_budget=budget))
+    _same(got, want)
+    assert rows[5][0] > 0 and rows[5][1] == 0, rows  # the first state settled, without hooks
+    assert rows[6][0] == rows[5][0] and rows[6][1] > 0, rows  # hooked, and guarded
+
+
+class _Cross(nn.Module):
+    """Attends to a context passed in a list: its scores grow with the context's length."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, ctx):
+        c = ctx[0]["memory"]
+        return x + self.o(torch.softmax(self.q(x) @ c.transpose(1, 2) / 8, -1) @ c)
+
+
+class _CrossNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Cross() for _ in range(4))
+
+    def forward(self, x, memory):
+        for b in self.blocks:
+            x = b(x, [{"memory": memory}])
+        return x.square().mean()
+
+
+def test_a_longer_context_in_a_list_hooks_the_forward_at_its_first_block(store_dir):
+    g = torch.Generator().manual_seed(2)
+    x, short, long = (torch.randn(4, n, 64, generator=g) for n in (32, 32, 512))
+
+    def step(model, i):
+        return model(x, long if i >= 6 else short)
+
+    want, _ = _nine(_CrossNet, step, None)
+    got, rows = _nine(_CrossNet, step, adaptive(store_dir, device_budget=600_000))
+    _same(got, want)
+    assert rows[5][0] > 0 and rows[5][1] == rows[4][1], rows
+    assert rows[6][0] == rows[5][0] and rows[6][1] > rows[5][1], rows  # woken at its first block, and guarded

@@ -60,11 +60,14 @@ class Adaptive:
         self.ctl = StepControl(patience=3)
         self.wait0 = 0.0
         self.inputs_last = 0  # the first block's input bytes in the last forward
+        self.inputs_top = 0  # ... the most of those an auto budget was measured after
         self.growth = 1.0  # this forward's first block's inputs over the last one's (a larger batch)
         self.swell = 1.0  # ... and what its blocks may save over the last one's (longer: more than that)
         # The guard's view of the plan: bytes held before each block, and at the peak.
         self.before: list[int] | None = None
         self.switched = 0  # blocks the guard recomputed in this forward
+        # A plan that could settle, on a GPU with a budget: allocated less held() as each block began.
+        self.beside: list[int | None] | None = None
         self.held_peak = 0  # the most held() seen since the last budget
         self.said_budget: int | None = None  # the auto budget last logged, with what it was made of
         self.auto_last: int | None = None  # the auto budget of the last step
@@ -99,6 +102,7 @@ class Adaptive:
         self.counting = False  # the peak counter was reset for this training (a fixed budget)
         self.mark: Counters | None = None  # the allocator's counters as the step began
         self.end: Counters | None = None  # ... as its backward ended (or reached the first block)
+        self.ending = False  # a backward under way will read them as it ends
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
@@ -163,6 +167,10 @@ class Adaptive:
         """Seconds the backward has waited for reads so far (on a GPU, events time the GPU)."""
         return self.off.res.stall if self.device is None else 0.0
 
+    def state(self) -> tuple:
+        """What changes what a forward saves at the same inputs (``Params.state``)."""
+        return self.off._params.state(self.off.cuda_ok)
+
     def _timing(self) -> bool:
         """Events can time blocks: not while traced, nor inside a CUDA graph being captured."""
         capturing = self.device is not None and torch.cuda.is_current_stream_capturing()
@@ -172,13 +180,16 @@ class Adaptive:
         if not self._timing():
             return
         self.profile.block_enter(tag, args)
+        if self.beside is not None and self.meter is not None and (tag - 1) % self.stride == 0:  # for trip()
+            self.beside[tag - 1] = self.meter.counters().allocated - self.held()
         if tag == 1:
             last, self.settled.shapes = self.settled.shapes, shapes(args)
             now = self.profile.inputs[0]
             self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
             more = self.growth > 1.0 and not batch_grew(last, self.settled.shapes)
             self.swell = self.growth ** self.profile.exponent() if more else self.growth
-            if self.gpu is not None and self.growth > GROWTH:
+            # Or past the largest inputs a budget was measured after, by any share (creeping lengths).
+            if self.gpu is not None and (self.growth > GROWTH or now > self.inputs_top > 0):
                 self.grew()
         self.guard(f, tag)
         act = f.acts[tag - 1] if f.acts is not None else None
@@ -194,17 +205,20 @@ class Adaptive:
         """The backward's first unpack of layer ``tag`` (once per layer and backward)."""
         if self._timing():
             self.profile.backward_reached(tag)
-            if tag <= 1 and self.meter is not None:  # the step's peak is behind: read before a loop resets it
-                first = self.end is None  # tags 1 and 0 both come here: one callback a backward
+            if self.meter is None:
+                return
+            if tag <= 1:  # the step's peak is behind: read before a loop resets it
                 self.end = self.meter.counters()
-                if first:
-                    try:  # ... and as the backward ends: the first block's own backward comes after this
-                        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-                    except RuntimeError:  # not inside a backward (a callback is refused there)
-                        pass
+            if not self.ending:  # ... and as the backward ends, whatever it reaches (not frozen blocks)
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+                    self.ending = True
+                except RuntimeError:  # not inside a backward (a callback is refused there)
+                    pass
 
     def _backward_end(self) -> None:
         assert self.meter is not None  # queued only with one
+        self.ending = False
         self.end = self.meter.counters()
 
     def forward_end(self) -> None:
@@ -264,6 +278,34 @@ class Adaptive:
                 i,
             )
 
+    def trip(self, f: Fwd, tag: int) -> None:
+        """Before block ``tag`` - 1 of a forward without hooks (GPU, with a budget): what is
+        allocated past what the last calm hooked forward had beside its activations there is
+        held now. If that and the plan's rest pass the budget (a state no input shows: layers
+        unfrozen, the user's checkpointing off), the rest recomputes and the next is hooked."""
+        beside, budget, plan, acts, i = self.settled.beside, self.off._budget, self.plan, f.acts, tag - 1
+        if f.tripped or beside is None or beside[i] is None or budget is None or plan is None or acts is None:
+            return
+        if self.meter is None or self.before is None or not self._timing():
+            return
+        now = self.meter.counters().allocated - beside[i]
+        coming = max(plan.outcome.forward_peak - self.before[i], 0)
+        if now + coming <= budget + int(SLACK * budget):
+            return
+        f.tripped, self.settled.calm = True, 0
+        switched = [j for j in range(i, len(acts)) if acts[j] is Action.KEEP]
+        for j in switched:
+            acts[j] = Action.RECOMPUTE
+        self.off.c["guard_recomputed"] += len(switched)
+        log.info(
+            "ssdtier: a forward without hooks would pass the device budget (%s held, %s to come, budget %s): "
+            "recomputing from block %d on",
+            format_size(now),
+            format_size(coming),
+            format_size(budget),
+            i,
+        )
+
     def _saving(self, acts: list[Action], i: int) -> float:
         """What blocks 1 to ``i`` - 1 saved in this forward against what the plan has them
         save (block 0's bytes hold what runs before it): attention's T x T scores grow faster
@@ -299,10 +341,14 @@ class Adaptive:
         # The allocator's peak since the last look may be an unhooked forward's or an evaluation's.
         unhooked, self.aside = self.settled.run > 0 or self.aside, False
         inputs = self.profile.inputs[0] if self.profile.inputs else 0  # the last forward's, as yet
+        self.inputs_top = max(self.inputs_top, inputs)
+        alone = self.profile.ended and not self.profile.marks  # no backward since the last forward
         got = self.auto.next(
-            held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked, inputs=inputs
+            held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked, inputs=inputs, alone=alone
         )
         got = self.auto.first() if got is None else got
+        if alone and got is not None and self.off._budget is not None:  # a larger batch's cut (grew) stands too
+            got = min(got, self.off._budget)
         last = self.auto_last  # not a larger batch's cut of it (grew)
         if got is not None and last is not None and last < got <= last * (1 + SAME):
             got = last  # a budget that grew by under 5% (copies queued, samples): the plan stands
@@ -378,14 +424,18 @@ class Adaptive:
             measured = None
         if measured is not None:
             self._adopt(measured[0], measured[1], budget, feedback)
-        self.settled.hooked(self, measured is not None, judged=not alone)
+        self.settled.hooked(self, f.state, measured is not None, judged=not alone)
+        moves = any(a.offloads for a in self.off.actions)
+        self.beside = (
+            [None] * self.off.n_layers if self.meter is not None and budget is not None and not moves else None
+        )
         if self.meter is not None and self.fixed and not self.counting and self._timing():
             # Before the first step: a higher peak from before attach would hide every step's.
             self.meter.reset_peak()
             self.counting = True
             log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
         self.mark = self.meter.counters() if self.meter is not None else None
-        self.end = None
+        self.end, self.ending = None, False  # (a backward that raised never ran its callback)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()

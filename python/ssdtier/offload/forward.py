@@ -65,10 +65,15 @@ class BlockEnter(Hook):
         off = self.off
         f = off._tls.fwd
         if kwargs:  # tensors passed by keyword are inputs too (a recomputation holds them), numbers size them
-            args = (*args, *(v for v in kwargs.values() if isinstance(v, (torch.Tensor, int))))
+            args = (*args, *(v for v in kwargs.values() if isinstance(v, _ARGS)))
+        if any(isinstance(a, _NESTED) for a in args):  # tensors in a list (a cross-attention context)
+            args = _flat(args)
         if f.unhooked:  # a settled plan's forward: autograd keeps what it saves
             # Not past the forward's end (a reentrant checkpoint runs the block again in backward).
-            if self.tag != 1 or not f.pushed or not off.adaptive.settled.woken(args):
+            if not f.pushed:
+                return
+            if self.tag != 1 or not off.adaptive.settled.woken(args):
+                off.adaptive.trip(f, self.tag)
                 return
             off.wake(f)
         f.tag = self.tag
@@ -96,6 +101,23 @@ class BlockExit(BlockEnter):
             f.tag = self.tag + 1
         if off.adaptive is not None and f.pushed and f.pushed[0]:
             off.adaptive.block_exit(self.tag)
+
+
+_NESTED = (list, tuple, dict)
+_ARGS = (torch.Tensor, int, *_NESTED)
+
+
+def _flat(args: tuple | list) -> tuple:
+    """The arguments with lists, tuples and dicts (a model output) opened, to any depth."""
+    out: list = []
+    for a in args:
+        if isinstance(a, dict):
+            out.extend(_flat(tuple(a.values())))
+        elif isinstance(a, (list, tuple)):
+            out.extend(_flat(a))
+        else:
+            out.append(a)
+    return tuple(out)
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
@@ -126,7 +148,9 @@ class Fwd:
         "pushed",
         "scopes",
         "tag",
+        "state",
         "top",
+        "tripped",
         "unhooked",
         "wait0",
     )
@@ -145,6 +169,8 @@ class Fwd:
         self.wait0 = 0.0  # the store's wait seconds when that forward began
         self.unhooked = False  # that forward runs without the hooks (adaptive mode: a settled plan)
         self.top: Any = None  # ... and the saved-tensor hooks on top as it began
+        self.tripped = False  # ... and it held more than planned: the rest of it recomputes
+        self.state: tuple = ()  # adaptive mode: the model's state as that forward began (Params.state)
 
     def recompute(self, tag: int) -> bool:
         acts = self.acts

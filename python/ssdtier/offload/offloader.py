@@ -206,6 +206,7 @@ class Offloader:
         self._fifo = False
         self._begun = 0  # backwards begun, of any forward
         self._params = Params()
+        self._params.refresh(model, 1)  # adaptive mode reads their state as the first forward begins
         # Kept tensors' storages: (device, pointer) -> one item per kept handle holding it
         self._kept_st: dict[StorageKey, list[None]] = {}
         self.entries = Entries()
@@ -387,10 +388,12 @@ class Offloader:
             if self.adaptive is not None:
                 self.adaptive.aside = True
             return
-        if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive):
+        if self.adaptive is not None:  # read here: a model may enter autocast inside its forward
+            f.state = self.adaptive.state()
+        if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive, f.state):
             self.adaptive.unhooked()
             f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
-            f.top = top_hooks()
+            f.top, f.tripped = top_hooks(), False
             f.acts = list(self.actions)  # the plan in force: this thread's first forward may be unhooked
             self.c["forwards_unhooked"] += 1
             return
@@ -414,6 +417,7 @@ class Offloader:
 
     def _start(self, f: Fwd, module: nn.Module) -> None:
         """Push the saved-tensor hooks for the forward ``f`` of this thread."""
+        self._params.refresh(module, self._forward + 1)  # before the plan, which reads their state
         if self.adaptive is not None:
             self.adaptive.replan(f)
         else:
@@ -431,7 +435,6 @@ class Offloader:
         f.backward = Backward(self._begun)
         if f.forward % 16 == 0 and "graphs" not in self.once.given:
             self._check_graphs()
-        self._params.refresh(module, f.forward)
         f.tag = f.excluded = 0
         f.autocast = autocasting(self.cuda_ok)
         self._hooks.__enter__()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .cufile import CuFile
     from .entry import Entry
     from .forward import Fwd, PerThread
-    from .registry import Entries, StorageKey
+    from .registry import Entries, Params, StorageKey
     from .stats import Resident
 
 
@@ -116,6 +116,8 @@ class AdaptiveOwner(StatsOwner, LayersOwner, Protocol):
     actions: tuple[Action, ...]
     _budget: int | None
     _gds: CuFile | None
+    _params: Params
+    cuda_ok: bool
 
     def set_actions(self, actions: tuple[Action, ...]) -> None: ...
 

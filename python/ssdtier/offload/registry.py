@@ -77,22 +77,34 @@ class Entries:
 class Params:
     """The storages of the model's parameters and buffers as its forward begins."""
 
-    __slots__ = ("dicts", "ptrs")
+    __slots__ = ("dicts", "mods", "ptrs")
 
     def __init__(self) -> None:
         self.ptrs: set[StorageKey] = set()
         self.dicts: list[dict[str, Any]] = []  # the modules' parameter and buffer dicts
+        self.mods: list[nn.Module] = []  # the modules, as found with them
 
     def refresh(self, model: nn.Module, forward: int) -> None:
         if forward % 64 == 1:
             # Walking the module tree costs about 1 ms per 20 modules: new submodules are
             # found every 64 forwards; the tensors in the dicts are read every forward
             # (`.to()`, `load_state_dict` and the like swap them).
-            self.dicts = [d for m in model.modules() for d in (m._parameters, m._buffers) if d]
+            self.mods = list(model.modules())
+            self.dicts = [d for m in self.mods for d in (m._parameters, m._buffers) if d]
         self.ptrs = storages_of([t for d in self.dicts for t in d.values() if t is not None])
 
     def forget(self) -> None:
-        self.ptrs, self.dicts = set(), []
+        self.ptrs, self.dicts, self.mods = set(), [], []
+
+    def state(self, cuda: bool) -> tuple:
+        """What changes what a forward saves at the same inputs: modules training (dropout
+        saves its masks), parameters that need gradients (layers unfrozen), autocast."""
+        casts = ("cpu", "cuda") if cuda else ("cpu",)
+        return (
+            tuple(m.training for m in self.mods),
+            tuple(t.requires_grad for d in self.dicts for t in d.values() if t is not None),
+            tuple((torch.is_autocast_enabled(c), torch.get_autocast_dtype(c)) for c in casts),
+        )
 
 
 def storages_of(tensors: list[torch.Tensor]) -> set[StorageKey]:

@@ -32,6 +32,7 @@ class Ceiling(NamedTuple):
     saved: tuple[int, ...]
     budget: int | None
     working: int
+    state: tuple = ()  # Params.state(): training, parameters needing gradients, autocast
 
     def holds(self, ad: Adaptive) -> bool:
         """The budget is not less (but for ``ROOM``), nor the working memory learned more."""
@@ -44,7 +45,7 @@ class Ceiling(NamedTuple):
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("calm", "ceiling", "known", "room", "run", "shapes", "varies")
+    __slots__ = ("beside", "calm", "ceiling", "known", "room", "run", "shapes", "state", "varies")
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that moved nothing as planned, within the ceiling
@@ -54,13 +55,17 @@ class Settled:
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
         self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
+        self.beside: list[int | None] | None = None  # ... allocated less held at each block, if calm
+        self.state: tuple = ()  # ... Params.state() as it began
 
-    def hooked(self, ad: Adaptive, measured: bool, judged: bool = True) -> None:
-        """A hooked forward begins, the plan in force checked against the last one's numbers
-        (``measured``: they came in). One no backward followed is not ``judged``: it leaves
-        the count as it was."""
+    def hooked(self, ad: Adaptive, state: tuple, measured: bool, judged: bool = True) -> None:
+        """A hooked forward begins in ``state`` (``Params.state``, as the model was entered),
+        the plan in force checked against the last one's numbers (``measured``: they came in).
+        One no backward followed is not ``judged``: it leaves the count as it was."""
         if judged:
             self.calm = self._judge(ad, measured)
+            self.beside = ad.beside if self.calm else None
+        self.state = state
         self.run = 0
         self.room = ad.auto.left() if ad.gpu is not None else None  # read by budget() just now
 
@@ -75,11 +80,13 @@ class Settled:
         # The blocks' bytes: the head's count storages it shares with what ran before the first
         # block (the batch's targets and inputs), which a forward woken at that block did unhooked.
         saved, now, c = tuple(ad.profile.saved[1 : ad.off.n_layers + 1]), self.shapes, self.ceiling
-        key = (now, tuple(ad.ran or ()))
+        key = (now, tuple(ad.ran or ()), self.state)
         was = self.known.get(key)
         if was is None and len(self.known) < KNOWN:
             self.known[key] = saved
         self.varies = self.varies or (was is not None and was != saved)
+        if c is not None and c.state != self.state:
+            c = None  # a forward in another state (training, layers unfrozen, autocast) saves otherwise
         if c is not None and now == c.inputs and saved == c.saved:  # the plan fits now at these inputs
             self.ceiling = c._replace(budget=ad.off._budget, working=ad.working)
             return self.calm + 1
@@ -89,13 +96,15 @@ class Settled:
                 return self.calm + 1
             self.varies = self.varies or smaller  # smaller inputs saving more: not the shapes' bytes
         # The plan is predicted to fit the budget now from this forward's numbers (as_planned).
-        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.working)
+        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.working, self.state)
         return 1
 
-    def skips(self, ad: Adaptive) -> bool:
-        """Whether the forward about to start runs without hooks: the hooked ones before it,
-        the last included, moved nothing as planned."""
+    def skips(self, ad: Adaptive, state: tuple) -> bool:
+        """Whether the forward about to start in ``state`` runs without hooks: the hooked ones
+        before it, the last included, moved nothing as planned, in that state."""
         if self.calm < CALM or self.run >= MEASURE - 1 or not as_planned(ad):
+            return False
+        if self.ceiling is None or state != self.ceiling.state:
             return False
         if ad.gpu is not None:  # device_budget = "auto": less room than measured, measure again
             if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
