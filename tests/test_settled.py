@@ -651,25 +651,20 @@ def _same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_a_forward_without_hooks_that_holds_more_than_planned_recomputes_the_rest(store_dir, monkeypatch):
-    # The model stops checkpointing itself in step 6, a forward without hooks: on a stand-in
-    # GPU its allocations pass the budget, and the blocks from there on recompute.
+def _watched(monkeypatch, kept, other=(0,)):
+    """Adaptive mode on a stand-in GPU whose allocated memory is what ssdtier holds, what
+    autograd keeps beside it (``kept[0]``), and ``other[0]`` bytes more."""
     from ssdtier.offload.budget import Counters
 
-    budget, base = 500_000, 1 << 30
-    kept = [_Kept()]
+    ad, init = [], Adaptive.__init__
 
-    class Meter:  # allocated: what ssdtier holds, or autograd keeps beside it
-        def allocated(self):
-            return base + ad[0].held() + kept[0].total()
-
+    class Meter:
         def counters(self):
-            return Counters(self.allocated(), self.allocated())
+            now = (1 << 30) + ad[0].held() + kept[0].total() + other[0]
+            return Counters(now, now)
 
         def reset_peak(self):
             pass
-
-    ad, init = [], Adaptive.__init__
 
     def start(self, off):
         init(self, off)
@@ -678,6 +673,12 @@ def test_a_forward_without_hooks_that_holds_more_than_planned_recomputes_the_res
 
     monkeypatch.setattr(Adaptive, "__init__", start)
 
+
+def test_a_forward_without_hooks_that_holds_more_than_planned_recomputes_the_rest(store_dir, monkeypatch):
+    # The model stops checkpointing itself in step 6, a forward without hooks: on a stand-in
+    # GPU its allocations pass the budget, and the blocks from there on recompute.
+    budget, kept = 500_000, [_Kept()]
+    _watched(monkeypatch, kept)
     x, held = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2)), []
 
     def step(model, i):
@@ -697,6 +698,25 @@ def test_a_forward_without_hooks_that_holds_more_than_planned_recomputes_the_res
     assert g6 > g5, rows  # ... and recomputed blocks from where it passed the budget
     block = 4 * 32 * 64 * 4 * 9  # a block's saved bytes at most: x, a(x), relu(a(x)) (4 wide)
     assert held[6] <= budget * 1.03 + block, held
+
+
+def test_memory_allocated_before_a_forward_without_hooks_is_not_its_activations(store_dir, monkeypatch):
+    # Two micro-batches a step, the second begun with 1.5 MB more allocated (what the loop
+    # keeps between them), which the calm hooked forward, a first one, did not have.
+    kept, other = [_Kept()], [0]
+    _watched(monkeypatch, kept, other)
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(model, i):
+        other[0] = 1_500_000 * (i % 2)
+        kept[0] = _Kept()
+        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
+            return model(x)
+
+    want, _ = _nine(_OwnCheckpointing, step, None)
+    got, rows = _nine(_OwnCheckpointing, step, adaptive(store_dir, device_budget=1_000_000))
+    _same(got, want)
+    assert rows[-1][0] >= 4 and rows[-1][1] == rows[2][1], rows  # unhooked, and never tripped
 
 
 class _DropMlp(_Mlp):

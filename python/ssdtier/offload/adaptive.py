@@ -66,8 +66,10 @@ class Adaptive:
         # The guard's view of the plan: bytes held before each block, and at the peak.
         self.before: list[int] | None = None
         self.switched = 0  # blocks the guard recomputed in this forward
-        # A plan that could settle, on a GPU with a budget: allocated less held() as each block began.
+        # A plan that could settle, on a GPU with a budget: allocated less held() as each block
+        # began, less that as the forward began (gradients, an earlier forward's activations).
         self.beside: list[int | None] | None = None
+        self.beside0 = 0
         self.held_peak = 0  # the most held() seen since the last budget
         self.said_budget: int | None = None  # the auto budget last logged, with what it was made of
         self.auto_last: int | None = None  # the auto budget of the last step
@@ -181,7 +183,7 @@ class Adaptive:
             return
         self.profile.block_enter(tag, args)
         if self.beside is not None and self.meter is not None and (tag - 1) % self.stride == 0:  # for trip()
-            self.beside[tag - 1] = self.meter.counters().allocated - self.held()
+            self.beside[tag - 1] = self.meter.counters().allocated - self.held() - self.beside0
         if tag == 1:
             last, self.settled.shapes = self.settled.shapes, shapes(args)
             now = self.profile.inputs[0]
@@ -279,20 +281,20 @@ class Adaptive:
             )
 
     def trip(self, f: Fwd, tag: int) -> None:
-        """Before block ``tag`` - 1 of a forward without hooks (GPU, with a budget): what is
-        allocated past what the last calm hooked forward had beside its activations there is
-        held now. If that and the plan's rest pass the budget (a state no input shows: layers
-        unfrozen, the user's checkpointing off), the rest recomputes and the next is hooked."""
+        """Before block ``tag`` - 1 of a forward without hooks (GPU, with a budget): what was
+        allocated since it began, past what the last calm hooked forward allocated beside its
+        activations by then, it holds. If that and the plan's rest pass the budget (a state no
+        input shows: the user's checkpointing off), the rest recomputes and the next is hooked."""
         beside, budget, plan, acts, i = self.settled.beside, self.off._budget, self.plan, f.acts, tag - 1
-        if f.tripped or beside is None or beside[i] is None or budget is None or plan is None or acts is None:
+        if f.base is None or beside is None or beside[i] is None or budget is None or plan is None or acts is None:
             return
         if self.meter is None or self.before is None or not self._timing():
             return
-        now = self.meter.counters().allocated - beside[i]
+        now = self.meter.counters().allocated - f.base - beside[i]
         coming = max(plan.outcome.forward_peak - self.before[i], 0)
         if now + coming <= budget + int(SLACK * budget):
             return
-        f.tripped, self.settled.calm = True, 0
+        f.base, self.settled.calm = None, 0
         switched = [j for j in range(i, len(acts)) if acts[j] is Action.KEEP]
         for j in switched:
             acts[j] = Action.RECOMPUTE
@@ -435,6 +437,7 @@ class Adaptive:
             self.counting = True
             log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
         self.mark = self.meter.counters() if self.meter is not None else None
+        self.beside0 = self.mark.allocated - self.held() if self.mark is not None else 0
         self.end, self.ending = None, False  # (a backward that raised never ran its callback)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
@@ -446,11 +449,15 @@ class Adaptive:
         f.off_tag = list(self.off._off_tag)
         self.replan_s += time.perf_counter() - t0
 
-    def unhooked(self) -> None:
+    def unhooked(self) -> int | None:
         """A forward runs without hooks before the last hooked one's backward (several
-        forwards, one backward): that step's peak holds activations no model counted."""
+        forwards, one backward): that step's peak holds activations no model counted. What is
+        allocated as it begins, for ``trip``."""
         if self.end is None:
             self.mark = None
+        if self.settled.beside is None or self.meter is None or not self._timing():
+            return None
+        return self.meter.counters().allocated
 
     def _learn(self, blocks: list, head: Head, start: Counters | None, end: Counters | None) -> None:
         """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began

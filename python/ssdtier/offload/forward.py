@@ -141,6 +141,7 @@ class Fwd:
         "acts",
         "autocast",
         "backward",
+        "base",
         "excluded",
         "forward",
         "off",
@@ -150,7 +151,6 @@ class Fwd:
         "tag",
         "state",
         "top",
-        "tripped",
         "unhooked",
         "wait0",
     )
@@ -169,7 +169,7 @@ class Fwd:
         self.wait0 = 0.0  # the store's wait seconds when that forward began
         self.unhooked = False  # that forward runs without the hooks (adaptive mode: a settled plan)
         self.top: Any = None  # ... and the saved-tensor hooks on top as it began
-        self.tripped = False  # ... and it held more than planned: the rest of it recomputes
+        self.base: int | None = None  # ... GPU memory allocated as it began (None: not watched, or tripped)
         self.state: tuple = ()  # adaptive mode: the model's state as that forward began (Params.state)
 
     def recompute(self, tag: int) -> bool:

@@ -391,9 +391,9 @@ class Offloader:
         if self.adaptive is not None:  # read here: a model may enter autocast inside its forward
             f.state = self.adaptive.state()
         if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive, f.state):
-            self.adaptive.unhooked()
+            f.base = self.adaptive.unhooked()
             f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
-            f.top, f.tripped = top_hooks(), False
+            f.top = top_hooks()
             f.acts = list(self.actions)  # the plan in force: this thread's first forward may be unhooked
             self.c["forwards_unhooked"] += 1
             return
