@@ -719,6 +719,26 @@ def test_memory_allocated_before_a_forward_without_hooks_is_not_its_activations(
     assert rows[-1][0] >= 4 and rows[-1][1] == rows[2][1], rows  # unhooked, and never tripped
 
 
+def test_a_forward_begun_with_more_allocated_is_hooked_under_a_fixed_budget(store_dir, monkeypatch):
+    # One forward a backward, then three: the second and third begin with the earlier ones'
+    # activations allocated, which no hooked forward counted. They are hooked (an auto budget
+    # does the same from the GPU's room).
+    kept = [_Kept()]
+    _watched(monkeypatch, kept)
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2))
+
+    def step(model, i):
+        model.ckpt = False
+        kept[0] = _Kept()
+        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
+            return sum(model(x) for _ in range(3 if i >= 6 else 1))
+
+    want, _ = _nine(_OwnCheckpointing, step, None)
+    got, rows = _nine(_OwnCheckpointing, step, adaptive(store_dir, device_budget=2_000_000))
+    _same(got, want)
+    assert rows[5][0] > 0 and rows[6][0] == rows[5][0] + 1, rows  # the first of the three only
+
+
 class _DropMlp(_Mlp):
     def __init__(self) -> None:
         super().__init__()

@@ -438,6 +438,7 @@ class Adaptive:
             log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
         self.mark = self.meter.counters() if self.meter is not None else None
         self.beside0 = self.mark.allocated - self.held() if self.mark is not None else 0
+        self.settled.began = self.mark.allocated if self.mark is not None else None
         self.end, self.ending = None, False  # (a backward that raised never ran its callback)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]

@@ -45,7 +45,7 @@ class Ceiling(NamedTuple):
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("beside", "calm", "ceiling", "known", "room", "run", "shapes", "state", "varies")
+    __slots__ = ("began", "beside", "calm", "ceiling", "known", "room", "run", "shapes", "state", "varies")
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that moved nothing as planned, within the ceiling
@@ -54,6 +54,7 @@ class Settled:
         self.varies = False  # ... not alike at the same ones: only the ceiling's own inputs go unhooked
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
+        self.began: int | None = None  # ... allocated then (a fixed budget)
         self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
         self.beside: list[int | None] | None = None  # ... allocated less held at each block, if calm
         self.state: tuple = ()  # ... Params.state() as it began
@@ -114,6 +115,11 @@ class Settled:
             if self.room is None or m.free + m.reserved - m.allocated < self.room - ROOM * budget:
                 return False
             if m.retries > (ad.auto.retries or 0):  # the GPU ran full (its cache emptied: room as before)
+                return False
+        elif ad.meter is not None and ad.off._budget is not None:  # a fixed one on a GPU: more allocated
+            if self.began is None or not ad._timing():  # (an earlier forward's activations, held still)
+                return False
+            if ad.meter.counters().allocated > self.began + ROOM * ad.off._budget:
                 return False
         self.run += 1
         return True
