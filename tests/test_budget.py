@@ -374,10 +374,10 @@ def test_a_cut_after_a_retry_stands_at_the_cycles_later_forwards():
     assert ab.next(4 * G, 0, Memory(100 * G, 140 * G, 30 * G, 30 * G, 0, 21 * G, 30 * G)) == 97 * G  # 123 - 21 - 5
     cut = ab.next(50 * G, 0, Memory(100 * G, 140 * G, 30 * G, 30 * G, 1, 21 * G, 30 * G))
     assert cut == 45 * G  # the GPU ran full: 0.9 of what the step held
-    # The cycle's second forward, no retry since: the cut holds, and left() is room now.
+    # The cycle's second forward, no retry since: the cut holds, and usable() is memory now.
     alone = Memory(60 * G, 140 * G, 70 * G, 70 * G, 1, 61 * G, 70 * G)
     assert ab.next(40 * G, 0, alone, alone=True) == cut
-    assert ab.left() == 60 * G + 70 * G - 61 * G
+    assert ab.usable() == 60 * G + 70 * G
 
 
 def test_a_reserve_that_did_not_grow_is_no_overhead_without_the_backwards_counters():

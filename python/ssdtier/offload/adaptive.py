@@ -68,8 +68,9 @@ class Adaptive:
         self.switched = 0  # blocks the guard recomputed in this forward
         # A plan that could settle, on a GPU with a budget: allocated less held() as each block
         # began, less that as the forward began (gradients, an earlier forward's activations).
-        self.beside: list[int | None] | None = None
-        self.beside0 = 0
+        # And held() then, since the forward began: what a forward without hooks is held to.
+        self.beside: list[tuple[int, int] | None] | None = None
+        self.beside0 = (0, 0)
         self.held_peak = 0  # the most held() seen since the last budget
         self.said_budget: int | None = None  # the auto budget last logged, with what it was made of
         self.auto_last: int | None = None  # the auto budget of the last step
@@ -183,7 +184,8 @@ class Adaptive:
             return
         self.profile.block_enter(tag, args)
         if self.beside is not None and self.meter is not None and (tag - 1) % self.stride == 0:  # for trip()
-            self.beside[tag - 1] = self.meter.counters().allocated - self.held() - self.beside0
+            held, (aside, held0) = self.held(), self.beside0
+            self.beside[tag - 1] = (self.meter.counters().allocated - held - aside, held - held0)
         if tag == 1:
             last, self.settled.shapes = self.settled.shapes, shapes(args)
             now = self.profile.inputs[0]
@@ -222,6 +224,7 @@ class Adaptive:
         assert self.meter is not None  # queued only with one
         self.ending = False
         self.end = self.meter.counters()
+        self.settled.began = self.end.allocated
 
     def forward_end(self) -> None:
         if self._timing():
@@ -290,8 +293,12 @@ class Adaptive:
             return
         if self.meter is None or self.before is None or not self._timing():
             return
-        now = self.meter.counters().allocated - f.base - beside[i]
-        coming = max(plan.outcome.forward_peak - self.before[i], 0)
+        aside, held = beside[i]
+        now, out = self.meter.counters().allocated - f.base - aside, plan.outcome
+        growth = now / held if held > SLACK * budget else 1.0  # saving more so far: the rest will too
+        coming = max(growth, 1.0) * max(out.forward_peak - self.before[i], 0)
+        if growth > 1.0:  # the backward's peak grows too
+            now = max(now, int(growth * out.peak - coming))
         if now + coming <= budget + int(SLACK * budget):
             return
         f.base, self.settled.calm = None, 0
@@ -303,7 +310,7 @@ class Adaptive:
             "ssdtier: a forward without hooks would pass the device budget (%s held, %s to come, budget %s): "
             "recomputing from block %d on",
             format_size(now),
-            format_size(coming),
+            format_size(int(coming)),
             format_size(budget),
             i,
         )
@@ -437,8 +444,8 @@ class Adaptive:
             self.counting = True
             log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
         self.mark = self.meter.counters() if self.meter is not None else None
-        self.beside0 = self.mark.allocated - self.held() if self.mark is not None else 0
-        self.settled.began = self.mark.allocated if self.mark is not None else None
+        held = self.held()
+        self.beside0 = (self.mark.allocated - held if self.mark is not None else 0, held)
         self.end, self.ending = None, False  # (a backward that raised never ran its callback)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]

@@ -102,7 +102,6 @@ class AutoBudget:
         self.room: int | None = None  # at the last look: the memory for activations and the rest
         # At the last look not ``alone``: allocated before the step (an optimizer's state appears after the first).
         self.base = 0
-        self.allocated = 0  # at the last look
         self.parts = (0, 0, 0, 0)  # at the last look: free, cached, margin, queued
         self.cycle: int | None = None  # the budget that look gave: ``alone`` ones give no more
         self.pending_unhooked = False  # passed at ``alone`` looks since that one, for the next
@@ -182,7 +181,6 @@ class AutoBudget:
         if self.quiet >= self.QUIET:
             self.extra, self.cut = 0, None
         self.room, self.base = mem.free + mem.reserved - margin - self.extra - queued, mem.allocated
-        self.allocated = mem.allocated
         self.parts = (mem.free, mem.reserved, margin + self.extra, queued)
         if self.made is None or first:
             self.cycle = None
@@ -205,7 +203,7 @@ class AutoBudget:
         self.pending_queued = max(self.pending_queued, queued)
         margin, queued = self.parts[2], max(self.parts[3], queued)
         self.room = mem.free + mem.reserved - margin - queued
-        self.parts, self.allocated = (mem.free, mem.reserved, margin, queued), mem.allocated
+        self.parts = (mem.free, mem.reserved, margin, queued)
         if self.made is None:
             return None
         budget = max(0, self.room - self.base - max(self.made, 0))
@@ -215,9 +213,9 @@ class AutoBudget:
             budget = min(budget, held)  # (the cut and its margin come at the cycle's end)
         return budget
 
-    def left(self) -> int:
-        """At the last look: memory free or cached, less what was allocated."""
-        return self.parts[0] + self.parts[1] - self.allocated
+    def usable(self) -> int:
+        """At the last look: memory free or cached."""
+        return self.parts[0] + self.parts[1]
 
     def explain(self) -> str:
         """What the last budget was made of, for the log."""

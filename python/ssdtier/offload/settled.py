@@ -53,10 +53,10 @@ class Settled:
         self.known: dict[tuple, tuple[int, ...]] = {}  # bytes hooked forwards saved, by (inputs, actions)
         self.varies = False  # ... not alike at the same ones: only the ceiling's own inputs go unhooked
         self.run = 0  # forwards run without hooks since the last hooked one
-        self.room: int | None = None  # GPU memory free or cached, less allocated, as that one began
-        self.began: int | None = None  # ... allocated then (a fixed budget)
+        self.room: int | None = None  # GPU memory free or cached as that one began ("auto")
+        self.began: int | None = None  # ... allocated as the last hooked backward ended (a GPU)
         self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
-        self.beside: list[int | None] | None = None  # ... allocated less held at each block, if calm
+        self.beside: list[tuple[int, int] | None] | None = None  # ... Adaptive.beside, if calm
         self.state: tuple = ()  # ... Params.state() as it began
 
     def hooked(self, ad: Adaptive, state: tuple, measured: bool, judged: bool = True) -> None:
@@ -68,7 +68,7 @@ class Settled:
             self.beside = ad.beside if self.calm else None
         self.state = state
         self.run = 0
-        self.room = ad.auto.left() if ad.gpu is not None else None  # read by budget() just now
+        self.room = ad.auto.usable() if ad.gpu is not None else None  # read by budget() just now
 
     def _judge(self, ad: Adaptive, measured: bool) -> int:
         """The calm count after the last hooked forward. One as planned at the ceiling's inputs
@@ -107,19 +107,21 @@ class Settled:
             return False
         if self.ceiling is None or state != self.ceiling.state:
             return False
-        if ad.gpu is not None:  # device_budget = "auto": less room than measured, measure again
+        budget = ad.off._budget or 0
+        if ad.gpu is not None or (ad.meter is not None and budget):  # on a GPU with a budget
             if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
                 return False
-            m = ad.gpu.memory()
-            budget = ad.off._budget or 0
-            if self.room is None or m.free + m.reserved - m.allocated < self.room - ROOM * budget:
-                return False
-            if m.retries > (ad.auto.retries or 0):  # the GPU ran full (its cache emptied: room as before)
-                return False
-        elif ad.meter is not None and ad.off._budget is not None:  # a fixed one on a GPU: more allocated
-            if self.began is None or not ad._timing():  # (an earlier forward's activations, held still)
-                return False
-            if ad.meter.counters().allocated > self.began + ROOM * ad.off._budget:
+            if ad.gpu is not None:  # "auto": less memory than measured (another process), a retry
+                m = ad.gpu.memory()
+                if self.room is None or m.free + m.reserved < self.room - ROOM * budget:
+                    return False
+                if m.retries > (ad.auto.retries or 0):  # the GPU ran full (its cache emptied: room as before)
+                    return False
+                allocated = m.allocated
+            else:
+                allocated = ad.meter.counters().allocated
+            # More allocated than as the last hooked backward ended: earlier forwards' activations.
+            if ad.meter is not None and (self.began is None or allocated > self.began + ROOM * budget):
                 return False
         self.run += 1
         return True
