@@ -630,6 +630,17 @@ class _Kept:
         return sum(n for alive, n in self.storages.values() if alive() is not None)
 
 
+def _counted(kept, run, held=None):
+    """``run()``'s loss, what autograd keeps of it counted in a new ``kept[0]`` (its total
+    after the forward appended to ``held``)."""
+    kept[0] = _Kept()
+    with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
+        loss = run()
+    if held is not None:
+        held.append(kept[0].total())
+    return loss
+
+
 def _nine(make, step, ssd):
     """Nine steps of ``make()``'s model (seed 0), ``step(model, i)`` giving each one's loss:
     the gradients, and after each step (forwards without hooks, blocks the guard recomputed)."""
@@ -685,11 +696,7 @@ def test_a_forward_without_hooks_that_holds_more_than_planned_recomputes_the_res
 
     def step(model, i):
         model.ckpt = i < 6
-        kept[0] = _Kept()
-        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
-            loss = model(x)
-        held.append(kept[0].total())
-        return loss
+        return _counted(kept, lambda: model(x), held)
 
     want, _ = _nine(_OwnCheckpointing, step, None)
     held.clear()
@@ -726,11 +733,7 @@ def test_a_forward_without_hooks_saving_more_per_block_recomputes_from_its_first
     def step(model, i):
         for b in model.blocks:
             b.gate = i >= 6
-        kept[0] = _Kept()
-        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
-            loss = model(x)
-        held.append(kept[0].total())
-        return loss
+        return _counted(kept, lambda: model(x), held)
 
     want, _ = _nine(_GatedNet, step, None)
     held.clear()
@@ -749,9 +752,7 @@ def test_memory_allocated_before_a_forward_without_hooks_is_not_its_activations(
 
     def step(model, i):
         other[0] = 1_500_000 * (i % 2)
-        kept[0] = _Kept()
-        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
-            return model(x)
+        return _counted(kept, lambda: model(x))
 
     want, _ = _nine(_OwnCheckpointing, step, None)
     got, rows = _nine(_OwnCheckpointing, step, adaptive(store_dir, device_budget=1_000_000))
@@ -769,9 +770,7 @@ def test_a_forward_begun_with_more_allocated_is_hooked_under_a_fixed_budget(stor
 
     def step(model, i):
         model.ckpt = False
-        kept[0] = _Kept()
-        with torch.autograd.graph.saved_tensors_hooks(kept[0].pack, lambda t: t):
-            return sum(model(x) for _ in range(3 if i >= 6 else 1))
+        return _counted(kept, lambda: sum(model(x) for _ in range(3 if i >= 6 else 1)))
 
     want, _ = _nine(_OwnCheckpointing, step, None)
     got, rows = _nine(_OwnCheckpointing, step, adaptive(store_dir, device_budget=2_000_000))
