@@ -1735,3 +1735,15 @@ def test_autocast_weight_casts_are_not_offloaded(store_dir):
     assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
     assert offloaded, "the activations went to the store"
     assert width * width * 2 not in offloaded, "a bf16 weight cast was offloaded"
+
+
+def test_a_model_with_lazy_modules_attaches_before_its_first_forward(store_dir):
+    # Attached first, initialised by a forward under no_grad: a lazy parameter has no storage yet.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 16)
+    with ssdtier.attach(model, offload_config(store_dir, mode="adaptive")):
+        with torch.no_grad():
+            model(x)
+        model(x).sum().backward()
+    assert model[0].weight.grad is not None

@@ -664,9 +664,10 @@ def _same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _watched(monkeypatch, kept, other=(0,)):
+def _watched(monkeypatch, kept, other=(0,), grads=False):
     """Adaptive mode on a stand-in GPU whose allocated memory is what ssdtier holds, what
-    autograd keeps beside it (``kept[0]``), and ``other[0]`` bytes more."""
+    autograd keeps beside it (``kept[0]``), ``other[0]`` bytes more, and the gradients if
+    ``grads``."""
     from ssdtier.offload.budget import Counters
 
     ad, init = [], Adaptive.__init__
@@ -674,6 +675,8 @@ def _watched(monkeypatch, kept, other=(0,)):
     class Meter:
         def counters(self):
             now = (1 << 30) + ad[0].held() + kept[0].total() + other[0]
+            if grads:
+                now += sum(p.grad.nbytes for p in ad[0].off.model.parameters() if p.grad is not None)
             return Counters(now, now)
 
         def reset_peak(self):
@@ -760,16 +763,19 @@ def test_memory_allocated_before_a_forward_without_hooks_is_not_its_activations(
     assert rows[-1][0] >= 4 and rows[-1][1] == rows[2][1], rows  # unhooked, and never tripped
 
 
-def test_a_forward_begun_with_more_allocated_is_hooked_under_a_fixed_budget(store_dir, monkeypatch):
+@pytest.mark.parametrize("to_none", [True, False], ids=["grads-freed", "grads-zeroed"])
+def test_a_forward_begun_with_more_allocated_is_hooked(store_dir, monkeypatch, to_none):
     # One forward a backward, then three: the second and third begin with the earlier ones'
-    # activations allocated, which no hooked forward counted. They are hooked (an auto budget
-    # does the same from the GPU's room).
+    # activations allocated, which no hooked forward counted. They are hooked. The gradients
+    # (0.5 MB, 3x a forward's activations), allocated as the backward ended and freed
+    # or zeroed before the next step, are not counted either way.
     kept = [_Kept()]
-    _watched(monkeypatch, kept)
-    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2))
+    _watched(monkeypatch, kept, grads=True)
+    x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(2))
 
     def step(model, i):
         model.ckpt = False
+        model.zero_grad(set_to_none=to_none)
         return _counted(kept, lambda: sum(model(x) for _ in range(3 if i >= 6 else 1)))
 
     want, _ = _nine(_OwnCheckpointing, step, None)

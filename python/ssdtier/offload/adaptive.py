@@ -170,6 +170,9 @@ class Adaptive:
         """Seconds the backward has waited for reads so far (on a GPU, events time the GPU)."""
         return self.off.res.stall if self.device is None else 0.0
 
+    def grads(self) -> int:
+        return self.off._params.grads()
+
     def state(self) -> tuple:
         """What changes what a forward saves at the same inputs (``Params.state``)."""
         return self.off._params.state(self.off.cuda_ok)
@@ -224,7 +227,7 @@ class Adaptive:
         assert self.meter is not None  # queued only with one
         self.ending = False
         self.end = self.meter.counters()
-        self.settled.began = self.end.allocated
+        self.settled.began = self.end.allocated - self.grads()
 
     def forward_end(self) -> None:
         if self._timing():

@@ -96,6 +96,17 @@ class Params:
     def forget(self) -> None:
         self.ptrs, self.dicts, self.mods = set(), [], []
 
+    def grads(self) -> int:
+        """Bytes of the parameters' gradients, each storage once (a DDP bucket: once)."""
+        seen = {}
+        for d in self.dicts:
+            for t in d.values():
+                g = t.grad if t is not None else None
+                if g is not None:
+                    st = g.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
     def state(self, cuda: bool) -> tuple:
         """What changes what a forward saves at the same inputs: modules training (dropout
         saves its masks), parameters that need gradients (layers unfrozen), autocast."""
@@ -112,7 +123,7 @@ def storages_of(tensors: list[torch.Tensor]) -> set[StorageKey]:
     for p in tensors:
         try:
             ptrs.add((p.device, p.untyped_storage().data_ptr()))
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: a lazy module's)
             # No storage of its own (a sharded DTensor between FSDP's gathers, a meta
             # tensor): what it becomes in the forward is a Parameter, recognised in _pack.
             pass

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 CALM = 2  # hooked forwards in a row that ran a plan moving nothing as planned, before any goes unhooked
 MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
-ROOM = 0.03  # of the budget: GPU room this much below the last hooked forward's start hooks the next
+ROOM = 0.03  # of the budget: this much less GPU room, or more allocated, than measured hooks the next
 KNOWN = 64  # (inputs, actions) whose saved bytes are remembered, to find a model whose bytes follow its data
 
 
@@ -54,7 +54,7 @@ class Settled:
         self.varies = False  # ... not alike at the same ones: only the ceiling's own inputs go unhooked
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached as that one began ("auto")
-        self.began: int | None = None  # ... allocated as the last hooked backward ended (a GPU)
+        self.began: int | None = None  # ... allocated, gradients aside, as the last hooked backward ended
         self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
         self.beside: list[tuple[int, int] | None] | None = None  # ... Adaptive.beside, if calm
         self.state: tuple = ()  # ... Params.state() as it began
@@ -121,7 +121,8 @@ class Settled:
             else:
                 allocated = ad.meter.counters().allocated
             # More allocated than as the last hooked backward ended: earlier forwards' activations.
-            if ad.meter is not None and (self.began is None or allocated > self.began + ROOM * budget):
+            # Gradients aside: zero_grad frees them between, and would hide as much of those.
+            if ad.meter is not None and (self.began is None or allocated - ad.grads() > self.began + ROOM * budget):
                 return False
         self.run += 1
         return True
