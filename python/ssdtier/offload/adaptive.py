@@ -447,8 +447,9 @@ class Adaptive:
             self.counting = True
             log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
         self.mark = self.meter.counters() if self.meter is not None else None
-        held = self.held()
-        self.beside0 = (self.mark.allocated - held if self.mark is not None else 0, held)
+        if self.beside is not None and self.mark is not None:
+            held = self.held()
+            self.beside0 = (self.mark.allocated - held, held)
         self.end, self.ending = None, False  # (a backward that raised never ran its callback)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
@@ -466,9 +467,7 @@ class Adaptive:
         allocated as it begins, for ``trip``."""
         if self.end is None:
             self.mark = None
-        if self.settled.beside is None or self.meter is None or not self._timing():
-            return None
-        return self.meter.counters().allocated
+        return self.settled.start if self.settled.beside is not None and self.meter is not None else None
 
     def _learn(self, blocks: list, head: Head, start: Counters | None, end: Counters | None) -> None:
         """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began

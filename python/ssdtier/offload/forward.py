@@ -64,15 +64,11 @@ class BlockEnter(Hook):
     def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         off = self.off
         f = off._tls.fwd
-        if kwargs:  # tensors passed by keyword are inputs too (a recomputation holds them), numbers size them
-            args = (*args, *(v for v in kwargs.values() if isinstance(v, _ARGS)))
-        if any(isinstance(a, _NESTED) for a in args):  # tensors in a list (a cross-attention context)
-            args = _flat(args)
         if f.unhooked:  # a settled plan's forward: autograd keeps what it saves
             # Not past the forward's end (a reentrant checkpoint runs the block again in backward).
             if not f.pushed:
                 return
-            if self.tag != 1 or not off.adaptive.settled.woken(args):
+            if self.tag != 1 or not off.adaptive.settled.woken(_inputs(args, kwargs)):
                 off.adaptive.trip(f, self.tag)
                 return
             off.wake(f)
@@ -83,7 +79,7 @@ class BlockEnter(Hook):
         elif off.cpu.writing:
             off.cpu.poll()  # writes done since the last block let their sources go
         if off.adaptive is not None and f.pushed and f.pushed[0]:
-            off.adaptive.block_enter(f, self.tag, args)
+            off.adaptive.block_enter(f, self.tag, _inputs(args, kwargs))
 
 
 class BlockExit(BlockEnter):
@@ -105,6 +101,14 @@ class BlockExit(BlockEnter):
 
 _NESTED = (list, tuple, dict)
 _ARGS = (torch.Tensor, int, *_NESTED)
+
+
+def _inputs(args: tuple, kwargs: Any) -> tuple:
+    """A block's arguments, those passed by keyword too (a recomputation holds their tensors;
+    numbers size them), with tensors in a list (a cross-attention context) opened."""
+    if kwargs:
+        args = (*args, *(v for v in kwargs.values() if isinstance(v, _ARGS)))
+    return _flat(args) if any(isinstance(a, _NESTED) for a in args) else args
 
 
 def _flat(args: tuple | list) -> tuple:

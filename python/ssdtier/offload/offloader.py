@@ -388,10 +388,11 @@ class Offloader:
             if self.adaptive is not None:
                 self.adaptive.aside = True
             return
-        if self.adaptive is not None:  # read here: a model may enter autocast inside its forward
-            f.state = self.adaptive.state()
-        if self.adaptive is not None and self.adaptive.settled.skips(self.adaptive, f.state):
-            f.base = self.adaptive.unhooked()
+        ad = self.adaptive
+        if ad is not None:
+            f.state = ad.state()  # read here: a model may enter autocast inside its forward
+        if ad is not None and ad.settled.skips(ad, f.state):
+            f.base = ad.unhooked()
             f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
             f.top = top_hooks()
             f.acts = list(self.actions)  # the plan in force: this thread's first forward may be unhooked

@@ -45,7 +45,7 @@ class Ceiling(NamedTuple):
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("began", "beside", "calm", "ceiling", "known", "room", "run", "shapes", "state", "varies")
+    __slots__ = ("began", "beside", "calm", "ceiling", "known", "room", "run", "shapes", "start", "state", "varies")
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that moved nothing as planned, within the ceiling
@@ -55,6 +55,7 @@ class Settled:
         self.run = 0  # forwards run without hooks since the last hooked one
         self.room: int | None = None  # GPU memory free or cached as that one began ("auto")
         self.began: int | None = None  # ... allocated, gradients aside, as the last hooked backward ended
+        self.start: int | None = None  # allocated as the forward skips() let go unhooked began (a GPU)
         self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
         self.beside: list[tuple[int, int] | None] | None = None  # ... Adaptive.beside, if calm
         self.state: tuple = ()  # ... Params.state() as it began
@@ -107,7 +108,7 @@ class Settled:
             return False
         if self.ceiling is None or state != self.ceiling.state:
             return False
-        budget = ad.off._budget or 0
+        budget, self.start = ad.off._budget or 0, None
         if ad.gpu is not None or (ad.meter is not None and budget):  # on a GPU with a budget
             if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
                 return False
@@ -124,6 +125,7 @@ class Settled:
             # Gradients aside: zero_grad frees them between, and would hide as much of those.
             if ad.meter is not None and (self.began is None or allocated - ad.grads() > self.began + ROOM * budget):
                 return False
+            self.start = allocated
         self.run += 1
         return True
 
