@@ -1044,7 +1044,7 @@ def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, m
     if unhooked:  # a settled plan's forwards, from the second on
         seen = []
         monkeypatch.setattr(Settled, "skips", lambda self, ad, state: bool(seen.append(1)) or len(seen) > 1)
-        monkeypatch.setattr(Settled, "woken", lambda self, args: False)  # no plan, so no ceiling
+        monkeypatch.setattr(Settled, "woken", lambda self, args, stack=0: False)  # no plan, so no ceiling
     want_state, want_grads, _ = _norm_steps()
     state, grads, ran = _norm_steps(adaptive(store_dir, min_tensor_bytes=1024))
     assert ran == (3 if unhooked else 0)

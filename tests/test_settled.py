@@ -873,3 +873,44 @@ def test_a_longer_context_in_a_list_hooks_the_forward_at_its_first_block(store_d
     _same(got, want)
     assert rows[5][0] > 0 and rows[5][1] == rows[4][1], rows
     assert rows[6][0] == rows[5][0] and rows[6][1] > rows[5][1], rows  # woken at its first block, and guarded
+
+
+class _EncDec(nn.Module):
+    """An encoder of MLP blocks and a decoder attending to its output: a longer target grows
+    the decoder's scores while the encoder's inputs stay as they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList(_Mlp() for _ in range(3))
+        self.dec = nn.ModuleList(_Cross() for _ in range(3))
+
+    def forward(self, x, y):
+        for b in self.enc:
+            x = b(x)
+        for b in self.dec:
+            y = b(y, [{"memory": x}])
+        return y.square().mean()
+
+
+@pytest.mark.parametrize("budget", [None, 1_000_000])
+def test_a_longer_target_recomputes_the_decoder_of_a_forward_without_hooks(store_dir, budget):
+    # Labels grow in step 7, a forward without hooks: the encoder's inputs show nothing, the
+    # decoder's first block does. With a budget the decoder recomputes (it would save 5x the
+    # plan's); without one it keeps what it saves. The next forward is hooked either way.
+    g = torch.Generator().manual_seed(2)
+    x, short, long = (torch.randn(4, n, 64, generator=g) for n in (16, 16, 256))
+    kept, held = [None], []
+
+    def step(model, i):
+        return _counted(kept, lambda: model(x, long if i >= 6 else short), held)
+
+    want, _ = _nine(_EncDec, step, None)
+    got, rows = _nine(_EncDec, step, adaptive(store_dir, device_budget=budget))
+    _same(got, want)
+    assert rows[5][0] > 0 and rows[5][1] == rows[4][1], rows  # settled: forwards without hooks
+    assert rows[6][0] == rows[5][0] + 1 and rows[7][0] == rows[6][0], rows  # 7 ran without hooks, 8 hooked
+    if budget is None:
+        assert rows[6][1] == rows[5][1], rows
+        return
+    assert rows[6][1] >= rows[5][1] + 3, rows  # the decoder's blocks recomputed
+    assert held[15] < held[6] / 2, (held[6], held[15:])  # the decoder keeps its inputs, not its scores

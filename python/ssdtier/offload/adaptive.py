@@ -182,15 +182,18 @@ class Adaptive:
         capturing = self.device is not None and torch.cuda.is_current_stream_capturing()
         return not torch.compiler.is_compiling() and not capturing
 
-    def block_enter(self, f: Fwd, tag: int, args: tuple) -> None:
+    def block_enter(self, f: Fwd, tag: int, args: tuple, stack: int | None = None) -> None:
+        """Before block ``tag`` - 1, which begins stack ``stack`` (else None), with ``args``."""
         if not self._timing():
             return
         self.profile.block_enter(tag, args)
         if self.beside is not None and self.meter is not None and (tag - 1) % self.stride == 0:  # for trip()
             held, (aside, held0) = self.held(), self.beside0
             self.beside[tag - 1] = (self.meter.counters().allocated - held - aside, held - held0)
+        if stack:  # a decoder's first block: its inputs are part of the forward's too
+            self.settled.rest += (shapes(args),)
         if tag == 1:
-            last, self.settled.shapes = self.settled.shapes, shapes(args)
+            last, self.settled.shapes, self.settled.rest = self.settled.shapes, shapes(args), ()
             now = self.profile.inputs[0]
             self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
             more = self.growth > 1.0 and not batch_grew(last, self.settled.shapes)
@@ -304,11 +307,7 @@ class Adaptive:
             now = max(now, int(growth * out.peak - coming))
         if now + coming <= budget + int(SLACK * budget):
             return
-        f.base, self.settled.calm = None, 0
-        switched = [j for j in range(i, len(acts)) if acts[j] is Action.KEEP]
-        for j in switched:
-            acts[j] = Action.RECOMPUTE
-        self.off.c["guard_recomputed"] += len(switched)
+        self._recompute_rest(f, i)
         log.info(
             "ssdtier: a forward without hooks would pass the device budget (%s held, %s to come, budget %s): "
             "recomputing from block %d on",
@@ -317,6 +316,25 @@ class Adaptive:
             format_size(budget),
             i,
         )
+
+    def beyond(self, f: Fwd, tag: int) -> None:
+        """Block ``tag`` - 1 of a forward without hooks begins a later stack (a decoder) with
+        inputs past the ceiling's (longer labels): with a budget the rest recomputes, the
+        least it can hold; the next forward is hooked."""
+        self.settled.calm = 0
+        if self.off._budget is None or f.acts is None:
+            return
+        self._recompute_rest(f, tag - 1)
+        log.info("ssdtier: a forward without hooks took larger inputs at block %d: recomputing from there on", tag - 1)
+
+    def _recompute_rest(self, f: Fwd, i: int) -> None:
+        """Blocks ``i`` on of a forward without hooks that were to be kept recompute instead."""
+        assert f.acts is not None
+        f.base, self.settled.calm = None, 0
+        switched = [j for j in range(i, len(f.acts)) if f.acts[j] is Action.KEEP]
+        for j in switched:
+            f.acts[j] = Action.RECOMPUTE
+        self.off.c["guard_recomputed"] += len(switched)
 
     def _saving(self, acts: list[Action], i: int) -> float:
         """What blocks 1 to ``i`` - 1 saved in this forward against what the plan has them

@@ -54,12 +54,13 @@ run_eagerly(ModelHook, "__call__")
 
 class BlockEnter(Hook):
     """Tags what the forward saves from here on with the block's layer number. One frame
-    per call (no closure): it runs for every block of every forward."""
+    per call (no closure): it runs for every block of every forward. ``stack``: the index of
+    the stack of blocks this one begins (an encoder's 0, a decoder's 1), else None."""
 
-    __slots__ = ("off", "tag")
+    __slots__ = ("off", "stack", "tag")
 
-    def __init__(self, off: ForwardOwner, tag: int) -> None:
-        self.off, self.tag = off, tag
+    def __init__(self, off: ForwardOwner, tag: int, stack: int | None = None) -> None:
+        self.off, self.tag, self.stack = off, tag, stack
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         off = self.off
@@ -68,10 +69,15 @@ class BlockEnter(Hook):
             # Not past the forward's end (a reentrant checkpoint runs the block again in backward).
             if not f.pushed:
                 return
-            if self.tag != 1 or not off.adaptive.settled.woken(_inputs(args, kwargs)):
-                off.adaptive.trip(f, self.tag)
+            ad = off.adaptive
+            if self.stack is None or not ad.settled.woken(_inputs(args, kwargs), self.stack):
+                ad.trip(f, self.tag)
+            elif self.stack:  # a later stack's inputs pass the ceiling: too late to hook
+                ad.beyond(f, self.tag)
+            else:
+                off.wake(f)
+            if f.unhooked:
                 return
-            off.wake(f)
         f.tag = self.tag
         f.autocast = autocasting(off.cuda_ok)  # a block may run its own autocast region
         if torch.compiler.is_compiling():
@@ -79,7 +85,7 @@ class BlockEnter(Hook):
         elif off.cpu.writing:
             off.cpu.poll()  # writes done since the last block let their sources go
         if off.adaptive is not None and f.pushed and f.pushed[0]:
-            off.adaptive.block_enter(f, self.tag, _inputs(args, kwargs))
+            off.adaptive.block_enter(f, self.tag, _inputs(args, kwargs), self.stack)
 
 
 class BlockExit(BlockEnter):

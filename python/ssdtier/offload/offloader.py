@@ -251,8 +251,11 @@ class Offloader:
                 self._recompute = [Recompute(self, block, i + 1) for i, block in enumerate(blocks)]
                 for r in self._recompute:
                     r.install()
+            starts = itertools.accumulate((len(bs) for _, bs in stacks[:-1]), initial=0)
+            firsts = {start: k for k, start in enumerate(starts)}  # block index: the stack it begins
             for i, block in enumerate(blocks):
-                self._handles.append(block.register_forward_pre_hook(BlockEnter(self, i + 1), with_kwargs=True))
+                enter = BlockEnter(self, i + 1, firsts.get(i))
+                self._handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
                 # A block's exit changes the tag only after the last block; elsewhere it is
                 # needed only for the adaptive plan's timings (each hook costs ~1.5 us a call).
                 if self.adaptive is not None or i + 1 == self.n_layers:

@@ -33,6 +33,7 @@ class Ceiling(NamedTuple):
     budget: int | None
     working: int
     state: tuple = ()  # Params.state(): training, parameters needing gradients, autocast
+    rest: tuple = ()  # the later stacks' first blocks' tensor arguments (a decoder's), per stack
 
     def holds(self, ad: Adaptive) -> bool:
         """The budget is not less (but for ``ROOM``), nor the working memory learned more."""
@@ -45,7 +46,20 @@ class Ceiling(NamedTuple):
 class Settled:
     """Whether the next forward may run without hooks, from the hooked forwards before it."""
 
-    __slots__ = ("began", "beside", "calm", "ceiling", "known", "room", "run", "shapes", "start", "state", "varies")
+    __slots__ = (
+        "began",
+        "beside",
+        "calm",
+        "ceiling",
+        "known",
+        "rest",
+        "room",
+        "run",
+        "shapes",
+        "start",
+        "state",
+        "varies",
+    )
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that moved nothing as planned, within the ceiling
@@ -57,6 +71,7 @@ class Settled:
         self.began: int | None = None  # ... allocated, gradients aside, as the last hooked backward ended
         self.start: int | None = None  # allocated as the forward skips() let go unhooked began (a GPU)
         self.shapes: tuple = ()  # the last hooked forward's first block's tensor arguments
+        self.rest: tuple = ()  # ... and the later stacks' first blocks', per stack
         self.beside: list[tuple[int, int] | None] | None = None  # ... Adaptive.beside, if calm
         self.state: tuple = ()  # ... Params.state() as it began
 
@@ -81,24 +96,25 @@ class Settled:
             return 0
         # The blocks' bytes: the head's count storages it shares with what ran before the first
         # block (the batch's targets and inputs), which a forward woken at that block did unhooked.
-        saved, now, c = tuple(ad.profile.saved[1 : ad.off.n_layers + 1]), self.shapes, self.ceiling
-        key = (now, tuple(ad.ran or ()), self.state)
+        saved, now, rest, c = tuple(ad.profile.saved[1 : ad.off.n_layers + 1]), self.shapes, self.rest, self.ceiling
+        key = (now, rest, tuple(ad.ran or ()), self.state)
         was = self.known.get(key)
         if was is None and len(self.known) < KNOWN:
             self.known[key] = saved
         self.varies = self.varies or (was is not None and was != saved)
         if c is not None and c.state != self.state:
             c = None  # a forward in another state (training, layers unfrozen, autocast) saves otherwise
-        if c is not None and now == c.inputs and saved == c.saved:  # the plan fits now at these inputs
+        if c is not None and (now, rest, saved) == (c.inputs, c.rest, c.saved):  # the plan fits at these inputs
             self.ceiling = c._replace(budget=ad.off._budget, working=ad.working)
             return self.calm + 1
         if c is not None and c.holds(ad):
-            smaller = not self.varies and now != c.inputs and within(now, c.inputs)
+            smaller = not self.varies and (now, rest) != (c.inputs, c.rest) and within(now, c.inputs)
+            smaller = smaller and len(rest) == len(c.rest) and all(map(_within, rest, c.rest))
             if smaller and all(s <= m for s, m in zip(saved, c.saved, strict=True)):
                 return self.calm + 1
             self.varies = self.varies or smaller  # smaller inputs saving more: not the shapes' bytes
         # The plan is predicted to fit the budget now from this forward's numbers (as_planned).
-        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.working, self.state)
+        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.working, self.state, rest)
         return 1
 
     def skips(self, ad: Adaptive, state: tuple) -> bool:
@@ -134,11 +150,14 @@ class Settled:
         too, to compare what it saved (its inputs changed) with the forwards before."""
         self.calm = min(self.calm, CALM - 1)
 
-    def woken(self, args: tuple) -> bool:
-        """At the first block of a forward without hooks: its inputs pass the ceiling (a larger
-        batch, a longer sequence, another dtype), so it is hooked from here."""
-        c, now = self.ceiling, shapes(args)
-        return c is None or (now != c.inputs if self.varies else not within(now, c.inputs))
+    def woken(self, args: tuple, stack: int = 0) -> bool:
+        """At stack ``stack``'s first block of a forward without hooks: its inputs pass the
+        ceiling's there (a larger batch, a longer sequence, another dtype)."""
+        c = self.ceiling
+        if c is None or stack > len(c.rest):
+            return True
+        now, top = shapes(args), c.rest[stack - 1] if stack else c.inputs
+        return now != top if self.varies else not _within(now, top)
 
 
 def shapes(args: tuple) -> tuple:
@@ -173,6 +192,10 @@ def within(now: tuple, ceiling: tuple) -> bool:
     if pairs is None or not all(all(map(operator.le, a[0], b[0])) for a, b in pairs):
         return False
     return now == ceiling or any(a[0] != b[0] for a, b in pairs if _floating(a[1]))
+
+
+def _within(now: tuple, ceiling: tuple) -> bool:
+    return now == ceiling or within(now, ceiling)
 
 
 def _floating(kind: object) -> bool:
