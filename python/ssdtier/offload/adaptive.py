@@ -373,8 +373,9 @@ class Adaptive:
         inputs = self.profile.inputs[0] if self.profile.inputs else 0  # the last forward's, as yet
         self.inputs_top = max(self.inputs_top, inputs)
         alone = self.profile.ended and not self.profile.marks  # no backward since the last forward
+        mem, now = self.gpu.memory(), self.held_peak  # (held now: the next step's highs start from it)
         got = self.auto.next(
-            held, queued, self.gpu.memory(), step_peak=step_peak, end=end, unhooked=unhooked, inputs=inputs, alone=alone
+            held, queued, mem, step_peak=step_peak, end=end, unhooked=unhooked, inputs=inputs, alone=alone, holding=now
         )
         got = self.auto.first() if got is None else got
         if alone and got is not None and self.off._budget is not None:  # a larger batch's cut (grew) stands too
@@ -415,7 +416,7 @@ class Adaptive:
                 where = "the head's backward"
             elif layer < 1:
                 where = "the forward's end" if layer < 0 else "the backward of what runs before the blocks"
-            self.auto.sample(self.gpu.allocated(), held, where)
+            self.auto.sample(self.gpu.allocated(), held, where, ended=layer < 0)
 
     def sample_at(self, layer: int) -> None:
         """As the backward reaches ``layer``: a sample at every few blocks, the first block,

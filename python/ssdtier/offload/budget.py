@@ -89,6 +89,10 @@ class AutoBudget:
         self.peak = -1  # the allocator's peak counter at the last look
         self.made: int | None = None  # the most bytes a step added at once that were not held activations
         self.made_inputs = 0  # ... that step's first block's input bytes (0: not known)
+        self.made_left = 0  # ... what its forwards left allocated beside their activations (logits)
+        self.made_ran = 1  # ... its forwards
+        self.left = 0  # ... in the cycle under way, so far
+        self.ran = 1  # ... its forwards begun so far
         self.sampled: int | None = None  # ... in the step under way, from the samples
         self.where = ""  # the sample that set ``sampled``: its layer, or the forward's end
         self.made_at = ""  # ... that set ``made``: a sample's, or the peak counter
@@ -107,8 +111,11 @@ class AutoBudget:
         self.pending_unhooked = False  # passed at ``alone`` looks since that one, for the next
         self.pending_queued = 0
 
-    def sample(self, allocated: int, held: int, where: str = "") -> None:
+    def sample(self, allocated: int, held: int, where: str = "", ended: bool = False) -> None:
+        """Allocated beside the ``held`` activations at ``where``; ``ended``: a forward's end."""
         other = allocated - held
+        if ended:
+            self.left = max(self.left, other - self.base)
         if self.sampled is None or other > self.sampled:
             self.sampled, self.where = other, where
 
@@ -129,6 +136,7 @@ class AutoBudget:
         inputs: int = 0,
         *,
         alone: bool = False,
+        holding: int | None = None,
     ) -> int | None:
         """The budget for the step about to start, after a step that held at most ``held``
         bytes of activations with at most ``queued`` bytes of copies out queued and, if it set
@@ -137,9 +145,10 @@ class AutoBudget:
         may be theirs (held nothing counted): not read, and what was learned is not lowered.
         ``inputs``: the last step's first block's input bytes. None at the first look, before
         any step was seen. ``alone``: the last hooked forward had no backward yet (one of several
-        before one backward, an evaluation's with gradients): see ``_alone``."""
+        before one backward, an evaluation's with gradients): see ``_alone``. ``holding``: the
+        activations held now, if not ``held``."""
         if alone and self.retries is not None:
-            return self._alone(held, queued, mem, unhooked)
+            return self._alone(held if holding is None else holding, queued, mem, unhooked)
         unhooked, self.pending_unhooked = unhooked or self.pending_unhooked, False
         queued, self.pending_queued = max(queued, self.pending_queued), 0
         first = self.retries is None
@@ -152,7 +161,7 @@ class AutoBudget:
         if not first and step_peak is not None:  # ... where a loop resets the counter before each step
             seen.append((step_peak - held, "the step's peak counter"))
         same_peak = mem.allocated_peak == self.peak
-        self.peak, self.sampled = mem.allocated_peak, None
+        self.peak, self.sampled, left, self.left, ran, self.ran = mem.allocated_peak, None, self.left, 0, self.ran, 1
         if seen:
             most, at = max(seen)
             made = max(0, most) - self.base
@@ -163,7 +172,7 @@ class AutoBudget:
                 made = max(made, min(self.made, top - held - self.base))
             if not unhooked or self.made is None or made > self.made:
                 if made != self.made:  # (kept by the bound: still the step's that made it)
-                    self.made_inputs = inputs
+                    self.made_inputs, self.made_left, self.made_ran = inputs, left, ran
                 self.made, self.made_at = made, at
         margin = max(int(mem.total * MARGIN_SHARE), min(MARGIN_MIN, int(mem.total * MARGIN_CAP)))
         # Past the peak as the step's backward ended, and now unless a loop reset the counters
@@ -197,8 +206,15 @@ class AutoBudget:
 
     def _alone(self, held: int, queued: int, mem: Memory, unhooked: bool) -> int | None:
         """A look after a forward no backward followed: allocated now are its activations, which
-        ``held`` counts too, and the samples and peak go on to the backward. Nothing is learned;
-        the budget is the cycle's from its start (the guard counts what is held against it)."""
+        ``held`` counts too, and the samples and peak go on to the backward. The budget is the
+        cycle's from its start (the guard counts what is held against it), less what the
+        forwards so far left beside their activations (outputs, logits) past what the cycle that
+        measured ``made`` left: more forwards per backward than it ran (one more foreseen)."""
+        done, left = self.ran, mem.allocated - self.base - held  # (not a dropped graph's, as samples are)
+        self.left = max(self.left, left)
+        coming = done + 2 if done >= self.made_ran else max(self.made_ran, done + 1)  # forwards in the cycle
+        left = left * coming // done
+        self.ran += 1
         self.pending_unhooked = self.pending_unhooked or unhooked
         self.pending_queued = max(self.pending_queued, queued)
         margin, queued = self.parts[2], max(self.parts[3], queued)
@@ -206,7 +222,7 @@ class AutoBudget:
         self.parts = (mem.free, mem.reserved, margin, queued)
         if self.made is None:
             return None
-        budget = max(0, self.room - self.base - max(self.made, 0))
+        budget = max(0, self.room - self.base - max(self.made, 0) - max(0, left - self.made_left))
         if self.cycle is not None:  # a retry's cut stands through the cycle
             budget = min(budget, self.cycle)
         if mem.retries > (self.retries or 0):  # the GPU ran full in this forward: no more kept
