@@ -191,9 +191,9 @@ class Adaptive:
             held, (aside, held0) = self.held(), self.beside0
             self.beside[tag - 1] = (self.meter.counters().allocated - held - aside, held - held0)
         if stack:  # a decoder's first block: its inputs are part of the forward's too
-            self.settled.rest += (shapes(args),)
+            self.settled.seen(stack, args)
         if tag == 1:
-            last, self.settled.shapes, self.settled.rest = self.settled.shapes, shapes(args), ()
+            last, self.settled.shapes = self.settled.shapes, shapes(args)
             now = self.profile.inputs[0]
             self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
             more = self.growth > 1.0 and not batch_grew(last, self.settled.shapes)

@@ -82,7 +82,7 @@ class Settled:
         if judged:
             self.calm = self._judge(ad, measured)
             self.beside = ad.beside if self.calm else None
-        self.state = state
+        self.state, self.rest = state, ()
         self.run = 0
         self.room = ad.auto.usable() if ad.gpu is not None else None  # read by budget() just now
 
@@ -109,7 +109,7 @@ class Settled:
             return self.calm + 1
         if c is not None and c.holds(ad):
             smaller = not self.varies and (now, rest) != (c.inputs, c.rest) and within(now, c.inputs)
-            smaller = smaller and len(rest) == len(c.rest) and all(map(_within, rest, c.rest))
+            smaller = smaller and all(_within(r, _part(c.rest, k)) for k, r in enumerate(rest, 1))
             if smaller and all(s <= m for s, m in zip(saved, c.saved, strict=True)):
                 return self.calm + 1
             self.varies = self.varies or smaller  # smaller inputs saving more: not the shapes' bytes
@@ -154,10 +154,19 @@ class Settled:
         """At stack ``stack``'s first block of a forward without hooks: its inputs pass the
         ceiling's there (a larger batch, a longer sequence, another dtype)."""
         c = self.ceiling
-        if c is None or stack > len(c.rest):
+        if c is None:
             return True
-        now, top = shapes(args), c.rest[stack - 1] if stack else c.inputs
+        top = _part(c.rest, stack) if stack else c.inputs
+        if top == ():  # the ceiling's forward did not run that stack
+            return True
+        now = shapes(args)
         return now != top if self.varies else not _within(now, top)
+
+    def seen(self, stack: int, args: tuple) -> None:
+        """A hooked forward enters later stack ``stack``: its first call's arguments are kept."""
+        rest = self.rest + ((),) * (stack - len(self.rest))
+        if rest[stack - 1] == ():
+            self.rest = (*rest[: stack - 1], shapes(args), *rest[stack:])
 
 
 def shapes(args: tuple) -> tuple:
@@ -194,8 +203,14 @@ def within(now: tuple, ceiling: tuple) -> bool:
     return now == ceiling or any(a[0] != b[0] for a, b in pairs if _floating(a[1]))
 
 
+def _part(rest: tuple, stack: int) -> tuple:
+    """Stack ``stack``'s first block's arguments in ``rest``; () if it did not run."""
+    return rest[stack - 1] if stack <= len(rest) else ()
+
+
 def _within(now: tuple, ceiling: tuple) -> bool:
-    return now == ceiling or within(now, ceiling)
+    """As ``within``; a stack not run (``now`` empty) saves nothing."""
+    return now == ceiling or now == () or within(now, ceiling)
 
 
 def _floating(kind: object) -> bool:
