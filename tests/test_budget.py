@@ -412,3 +412,27 @@ def test_more_forwards_per_backward_than_measured_leave_room_for_their_outputs(r
             loop.step(20, 20, 20)
             assert loop.worst <= 139 * G, (first, loop.worst / G)
         assert loop.budgets[-3:] == [loop.budgets[-1]] * 3  # steady: the cycle's budget at each forward
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_an_evaluation_loop_with_gradients_is_not_taken_for_forwards_to_come(reset):
+    # 50 forwards with gradients and no backward, each loss kept until the next: the cycle's
+    # count of forwards, taken as what accumulation will run, had cut the budget to 0.
+    loop = _Loop(reset=reset)
+    for _ in range(4):
+        loop.step(20, 20)
+    before = loop.budgets[-1]
+    last = None
+    for _ in range(50):
+        kept, batch = loop.forward(64)
+        if last is not None:  # the last loss dropped
+            loop.now -= last[0] + logits(last[1])
+            loop.held -= last[0]
+        last = (kept, batch)
+    loop.now -= last[0] + logits(last[1])
+    loop.held -= last[0]
+    for _ in range(3):
+        loop.step(20, 20)
+    assert min(loop.budgets[-4:]) >= before - 8 * G, [b / G for b in loop.budgets[-4:]]
+    # Two losses of batch 64 alive at once, after a budget measured at 20 (143.8 GiB before).
+    assert loop.worst <= 141 * G, loop.worst / G

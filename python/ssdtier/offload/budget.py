@@ -148,7 +148,7 @@ class AutoBudget:
         before one backward, an evaluation's with gradients): see ``_alone``. ``holding``: the
         activations held now, if not ``held``."""
         if alone and self.retries is not None:
-            return self._alone(held if holding is None else holding, queued, mem, unhooked)
+            return self._alone(held, held if holding is None else holding, queued, mem, unhooked)
         unhooked, self.pending_unhooked = unhooked or self.pending_unhooked, False
         queued, self.pending_queued = max(queued, self.pending_queued), 0
         first = self.retries is None
@@ -204,16 +204,16 @@ class AutoBudget:
         self.cycle = budget
         return budget
 
-    def _alone(self, held: int, queued: int, mem: Memory, unhooked: bool) -> int | None:
+    def _alone(self, held: int, holding: int, queued: int, mem: Memory, unhooked: bool) -> int | None:
         """A look after a forward no backward followed: allocated now are its activations, which
-        ``held`` counts too, and the samples and peak go on to the backward. The budget is the
+        ``holding`` counts too, and the samples and peak go on to the backward. The budget is the
         cycle's from its start (the guard counts what is held against it), less what the
-        forwards so far left beside their activations (outputs, logits) past what the cycle that
-        measured ``made`` left: more forwards per backward than it ran (one more foreseen)."""
-        done, left = self.ran, mem.allocated - self.base - held  # (not a dropped graph's, as samples are)
+        forwards so far left beside their activations (outputs, logits) and the one beginning
+        will, past what the cycle that measured ``made`` left; past as many forwards as that
+        one ran, one more foreseen."""
+        done, left = self.ran, mem.allocated - self.base - holding  # (not a dropped graph's, as samples are)
         self.left = max(self.left, left)
-        coming = done + 2 if done >= self.made_ran else max(self.made_ran, done + 1)  # forwards in the cycle
-        left = left * coming // done
+        left += max(left, 0) // done * (2 if done >= self.made_ran else 1)
         self.ran += 1
         self.pending_unhooked = self.pending_unhooked or unhooked
         self.pending_queued = max(self.pending_queued, queued)
