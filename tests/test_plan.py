@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -147,6 +148,16 @@ def test_where_offloading_cannot_hide_the_budget_is_met_by_recomputation():
     assert p.fits and p.outcome.peak <= 450 * MB
     assert p.actions == (OF, R, R, R, K, K, K, K) and p.outcome.extra_s == pytest.approx(0.3)
     assert p.slowdown == pytest.approx(1 + 0.3 / p.step_s)
+
+
+def test_a_block_that_updates_a_cache_is_never_recomputed():
+    # Blocks 1 to 3 were called with a key/value cache: the plan keeps or offloads them, at
+    # any budget, and recomputes the others.
+    blocks = [dataclasses.replace(b, recomputable=b.index not in (1, 2, 3)) for b in uniform()]
+    for budget in (450 * MB, 150 * MB, 1):
+        p = solve(blocks, gpu(0.2e9), device_budget=budget)
+        assert not any(p.actions[i].recomputes for i in (1, 2, 3)), (budget, p.table())
+        assert any(a.recomputes for a in p.actions), p.table()
 
 
 def test_below_checkpointing_the_inputs_leave_too():

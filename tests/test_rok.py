@@ -905,6 +905,7 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
             swell=1.0,
             switched=0,
             _saving=lambda acts, i: 1.0,
+            profile=SimpleNamespace(stateful=[False] * 4),
         )
         Adaptive.guard(me, f, 2)
         assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
@@ -932,7 +933,7 @@ def test_the_guard_scales_by_what_this_forward_saved():
             plan=plan,
             swell=1.0,
             switched=0,
-            profile=SimpleNamespace(saved=[0, saved, saved, saved, 0, 0]),
+            profile=SimpleNamespace(saved=[0, saved, saved, saved, 0, 0], stateful=[False] * 4),
         )
         me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
         Adaptive.guard(me, f, 4)

@@ -947,3 +947,57 @@ def test_stacks_run_out_of_order_or_skipped_settle_without_hooks(store_dir, monk
     got, rows = _nine(_TwoTowers, step, adaptive(store_dir, device_budget=5_000_000))
     _same(got, want)
     assert rows[-1][0] >= 4 and rows[-1][1] == 0, rows  # no stack taken for larger than it is
+
+
+class _Cache:
+    """A stand-in for transformers' key/value cache: each block's call appends to it."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def update(self, layer: int) -> None:
+        self.calls.append(layer)
+
+    def get_seq_length(self) -> int:
+        return len(self.calls)
+
+
+class _CachedMlp(_Mlp):
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cache=None):
+        if cache is not None:
+            cache.update(self.layer)
+        return super().forward(x)
+
+
+class _CachedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_CachedMlp(i) for i in range(4))
+
+    def forward(self, x, cache=None):
+        for b in self.blocks:
+            x = b(x, cache=cache)
+        return x.square().mean()
+
+
+def test_a_block_given_a_cache_runs_once_in_a_forward_without_hooks(store_dir, monkeypatch):
+    # A settled plan recomputes blocks in forwards without hooks; in step 7 a cache is passed,
+    # which each block's call updates: recomputed, they would update it twice.
+    _steady(monkeypatch)
+    x, caches = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2)), []
+
+    def step(model, i):
+        caches.append(_Cache() if i == 6 else None)
+        return model(x, cache=caches[-1])
+
+    want, _ = _nine(_CachedNet, step, None)
+    with pytest.warns(ssdtier.SsdtierWarning, match="use_cache = False"):
+        got, rows = _nine(_CachedNet, step, adaptive(store_dir, device_budget=600_000))
+    _same(got, want)
+    assert caches[6].calls == [0, 1, 2, 3]  # each block once
+    assert rows[5][0] > 0 and rows[6][0] == rows[5][0] + 1, rows  # settled (recomputing), unhooked
+    assert rows[7][0] == rows[6][0], rows  # the next forward is hooked

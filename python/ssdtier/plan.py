@@ -49,6 +49,7 @@ class Block:
     backward_s: float
     recompute_s: float  # its forward again, in backward
     offload_s: float = 0.0  # the hooks' time that the step pays when the block is offloaded
+    recomputable: bool = True  # not when it updates a cache each call (transformers' use_cache)
 
     def held(self, a: Action) -> int:
         """Bytes the block holds on the device from its forward to its backward."""
@@ -438,7 +439,7 @@ def _search(
             plain = simulate(blocks, _assign(n, o, (), False), tr, head, limit)
             if plain.forward_wait_s + plain.backward_wait_s > best[1].extra_s + EPS:
                 break
-        rest = sorted(range(o, n), key=lambda i: (-_frees_per_s(blocks[i]), i))
+        rest = sorted((i for i in range(o, n) if blocks[i].recomputable), key=lambda i: (-_frees_per_s(blocks[i]), i))
         for inputs_out in (False, True):
             lo, hi = 0, len(rest)
             top = simulate(blocks, _assign(n, o, rest, inputs_out), tr, head, limit)
@@ -495,7 +496,7 @@ def solve(
         return _plan(blocks, keep, kept, tr, head, budget, step, True, "everything fits: kept")
     found = _search(blocks, tr, head, lambda o: o.fits_host and o.peak <= budget, None, budget)
     if found is None:
-        acts = [Action.RECOMPUTE_OFFLOAD] * n
+        acts = [Action.RECOMPUTE_OFFLOAD if b.recomputable else Action.OFFLOAD for b in blocks]
         found = (acts, simulate(blocks, acts, tr, head, budget))
     acts, got = _improve(blocks, found[0], found[1], tr, head, budget)
     if got.fits_host and got.peak <= budget:
@@ -538,7 +539,7 @@ def _improve(
 
     def trials(i: int) -> Iterator[tuple[Outcome, Action]]:
         for a in Action:
-            if a is not acts[i]:
+            if a is not acts[i] and (blocks[i].recomputable or not a.recomputes):
                 trial = acts.copy()
                 trial[i] = a
                 yield simulate(blocks, trial, tr, head, budget), a

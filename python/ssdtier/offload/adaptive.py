@@ -255,7 +255,8 @@ class Adaptive:
         budget = self.off._budget
         acts = f.acts
         i = tag - 1
-        if budget is None or acts is None or acts[i] is Action.RECOMPUTE_OFFLOAD:
+        least = Action.OFFLOAD if self.profile.stateful[i] else Action.RECOMPUTE_OFFLOAD  # (a cache: runs whole)
+        if budget is None or acts is None or acts[i] is least:
             return
         now = self.held()
         if self.before is not None and self.plan is not None:
@@ -275,7 +276,7 @@ class Adaptive:
             return
         if now + coming <= budget:
             return
-        acts[i] = Action.RECOMPUTE_OFFLOAD
+        acts[i] = least
         f.off_tag[tag] = True
         self.switched += 1
         self.off.c["guard_recomputed"] += 1
@@ -327,11 +328,31 @@ class Adaptive:
         self._recompute_rest(f, tag - 1)
         log.info("ssdtier: a forward without hooks took larger inputs at block %d: recomputing from there on", tag - 1)
 
+    def stateful(self, f: Fwd, tag: int, block: object, cache: object) -> None:
+        """Block ``tag`` - 1, to be recomputed, was called with ``cache``, which it updates: it
+        runs whole, its saved tensors offloaded (kept by autograd without hooks), and plans no
+        longer recompute it."""
+        i, prof = tag - 1, self.profile
+        if not any(prof.stateful):
+            warn(
+                f"{type(block).__name__} blocks are called with a {type(cache).__name__}, which each call updates: "
+                "recomputed in backward they would update it twice, so ssdtier keeps or offloads them. In "
+                "training, model.config.use_cache = False (as transformers sets under gradient checkpointing) "
+                "lets them be recomputed"
+            )
+        prof.stateful[i] = True
+        if f.unhooked:  # autograd keeps what it saves: the next forward is hooked, and planned anew
+            self.settled.calm = 0
+            return
+        assert f.acts is not None
+        f.acts[i], f.off_tag[tag] = Action.OFFLOAD, True
+        prof.recomputed[i], prof.offloaded[i] = False, True
+
     def _recompute_rest(self, f: Fwd, i: int) -> None:
         """Blocks ``i`` on of a forward without hooks that were to be kept recompute instead."""
         assert f.acts is not None
         f.base, self.settled.calm = None, 0
-        switched = [j for j in range(i, len(f.acts)) if f.acts[j] is Action.KEEP]
+        switched = [j for j in range(i, len(f.acts)) if f.acts[j] is Action.KEEP and not self.profile.stateful[j]]
         for j in switched:
             f.acts[j] = Action.RECOMPUTE
         self.off.c["guard_recomputed"] += len(switched)
@@ -528,6 +549,9 @@ class Adaptive:
         if not shorter:
             solving.longest = at
         expired = smaller and not shorter  # solved now for these inputs, not left to stand
+        acts = plan.actions if plan is not None else ()
+        if any(a.recomputes and not b.recomputable for b, a in zip(blocks, acts, strict=False)):
+            plan = None  # it recomputes a block found to update a cache since: solved again
         if plan is not None and solving.inputs is not None and same_inputs(solving.inputs, inputs):
             return
         now = None

@@ -108,6 +108,7 @@ class Profile:
         self.fwd_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.back_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.rec_spans: list[tuple[int, Any]] = []
+        self.stateful = [False] * n  # blocks called with a cache they update: not recomputable
         self.io_per_byte: float | None = None  # what offloading costs the step per byte, past its waits
         self.end_mark: Any = None  # the forward's end, where the backward's marks start from
         self.end_waited = 0.0
@@ -287,7 +288,7 @@ class Profile:
                 if self.offloaded[i] and f + b > 0:  # its own time, without what offloading added
                     keep = max(f + b - cost, 0.0) / (f + b)
                     f, b = f * keep, b * keep
-            blocks.append(Block(i, nbytes, min(inputs, nbytes), f, b, r, cost))
+            blocks.append(Block(i, nbytes, min(inputs, nbytes), f, b, r, cost, not self.stateful[i]))
         self.recorded = True
         head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
         head_b = self.head_back if self.head_back is not None else BACKWARD * head_s

@@ -42,15 +42,26 @@ class Recompute:
         off = self.off
         f = off._tls.fwd
         if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
-            if f.recompute(self.tag) and _may_checkpoint(off, f):
+            if f.recompute(self.tag) and _may_checkpoint(off, f) and not self._stateful(f, args, kwargs):
                 fn, args, kwargs = _positional(self.fn, args, kwargs)
                 fn = _Again(fn, self.norms) if self.norms else fn
                 return checkpoint(fn, *args, use_reentrant=False, **kwargs)
             return self.fn(*args, **kwargs)
         if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off, f):
             return self.fn(*args, **kwargs)
+        if self._stateful(f, args, kwargs):
+            return self.fn(*args, **kwargs)
         fn, args, kwargs = _positional(self.fn, args, kwargs)
         return checkpoint(_Timed(fn, self.norms, off, self.tag), *args, use_reentrant=False, **kwargs)
+
+    def _stateful(self, f: Fwd, args: tuple, kwargs: dict) -> bool:
+        """Called with a key/value cache (transformers' ``use_cache``), which each call updates:
+        run again in backward it would update it twice, so the block runs whole."""
+        cache = next((v for v in (*args, *kwargs.values()) if _is_cache(v)), None)
+        if cache is None or self.off.adaptive is None:
+            return False
+        self.off.adaptive.stateful(f, self.tag, self.block, cache)
+        return True
 
     def install(self) -> None:
         self.block.forward = self  # type: ignore[method-assign]
@@ -79,6 +90,11 @@ def _may_checkpoint(off: RecomputeOwner, f: Fwd) -> bool:
     if f.unhooked:
         return top == f.top
     return top is not None and top[0] == off._pack
+
+
+def _is_cache(v: Any) -> bool:
+    kind = type(v)
+    return hasattr(kind, "get_seq_length") and hasattr(kind, "update")
 
 
 def _positional(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
