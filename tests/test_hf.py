@@ -248,13 +248,42 @@ def test_accelerate_prepare(store_dir, when):
     assert got[2].tensors_offloaded > 0
 
 
-def test_t5_with_its_cache_on_offloads_the_blocks_it_cannot_recompute(store_dir):
-    # T5 in training builds its key/value cache (use_cache defaults on), and each decoder block
-    # updates it: recomputed in backward, it saw its own keys and raised CheckpointError. The
-    # decoder blocks now run whole and are offloaded; the encoder's still recompute.
-    cfg = offload_config(store_dir, mode="adaptive", device_budget="8KiB")
-    data = batches(n=4)
-    with pytest.warns(ssdtier.SsdtierWarning, match="use_cache = False"):
-        got = train("t5", cfg, data=data)
-    same(train("t5", data=data), got)
+def _padded_batches():
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 64, (2, SEQ), generator=gen), torch.ones(2, SEQ, dtype=torch.long)) for _ in range(4)]
+    for _, mask in data:
+        mask[1, SEQ - 5 :] = 0  # the second sample padded
+    return data
+
+
+def _padded(model, item):
+    ids, mask = item
+    kw = {"decoder_input_ids": ids.flip(1)} if model.config.is_encoder_decoder else {}
+    return model(input_ids=ids, attention_mask=mask, labels=ids, **kw).loss
+
+
+@pytest.mark.parametrize("name", ["t5", "llama"])
+def test_blocks_that_update_a_cache_run_whole_and_without_one_recompute(store_dir, monkeypatch, name):
+    # transformers builds a key/value cache in training (use_cache on by default) that each
+    # decoder block updates: recomputed, a block saw its own keys (T5 raised CheckpointError,
+    # Llama with padding a size mismatch). Such blocks run whole, offloaded, with a warning;
+    # without the cache (without_cache, as under transformers' checkpointing) they recompute.
+    from ssdtier.integrations.hf import without_cache
+
+    from .test_settled import _steady
+
+    _steady(monkeypatch)  # offloading costly: the plans recompute what they can
+    cfg, data = offload_config(store_dir, mode="adaptive", device_budget="8KiB"), _padded_batches()
+    with pytest.warns(ssdtier.SsdtierWarning, match="without_cache"):
+        got = train(name, cfg, data=data, loss_fn=_padded)
+    same(train(name, data=data, loss_fn=_padded), got)
     assert got[2].bytes_offloaded > 0, got[2]
+    cached = got[2].plan.actions
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ssdtier.SsdtierWarning)
+        got = train(name, cfg, prepare=without_cache, data=data, loss_fn=_padded)
+    same(train(name, prepare=without_cache, data=data, loss_fn=_padded), got)
+    assert sum(a.recomputes for a in got[2].plan.actions) > sum(a.recomputes for a in cached), (cached, got[2])

@@ -984,20 +984,46 @@ class _CachedNet(nn.Module):
         return x.square().mean()
 
 
-def test_a_block_given_a_cache_runs_once_in_a_forward_without_hooks(store_dir, monkeypatch):
-    # A settled plan recomputes blocks in forwards without hooks; in step 7 a cache is passed,
-    # which each block's call updates: recomputed, they would update it twice.
+def _cached(monkeypatch):
+    """A ``_CachedNet`` (seed 0) timed alike at every step, and its input."""
     _steady(monkeypatch)
-    x, caches = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2)), []
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    return _CachedNet(), x
 
-    def step(model, i):
-        caches.append(_Cache() if i == 6 else None)
-        return model(x, cache=caches[-1])
 
-    want, _ = _nine(_CachedNet, step, None)
-    with pytest.warns(ssdtier.SsdtierWarning, match="use_cache = False"):
-        got, rows = _nine(_CachedNet, step, adaptive(store_dir, device_budget=600_000))
-    _same(got, want)
-    assert caches[6].calls == [0, 1, 2, 3]  # each block once
-    assert rows[5][0] > 0 and rows[6][0] == rows[5][0] + 1, rows  # settled (recomputing), unhooked
-    assert rows[7][0] == rows[6][0], rows  # the next forward is hooked
+def test_a_block_given_a_cache_runs_once_in_a_forward_without_hooks(store_dir, monkeypatch):
+    # Once a plan that recomputes has settled (forwards without hooks), a cache is passed,
+    # which each block's call updates: recomputed, the blocks would update it twice.
+    model, x = _cached(monkeypatch)
+    want = _CachedNet()
+    want.load_state_dict(model.state_dict())
+    with ssdtier.attach(model, adaptive(store_dir, device_budget=600_000)) as off:
+        for _ in range(30):
+            model(x).backward()
+            want(x).backward()
+            if off.stats().forwards_unhooked and any(a.recomputes for a in off.actions):
+                break
+        unhooked, cache = off.stats().forwards_unhooked, _Cache()
+        assert unhooked > 0, off.stats()
+        with pytest.warns(ssdtier.SsdtierWarning, match="use_cache"):
+            model(x, cache=cache).backward()
+        want(x, cache=_Cache()).backward()
+        assert cache.calls == [0, 1, 2, 3]  # each block once
+        assert off.stats().forwards_unhooked == unhooked + 1  # it ran without hooks
+        model(x).backward()
+        want(x).backward()
+        assert off.stats().forwards_unhooked == unhooked + 1  # the next is hooked
+    _same([p.grad for p in model.parameters()], [p.grad for p in want.parameters()])
+
+
+def test_blocks_called_without_their_cache_again_are_recomputed_again(store_dir, monkeypatch):
+    model, x = _cached(monkeypatch)
+    with ssdtier.attach(model, adaptive(store_dir, device_budget=600_000)) as off:
+        with pytest.warns(ssdtier.SsdtierWarning, match="use_cache"):
+            for _ in range(4):
+                model(x, cache=_Cache()).backward()
+        assert not any(a.recomputes for a in off.actions), off.actions
+        for _ in range(4):
+            model(x).backward()
+        assert any(a.recomputes for a in off.actions), off.actions

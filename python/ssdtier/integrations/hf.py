@@ -11,7 +11,7 @@ from ..config import resolve_config
 from ..offload import Offloader, OffloadStats, attach
 from . import summary, unwrap
 
-__all__ = ["SsdtierCallback", "checkpointing"]
+__all__ = ["SsdtierCallback", "checkpointing", "without_cache"]
 
 log = logging.getLogger("ssdtier")
 
@@ -73,3 +73,14 @@ def checkpointing(model: Any, context_fn: Any = None) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def without_cache(model: Any) -> None:
+    """Build no key/value cache in forwards that do not ask for one (``use_cache = False`` in
+    every config of the model: T5's stacks hold their own), as transformers does under its
+    gradient checkpointing. Each decoder block updates the cache, so while one is built
+    ssdtier cannot recompute those blocks. The loss can differ from a run with the cache in
+    the last bits (other memory layouts)."""
+    for cfg in {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}.values():
+        if getattr(cfg, "use_cache", None) is True:
+            cfg.use_cache = False

@@ -110,6 +110,7 @@ class Adaptive:
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
         self.replan_s = 0.0  # host seconds spent planning at forwards' starts
+        self.cache_said = False  # the warning that blocks updating a key/value cache run whole
         self.aside = False  # a forward that saved nothing (no grad: an evaluation) ran since the last budget
 
     def calibrate(self) -> tuple[float, float]:
@@ -279,7 +280,7 @@ class Adaptive:
         acts[i] = least
         f.off_tag[tag] = True
         self.switched += 1
-        self.off.c["guard_recomputed"] += 1
+        self.off.c["guard_recomputed"] += least.recomputes
         if self.switched == 1:
             log.info(
                 "ssdtier: this forward would pass the device budget (%s held, %s to come, budget %s): "
@@ -308,7 +309,8 @@ class Adaptive:
             now = max(now, int(growth * out.peak - coming))
         if now + coming <= budget + int(SLACK * budget):
             return
-        self._recompute_rest(f, i)
+        if not self._recompute_rest(f, i):
+            return
         log.info(
             "ssdtier: a forward without hooks would pass the device budget (%s held, %s to come, budget %s): "
             "recomputing from block %d on",
@@ -325,20 +327,22 @@ class Adaptive:
         self.settled.calm = 0
         if self.off._budget is None or f.acts is None:
             return
-        self._recompute_rest(f, tag - 1)
-        log.info("ssdtier: a forward without hooks took larger inputs at block %d: recomputing from there on", tag - 1)
+        if self._recompute_rest(f, tag - 1):
+            log.info("ssdtier: a forward without hooks took larger inputs at block %d: recomputing from it", tag - 1)
 
     def stateful(self, f: Fwd, tag: int, block: object, cache: object) -> None:
         """Block ``tag`` - 1, to be recomputed, was called with ``cache``, which it updates: it
         runs whole, its saved tensors offloaded (kept by autograd without hooks), and plans no
         longer recompute it."""
         i, prof = tag - 1, self.profile
-        if not any(prof.stateful):
+        if not self.cache_said:
+            self.cache_said = True
             warn(
-                f"{type(block).__name__} blocks are called with a {type(cache).__name__}, which each call updates: "
-                "recomputed in backward they would update it twice, so ssdtier keeps or offloads them. In "
-                "training, model.config.use_cache = False (as transformers sets under gradient checkpointing) "
-                "lets them be recomputed"
+                f"{type(block).__name__} blocks are called with a key/value cache ({type(cache).__name__}), which "
+                "each call updates: recomputed in backward they would update it twice, so ssdtier keeps or "
+                "offloads them while it is passed. transformers builds one in training unless use_cache=False is "
+                "passed, or set on each config (ssdtier.integrations.hf.without_cache(model), as under its "
+                "gradient checkpointing)"
             )
         prof.stateful[i] = True
         if f.unhooked:  # autograd keeps what it saves: the next forward is hooked, and planned anew
@@ -348,14 +352,16 @@ class Adaptive:
         f.acts[i], f.off_tag[tag] = Action.OFFLOAD, True
         prof.recomputed[i], prof.offloaded[i] = False, True
 
-    def _recompute_rest(self, f: Fwd, i: int) -> None:
-        """Blocks ``i`` on of a forward without hooks that were to be kept recompute instead."""
+    def _recompute_rest(self, f: Fwd, i: int) -> int:
+        """Blocks ``i`` on of a forward without hooks that were to be kept recompute instead:
+        how many."""
         assert f.acts is not None
         f.base, self.settled.calm = None, 0
         switched = [j for j in range(i, len(f.acts)) if f.acts[j] is Action.KEEP and not self.profile.stateful[j]]
         for j in switched:
             f.acts[j] = Action.RECOMPUTE
         self.off.c["guard_recomputed"] += len(switched)
+        return len(switched)
 
     def _saving(self, acts: list[Action], i: int) -> float:
         """What blocks 1 to ``i`` - 1 saved in this forward against what the plan has them
@@ -629,6 +635,8 @@ def same_inputs(a: tuple, b: tuple) -> bool:
     waits charged within ``SAME`` of a step."""
     (blocks, tr, head, budget), (blocks2, tr2, head2, budget2) = a, b
     if budget != budget2 or len(blocks) != len(blocks2):
+        return False
+    if any(x.recomputable != y.recomputable for x, y in zip(blocks, blocks2, strict=True)):
         return False
     if dataclasses.replace(tr, per_byte_s=0.0) != dataclasses.replace(tr2, per_byte_s=0.0):
         return False

@@ -47,6 +47,8 @@ class Recompute:
                 fn = _Again(fn, self.norms) if self.norms else fn
                 return checkpoint(fn, *args, use_reentrant=False, **kwargs)
             return self.fn(*args, **kwargs)
+        if f.pushed and f.pushed[0] and off.adaptive is not None and off.adaptive.profile.stateful[self.tag - 1]:
+            self._unstick(args, kwargs)
         if not f.pushed or not f.pushed[0] or not f.recompute(self.tag) or not _may_checkpoint(off, f):
             return self.fn(*args, **kwargs)
         if self._stateful(f, args, kwargs):
@@ -62,6 +64,12 @@ class Recompute:
             return False
         self.off.adaptive.stateful(f, self.tag, self.block, cache)
         return True
+
+    def _unstick(self, args: tuple, kwargs: dict) -> None:
+        """A block found to update a cache, called with gradients and none: recomputable again."""
+        assert self.off.adaptive is not None
+        if torch.is_grad_enabled() and not any(_is_cache(v) for v in (*args, *kwargs.values())):
+            self.off.adaptive.profile.stateful[self.tag - 1] = False
 
     def install(self) -> None:
         self.block.forward = self  # type: ignore[method-assign]
