@@ -544,6 +544,8 @@ class Offloader:
         if f.autocast and t.requires_grad and _autocast_cast(t, base):
             return Same(t)  # autocast's cache holds it until the autocast region ends anyway
         nbytes = st.nbytes()
+        if (dev, ptr) in self._kept_st:  # kept already (saved twice, or a view): offloading frees nothing
+            return self._keep(t, nbytes, f, (dev, ptr))
         tag = f.tag
         small = nbytes < self._min_bytes
         excluded = f.excluded or NO_OFFLOAD.depth  # asked for: the budget does not overrule it
