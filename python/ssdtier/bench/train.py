@@ -162,6 +162,7 @@ def _hf_model(w: Workload, device: Any) -> tuple[Any, Callable[[], Any]]:
         "num_key_value_heads": w.heads,
         "intermediate_size": 4 * w.d_model,
         "max_position_embeddings": max(w.seq, 64),
+        "use_cache": False,  # in every mode, as checkpointing sets it: no cache for ssdtier's blocks to update
     }
     try:
         cfg = transformers.AutoConfig.for_model(w.hf, **sizes)
