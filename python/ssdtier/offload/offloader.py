@@ -544,13 +544,12 @@ class Offloader:
         if f.autocast and t.requires_grad and _autocast_cast(t, base):
             return Same(t)  # autocast's cache holds it until the autocast region ends anyway
         nbytes = st.nbytes()
-        if (dev, ptr) in self._kept_st:  # kept already (saved twice, or a view): offloading frees nothing
-            return self._keep(t, nbytes, f, (dev, ptr))
         tag = f.tag
         small = nbytes < self._min_bytes
         excluded = f.excluded or NO_OFFLOAD.depth  # asked for: the budget does not overrule it
-        keep = small or not f.off_tag[tag]
-        if keep and self._budget is not None and self.res.kept + nbytes > self._budget:
+        kept = (dev, ptr) in self._kept_st  # already (saved twice, or a view): offloading frees nothing
+        keep = small or kept or not f.off_tag[tag]
+        if keep and not kept and self._budget is not None and self.res.kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         if keep or excluded:
             if self._first is not None:
