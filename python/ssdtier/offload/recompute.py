@@ -59,7 +59,7 @@ class Recompute:
     def _stateful(self, f: Fwd, args: tuple, kwargs: dict) -> bool:
         """Called with a key/value cache (transformers' ``use_cache``), which each call updates:
         run again in backward it would update it twice, so the block runs whole."""
-        cache = next((v for v in (*args, *kwargs.values()) if _is_cache(v)), None)
+        cache = _cache_in(args, kwargs)
         if cache is None or self.off.adaptive is None:
             return False
         self.off.adaptive.stateful(f, self.tag, self.block, cache)
@@ -68,7 +68,7 @@ class Recompute:
     def _unstick(self, args: tuple, kwargs: dict) -> None:
         """A block found to update a cache, called with gradients and none: recomputable again."""
         assert self.off.adaptive is not None
-        if torch.is_grad_enabled() and not any(_is_cache(v) for v in (*args, *kwargs.values())):
+        if torch.is_grad_enabled() and _cache_in(args, kwargs) is None:
             self.off.adaptive.profile.stateful[self.tag - 1] = False
 
     def install(self) -> None:
@@ -100,9 +100,12 @@ def _may_checkpoint(off: RecomputeOwner, f: Fwd) -> bool:
     return top is not None and top[0] == off._pack
 
 
-def _is_cache(v: Any) -> bool:
-    kind = type(v)
-    return hasattr(kind, "get_seq_length") and hasattr(kind, "update")
+def _cache_in(args: tuple, kwargs: dict) -> Any:
+    """The first argument that is a key/value cache (transformers' ``Cache``, by its methods)."""
+    return next(
+        (v for v in (*args, *kwargs.values()) if hasattr(type(v), "get_seq_length") and hasattr(type(v), "update")),
+        None,
+    )
 
 
 def _positional(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
