@@ -551,6 +551,10 @@ class Offloader:
         keep = small or kept or not f.off_tag[tag]
         if keep and not kept and self._budget is not None and self.res.kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
+        elif keep and not (kept or small or excluded) and (dev, ptr) in self.entries.by_storage:
+            hit = self._offloaded(t, st, (dev, ptr))  # offloaded already: keeping it would hold it twice
+            if hit is not None:
+                return hit
         if keep or excluded:
             if self._first is not None:
                 self._first.held(nbytes, "small" if small else "excluded" if excluded else "layer")
@@ -597,6 +601,19 @@ class Offloader:
                 b.cum += nbytes
         self.res.note(self._native.host_used)
         return saved
+
+    def _offloaded(self, t: torch.Tensor, st: torch.UntypedStorage, key: tuple) -> Saved | None:
+        """A handle on the live entry of ``t``'s storage at its version, if one was offloaded."""
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # kept: a CUDA graph's memory is its own
+        with self._lock:
+            if self._life is not Life.ATTACHED:
+                return None
+            hit = self.entries.same_storage(key, st, t._version)
+            if hit is None:
+                return None
+            self.c["dedup_hits"] += 1
+            return Saved(self, hit, t, hit.first)
 
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
         if self.adaptive is not None and nbytes >= self._min_bytes and key not in self._kept_st:
