@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +15,9 @@ from torch import nn
 
 import ssdtier
 from ssdtier.bench.models import batch_loss, build_model, make_batch
-from ssdtier.offload.adaptive import Adaptive
+from ssdtier.offload.adaptive import Adaptive, Solving
 from ssdtier.offload.budget import Memory
-from ssdtier.offload.settled import MEASURE, Ceiling, Settled, batch_grew, shapes
+from ssdtier.offload.settled import MEASURE, STATES, Ceiling, Pending, Settled, batch_grew, shapes
 from ssdtier.plan import Action
 
 from .test_attach import assert_same
@@ -996,8 +998,7 @@ def test_a_block_given_a_cache_runs_once_in_a_forward_without_hooks(store_dir, m
     # Once a plan that recomputes has settled (forwards without hooks), a cache is passed,
     # which each block's call updates: recomputed, the blocks would update it twice.
     model, x = _cached(monkeypatch)
-    want = _CachedNet()
-    want.load_state_dict(model.state_dict())
+    want = copy.deepcopy(model)
     with ssdtier.attach(model, adaptive(store_dir, device_budget=600_000)) as off:
         for _ in range(30):
             model(x).backward()
@@ -1044,3 +1045,127 @@ def test_a_storage_kept_is_not_offloaded_when_saved_again_near_the_budget(store_
     assert moved[2:] == [moved[1]] * 6, moved  # (the first step's guard offloads a block's inputs)
     assert plans[2:] == [(R, K, K, K)] * 6, plans
     assert len({d.block.bytes for d in s.plan.decisions[1:]}) == 1, s.plan.table()  # alike blocks, alike bytes
+
+
+class _Gan(nn.Module):
+    """A generator and a discriminator as one model; each step of its loop trains one of
+    them, with the other's parameters frozen (``requires_grad`` toggled, as GAN loops do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+        self.d = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+
+    def forward(self, z: torch.Tensor, real: torch.Tensor, train_d: bool) -> torch.Tensor:
+        for b in self.g:
+            z = b(z)
+        x = torch.cat((real, z.detach())) if train_d else z
+        for b in self.d:
+            x = b(x)
+        return x[: len(real)].mean() - x[len(real) :].mean() if train_d else x.mean()
+
+
+def _gan_steps(store_dir=None, budget=None, n=10):
+    torch.manual_seed(0)
+    model = _Gan()
+    z, real = torch.randn(32, 64), torch.randn(32, 64)
+    off = ssdtier.attach(model, adaptive(store_dir, device_budget=budget)) if store_dir else None
+    grads, unhooked = [], []
+    for _ in range(n):
+        for train_d in (True, False):
+            for p in model.d.parameters():
+                p.requires_grad_(train_d)
+            model.zero_grad()
+            model(z, real, train_d).backward()
+            grads.append([p.grad for p in model.parameters()])
+            unhooked.append(off.stats().forwards_unhooked if off else 0)
+    if off is not None:
+        off.detach()
+    return grads, unhooked, off
+
+
+@pytest.mark.parametrize("budget", [None, 140_000])
+def test_a_gan_loop_that_freezes_each_half_in_turn_settles(store_dir, monkeypatch, budget):
+    # Each forward runs in the other state (the discriminator's parameters frozen or not),
+    # which saves other bytes: each state has its plan and its ceiling, and both settle.
+    _steady(monkeypatch)
+    want, _, _ = _gan_steps()
+    got, unhooked, off = _gan_steps(store_dir, budget)
+    for a, b in zip(want, got, strict=True):
+        assert all(x is y is None or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    # Of 20 forwards, hooked: the first 3 of each state, and one in MEASURE.
+    assert unhooked[-1] >= 12, unhooked
+    if budget is not None:  # the discriminator's step recomputes some blocks, the generator's none
+        (other,) = off.adaptive.parked.values()
+        assert off.actions == (K,) * 8 and any(a.recomputes for a in other.plan.actions), other.plan.table()
+
+
+def test_forwards_without_hooks_before_one_backward_are_counted_on_the_cpu(store_dir, monkeypatch):
+    # A settled plan within a fixed budget, then two forwards per backward: no allocator
+    # counts what the first, without hooks, holds, so the second is hooked and its guard
+    # counts it (the plan's bytes at a forward's end) until the backward reaches it.
+    model, x = _cached(monkeypatch)
+    want = copy.deepcopy(model)
+    with ssdtier.attach(model, adaptive(store_dir, device_budget=600_000)) as off:
+        for _ in range(6):
+            model(x).backward()
+        settled = off.stats()
+        assert settled.forwards_unhooked > 0 and off.actions == (R, K, K, K), settled
+        pending = off.adaptive.settled.pending
+        assert pending.count == 0
+        first = model(x)
+        assert off.stats().forwards_unhooked == settled.forwards_unhooked + 1 and pending.count == 1
+        (first + model(x)).backward()
+        assert pending.count == pending.bytes == 0
+        s = off.stats()
+        for _ in range(6):
+            model(x).backward()
+        out = model(x)  # without hooks again: a graph freed without a backward lets go too
+        assert off.stats().forwards_unhooked > s.forwards_unhooked + 1 and pending.count == 1
+        del out
+        assert pending.count == pending.bytes == 0
+    assert s.forwards_unhooked == settled.forwards_unhooked + 1, s  # the second was hooked
+    assert s.guard_recomputed > settled.guard_recomputed, s  # ... and recomputed past the plan
+    for _ in range(6):
+        want(x).backward()
+    (want(x) + want(x)).backward()
+    for _ in range(6):
+        want(x).backward()
+    for p, q in zip(want.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_other_states_plans_and_ceilings_are_parked_together_the_latest_kept():
+    # A plan and its ceiling are let go together: a ceiling kept beside another state's plan
+    # would let that state's forwards run without hooks under the wrong plan.
+    acts = []
+    ad = SimpleNamespace(
+        state_in=None, parked={}, settled=Settled(), plan=None, before=None, solving=Solving(), ran=None,
+        off=SimpleNamespace(set_actions=acts.append),
+    )  # fmt: skip
+    for k in range(STATES + 3):
+        Adaptive.switch(ad, (k,))
+        assert ad.settled.ceiling is None and ad.settled.calm == 0  # a new state: unsettled
+        ad.plan = SimpleNamespace(actions=(k,))
+        ad.settled.ceiling, ad.settled.calm = Ceiling((), (), None, 0, (k,)), k + 1
+    assert len(ad.parked) == STATES - 1
+    Adaptive.switch(ad, (STATES + 1,))
+    assert ad.settled.ceiling.state == (STATES + 1,) and ad.settled.calm == STATES + 2
+    assert ad.plan.actions == acts[-1] == (STATES + 1,)
+    Adaptive.switch(ad, (2,))  # the longest parked was let go: planned anew, the actions in force run
+    assert ad.settled.ceiling is None and ad.settled.calm == 0 and ad.plan is None and len(acts) == 1
+
+
+def test_a_forward_without_hooks_is_pending_until_a_backward_through_any_output():
+    w = torch.ones(3, requires_grad=True)
+    p = Pending()
+    aux, main = w * 2, w * 3
+    p.add((aux, {"main": main}), 10)
+    p.add(w.detach(), 5)  # nothing to differentiate: not counted
+    assert (p.count, p.bytes) == (1, 10)
+    main.sum().backward()  # the loss from the second output only
+    assert (p.count, p.bytes) == (0, 0)
+    aux.sum().backward()
+    assert (p.count, p.bytes) == (0, 0)
+    p.add(w * 4, 7)  # its graph freed at once, no backward
+    assert (p.count, p.bytes) == (0, 0)

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from ._util import aligned_storage, cuda_device, warn
 from .budget import AutoBudget, Counters, Gpu
 from .control import StepControl
 from .profile import Profile
-from .settled import Settled, batch_grew, shapes, within
+from .settled import STATES, Ceiling, Settled, batch_grew, shapes, within
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -109,6 +109,8 @@ class Adaptive:
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
+        self.state_in: tuple | None = None  # the state (Params.state) whose plan is in force
+        self.parked: dict[tuple, Slot] = {}  # ... other states' plans (a GAN's steps alternate two)
         self.replan_s = 0.0  # host seconds spent planning at forwards' starts
         self.cache_said = False  # the warning that blocks updating a key/value cache run whole
         self.aside = False  # a forward that saved nothing (no grad: an evaluation) ran since the last budget
@@ -247,7 +249,7 @@ class Adaptive:
         # a forward's blocks after the offloaded ones) are not held.
         self.off.landed()
         res = self.off.res
-        return res.kept + res.sources + res.restored + self.off.cuda.inflight
+        return res.kept + res.sources + res.restored + self.off.cuda.inflight + self.settled.pending.bytes
 
     def guard(self, f: Fwd, tag: int) -> None:
         """Before block ``tag`` - 1 runs: if, scaled by what this forward saved so far against
@@ -458,6 +460,8 @@ class Adaptive:
         """At the start of a forward: plan from the last one's measurements, with stall
         feedback; then the actions of this forward (``f.acts``, ``f.off_tag``)."""
         t0 = time.perf_counter()
+        if self.settled.state:
+            self.switch(self.settled.state)  # the plan the last hooked forward ran, measured now
         self.off.landed()  # the step begins with what its last one left in flight, not more
         budget = self.budget()
         self.off.device_budget(budget)
@@ -483,6 +487,7 @@ class Adaptive:
         if measured is not None:
             self._adopt(measured[0], measured[1], budget, feedback)
         self.settled.hooked(self, f.state, measured is not None, judged=not alone)
+        self.switch(f.state)
         moves = any(a.offloads for a in self.off.actions)
         self.beside = (
             [None] * self.off.n_layers if self.meter is not None and budget is not None and not moves else None
@@ -506,6 +511,31 @@ class Adaptive:
         f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)
         self.replan_s += time.perf_counter() - t0
+
+    def unhooked_end(self, output: Any) -> None:
+        """A forward without hooks ended: on the CPU with a budget, what it holds is counted
+        until its backward begins (``Pending``)."""
+        if self.meter is None and self.off._budget and self.plan is not None:
+            self.settled.pending.add(output, self.plan.outcome.forward_peak)
+
+    def switch(self, state: tuple) -> None:
+        """Put ``state``'s plan and ceiling in force: a forward in another state (layers frozen,
+        autocast) saves other bytes, and is planned from its own measurements."""
+        if state == self.state_in:
+            return
+        st = self.settled
+        if self.state_in is not None:
+            parked = Slot(self.plan, self.before, self.solving, self.ran, st.ceiling, st.calm, st.beside)
+            self.parked[self.state_in] = parked
+        self.state_in = state
+        slot = self.parked.pop(state, None)
+        while len(self.parked) >= STATES:
+            del self.parked[next(iter(self.parked))]  # the longest parked
+        if slot is None:  # planned from its own forwards; till then the actions in force run
+            slot = Slot(None, None, Solving(), None, None, 0, None)
+        self.plan, self.before, self.solving, self.ran, st.ceiling, st.calm, st.beside = slot
+        if self.plan is not None:
+            self.off.set_actions(self.plan.actions)
 
     def unhooked(self) -> int | None:
         """A forward runs without hooks before the last hooked one's backward (several
@@ -589,6 +619,18 @@ class Adaptive:
         self.plan = plan
         self.before = list(plan.outcome.before)
         self.off.set_actions(plan.actions)
+
+
+class Slot(NamedTuple):
+    """A state's plan and ceiling, parked while forwards run in another."""
+
+    plan: Plan | None
+    before: list[int] | None
+    solving: Solving
+    ran: list[Action] | None
+    ceiling: Ceiling | None
+    calm: int
+    beside: list | None
 
 
 class Solving:

@@ -114,17 +114,17 @@ def _inputs(args: tuple, kwargs: Any) -> tuple:
     numbers size them), with tensors in a list (a cross-attention context) opened."""
     if kwargs:
         args = (*args, *(v for v in kwargs.values() if isinstance(v, _ARGS)))
-    return _flat(args) if any(isinstance(a, _NESTED) for a in args) else args
+    return flat(args) if any(isinstance(a, _NESTED) for a in args) else args
 
 
-def _flat(args: tuple | list) -> tuple:
+def flat(args: tuple | list) -> tuple:
     """The arguments with lists, tuples and dicts (a model output) opened, to any depth."""
     out: list = []
     for a in args:
         if isinstance(a, dict):
-            out.extend(_flat(tuple(a.values())))
+            out.extend(flat(tuple(a.values())))
         elif isinstance(a, (list, tuple)):
-            out.extend(_flat(a))
+            out.extend(flat(a))
         else:
             out.append(a)
     return tuple(out)

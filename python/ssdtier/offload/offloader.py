@@ -394,6 +394,7 @@ class Offloader:
         ad = self.adaptive
         if ad is not None:
             f.state = ad.state()  # read here: a model may enter autocast inside its forward
+            ad.switch(f.state)
         if ad is not None and ad.settled.skips(ad, f.state):
             f.base = ad.unhooked()
             f.unhooked = True  # the plan moves nothing and has settled: autograd keeps what it saves
@@ -450,32 +451,31 @@ class Offloader:
         f = self._tls.fwd
         if not f.pushed:
             return  # its _enter did not run (a forward pre-hook before it raised)
-        if f.pushed.pop():
-            self._hooks.__exit__(None, None, None)
-            unpush(f)
-            self.res.forward_wait += self._native.wait_seconds - f.wait0
-            if self.adaptive is not None:
-                self.adaptive.forward_end()
-            if self._sample is not None:
-                self.adaptive.sample()
-            with self._lock:  # a backward, or a graph being freed, on another thread may poll too
-                if (
-                    self.ahead.auto
-                    and f.backward.seq
-                    and not (self._fifo and self.entries.waiting(f.forward, older=True))
-                ):
-                    # The backward comes next: its first entries are wanted now (a source whose
-                    # write is still in flight stays and serves it; the others are read back).
-                    self.ahead.advance(f.backward, -1)
-                self.cuda.poll()
-                self.cpu.poll()
-            if self.traced:
-                self.once.warn("traced", TRACED)
-            if self._first is not None:
-                first, self._first = self._first, None
-                c = self.c
-                if c["packs"] and not c["tensors_offloaded"] and not c["failed_writes"]:
-                    warn(first.why_nothing(module, self.config.policy, self.layers_kept))
+        if not f.pushed.pop():
+            if f.unhooked and not f.pushed and self.adaptive is not None:
+                self.adaptive.unhooked_end(output)
+            return
+        self._hooks.__exit__(None, None, None)
+        unpush(f)
+        self.res.forward_wait += self._native.wait_seconds - f.wait0
+        if self.adaptive is not None:
+            self.adaptive.forward_end()
+        if self._sample is not None:
+            self.adaptive.sample()
+        with self._lock:  # a backward, or a graph being freed, on another thread may poll too
+            if self.ahead.auto and f.backward.seq and not (self._fifo and self.entries.waiting(f.forward, older=True)):
+                # The backward comes next: its first entries are wanted now (a source whose
+                # write is still in flight stays and serves it; the others are read back).
+                self.ahead.advance(f.backward, -1)
+            self.cuda.poll()
+            self.cpu.poll()
+        if self.traced:
+            self.once.warn("traced", TRACED)
+        if self._first is not None:
+            first, self._first = self._first, None
+            c = self.c
+            if c["packs"] and not c["tensors_offloaded"] and not c["failed_writes"]:
+                warn(first.why_nothing(module, self.config.policy, self.layers_kept))
 
     def _exclude_enter(self, module: nn.Module, args: Any) -> None:
         self._tls.fwd.excluded += 1

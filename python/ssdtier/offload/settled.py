@@ -9,11 +9,13 @@ the shorter forwards run without hooks (docs/planner.md#a-settled-plan)."""
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, NamedTuple
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ..plan import Action
+from .forward import flat
 
 if TYPE_CHECKING:
     from .adaptive import Adaptive
@@ -22,6 +24,7 @@ CALM = 2  # hooked forwards in a row that ran a plan moving nothing as planned, 
 MEASURE = 16  # of this many forwards, one at least is hooked: the plan keeps measuring
 ROOM = 0.03  # of the budget: this much less GPU room, or more allocated, than measured hooks the next
 KNOWN = 64  # (inputs, actions) whose saved bytes are remembered, to find a model whose bytes follow its data
+STATES = 8  # states (Params.state) whose plans and ceilings are kept: a GAN's steps alternate two
 
 
 class Ceiling(NamedTuple):
@@ -52,6 +55,7 @@ class Settled:
         "calm",
         "ceiling",
         "known",
+        "pending",
         "rest",
         "room",
         "run",
@@ -63,7 +67,7 @@ class Settled:
 
     def __init__(self) -> None:
         self.calm = 0  # hooked forwards in a row that moved nothing as planned, within the ceiling
-        self.ceiling: Ceiling | None = None
+        self.ceiling: Ceiling | None = None  # ... in the state whose plan is in force (Adaptive.switch)
         self.known: dict[tuple, tuple[int, ...]] = {}  # bytes hooked forwards saved, by (inputs, actions)
         self.varies = False  # ... not alike at the same ones: only the ceiling's own inputs go unhooked
         self.run = 0  # forwards run without hooks since the last hooked one
@@ -74,6 +78,7 @@ class Settled:
         self.rest: tuple = ()  # ... and the later stacks' first blocks', per stack
         self.beside: list[tuple[int, int] | None] | None = None  # ... Adaptive.beside, if calm
         self.state: tuple = ()  # ... Params.state() as it began
+        self.pending = Pending()  # forwards without hooks on the CPU whose graphs hold what they saved
 
     def hooked(self, ad: Adaptive, state: tuple, measured: bool, judged: bool = True) -> None:
         """A hooked forward begins in ``state`` (``Params.state``, as the model was entered),
@@ -91,19 +96,18 @@ class Settled:
         saving alike, or at smaller ones saving no more on any block, counts; larger or other
         inputs, a budget less than the ceiling's, or bytes that follow the data (a model whose
         memory is not its shapes') make it the new ceiling and start the count again."""
+        c = self.ceiling if self.ceiling is not None and self.ceiling.state == self.state else None
         if not (measured and as_planned(ad)):
             self.ceiling = None
             return 0
         # The blocks' bytes: the head's count storages it shares with what ran before the first
         # block (the batch's targets and inputs), which a forward woken at that block did unhooked.
-        saved, now, rest, c = tuple(ad.profile.saved[1 : ad.off.n_layers + 1]), self.shapes, self.rest, self.ceiling
+        saved, now, rest = tuple(ad.profile.saved[1 : ad.off.n_layers + 1]), self.shapes, self.rest
         key = (now, rest, tuple(ad.ran or ()), self.state)
         was = self.known.get(key)
         if was is None and len(self.known) < KNOWN:
             self.known[key] = saved
         self.varies = self.varies or (was is not None and was != saved)
-        if c is not None and c.state != self.state:
-            c = None  # a forward in another state (training, layers unfrozen, autocast) saves otherwise
         if c is not None and (now, rest, saved) == (c.inputs, c.rest, c.saved):  # the plan fits at these inputs
             self.ceiling = c._replace(budget=ad.off._budget, working=ad.working)
             return self.calm + 1
@@ -120,11 +124,14 @@ class Settled:
     def skips(self, ad: Adaptive, state: tuple) -> bool:
         """Whether the forward about to start in ``state`` runs without hooks: the hooked ones
         before it, the last included, moved nothing as planned, in that state."""
-        if self.calm < CALM or self.run >= MEASURE - 1 or not as_planned(ad):
+        c = self.ceiling
+        if c is None or c.state != state or self.calm < CALM or self.run >= MEASURE - 1:
             return False
-        if self.ceiling is None or state != self.ceiling.state:
+        if not as_planned(ad, last=state == self.state):  # (another state's forward since: judged)
             return False
         budget, self.start = ad.off._budget or 0, None
+        if budget and ad.meter is None and self.pending.count:  # no allocator to see them: the guard counts
+            return False
         if ad.gpu is not None or (ad.meter is not None and budget):  # on a GPU with a budget
             if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
                 return False
@@ -167,6 +174,46 @@ class Settled:
         rest = self.rest + ((),) * (stack - len(self.rest))
         if rest[stack - 1] == ():
             self.rest = (*rest[: stack - 1], shapes(args), *rest[stack:])
+
+
+class Pending:
+    """Forwards without hooks on the CPU, with a budget, that no backward has reached yet nor
+    their graphs freed: no allocator counts what autograd keeps for them, so the next forward
+    is hooked and its guard counts what their plan holds at a forward's end."""
+
+    __slots__ = ("bytes", "count", "lock")
+
+    def __init__(self) -> None:
+        self.count = self.bytes = 0
+        self.lock = threading.Lock()  # a backward or a graph freed on another thread lets go
+
+    def add(self, output: Any, nbytes: int) -> None:
+        nodes = {id(t.grad_fn): t.grad_fn for t in flat((output,)) if isinstance(t, torch.Tensor) and t.grad_fn}
+        if not nodes:
+            return  # nothing to differentiate: the graph is gone already
+        with self.lock:
+            self.count, self.bytes = self.count + 1, self.bytes + nbytes
+        done = _Done(self, nbytes)
+        for node in nodes.values():  # the loss may come from any output
+            node.register_prehook(done)  # a backward through it begins
+            node.metadata["ssdtier.pending"] = done  # ... or the graph is freed without one
+
+
+class _Done:
+    __slots__ = ("nbytes", "pending")
+
+    def __init__(self, pending: Pending, nbytes: int) -> None:
+        self.pending: Pending | None = pending
+        self.nbytes = nbytes
+
+    def __call__(self, grad_outputs: Any) -> None:
+        p, self.pending = self.pending, None
+        if p is not None:
+            with p.lock:
+                p.count, p.bytes = p.count - 1, p.bytes - self.nbytes
+
+    def __del__(self) -> None:
+        self(None)
 
 
 def shapes(args: tuple) -> tuple:
@@ -224,15 +271,16 @@ def batch_grew(last: tuple, now: tuple) -> bool:
     return pairs is not None and all(a[0][1:] == b[0][1:] for a, b in pairs)
 
 
-def as_planned(ad: Adaptive) -> bool:
-    """Whether the last hooked forward kept or recomputed each block (inputs kept) as the plan
-    in force does, within its budget (the guard, scaled for larger inputs, switched nothing)."""
+def as_planned(ad: Adaptive, last: bool = True) -> bool:
+    """Whether the last hooked forward in the state of the plan in force kept or recomputed
+    each block (inputs kept) as that plan does, within its budget (the guard, scaled for
+    larger inputs, switched nothing). ``last``: that forward was the last hooked one."""
     plan, prof = ad.plan, ad.profile
     return (
         plan is not None
         and plan.fits
         and all(a is Action.KEEP or a is Action.RECOMPUTE for a in plan.actions)
         and ad.ran == list(plan.actions)  # the guard switched nothing
-        and prof.sent == 0  # nothing offloaded for the budget
+        and (prof.sent == 0 or not last)  # nothing offloaded for the budget
         and ad.settled.shapes != ()  # a larger batch shows in its first block's tensors
     )
