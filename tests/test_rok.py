@@ -1182,3 +1182,49 @@ def test_a_recomputed_blocks_bytes_follow_the_kept_ones_at_another_length(store_
     blocks, _ = off.adaptive.profile.blocks()
     off.detach()
     assert blocks[1].bytes >= 0.95 * blocks[2].bytes, [b.bytes for b in blocks]
+
+
+class _Attending(nn.Module):
+    """A decoder block: its own input, and a context (an encoder's output) that every block
+    saves, stored once as the first block's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.kv, self.b = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(torch.tanh(self.a(x)) + self.kv(context)))
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Attending() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, context)
+        return x.square().mean()
+
+
+def test_a_context_every_block_saves_marks_each_block_reached_once(store_dir, monkeypatch):
+    # Unpacked in the last block's backward, the context's entry (the first block's) marked
+    # block 1 reached there: block 4 reached twice, taken for a second backward of the graph.
+    forced(monkeypatch, (OF,) * 4)
+    reached = []
+    was = Adaptive.backward_reached
+    monkeypatch.setattr(Adaptive, "backward_reached", lambda self, tag: (reached.append(tag), was(self, tag)))
+    torch.manual_seed(0)
+    model = _Decoder()
+    want = copy.deepcopy(model)
+    x, context = torch.randn(64, 64), torch.randn(64, 64)
+    with ssdtier.attach(model, adaptive(store_dir)) as off:
+        for _ in range(2):
+            reached.clear()
+            model(x, context * 1).backward()  # (context * 1: a tensor made in the forward)
+            assert reached == [5, 4, 3, 2, 1], reached
+        assert off.stats().dedup_hits == 2 * 7  # the context 3 times, each tanh output saved again
+    for _ in range(2):
+        want(x, context * 1).backward()
+    for p, q in zip(want.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

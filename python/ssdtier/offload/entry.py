@@ -262,14 +262,29 @@ class Entry:
 class Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
-    __slots__ = ("conj", "dtype", "entry", "off", "offset", "probe", "size", "stride", "twin", "unpacked", "version")
+    __slots__ = (
+        "conj",
+        "dtype",
+        "entry",
+        "layer",
+        "off",
+        "offset",
+        "probe",
+        "size",
+        "stride",
+        "twin",
+        "unpacked",
+        "version",
+    )
 
-    def __init__(self, off: EntryOwner, entry: Entry, t: torch.Tensor, first: tuple | None = None) -> None:
+    def __init__(self, off: EntryOwner, entry: Entry, t: torch.Tensor, layer: int, first: tuple | None = None) -> None:
         # Counted before anything is allocated: an allocation may run a garbage collection that
         # releases the entry's other handles, and with this one counted the entry stays.
         entry.refs += 1
         entry.waiting += 1
-        self.off, self.entry = off, entry
+        # The block that saved it, whose backward unpacks it: the entry's (the first to save
+        # the storage) may be an earlier one (a cross-attention's context, saved by each block).
+        self.off, self.entry, self.layer = off, entry, layer
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
         self.version = t._version
         # The entry's first tensor saved again, as it was (same version counter; ``resize_``
