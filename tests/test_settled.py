@@ -1163,6 +1163,8 @@ def test_a_forward_without_hooks_is_pending_until_a_backward_through_any_output(
     p.add((aux, {"main": main}), 10)
     p.add(w.detach(), 5)  # nothing to differentiate: not counted
     assert (p.count, p.bytes) == (1, 10)
+    main.sum().backward(retain_graph=True)  # the graph holds its tensors still
+    assert (p.count, p.bytes) == (1, 10)
     main.sum().backward()  # the loss from the second output only
     assert (p.count, p.bytes) == (0, 0)
     aux.sum().backward()

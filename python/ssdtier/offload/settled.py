@@ -207,6 +207,8 @@ class _Done:
         self.nbytes = nbytes
 
     def __call__(self, grad_outputs: Any) -> None:
+        if grad_outputs is not None and _keeps_graph():
+            return  # retain_graph=True: the graph holds its tensors still
         p, self.pending = self.pending, None
         if p is not None:
             with p.lock:
@@ -214,6 +216,9 @@ class _Done:
 
     def __del__(self) -> None:
         self(None)
+
+
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
 
 
 def shapes(args: tuple) -> tuple:
