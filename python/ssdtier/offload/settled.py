@@ -196,7 +196,7 @@ class Pending:
         done = _Done(self, nbytes)
         for node in nodes.values():  # the loss may come from any output
             node.register_prehook(done)  # a backward through it begins
-            node.metadata["ssdtier.pending"] = done  # ... or the graph is freed without one
+            node.metadata.setdefault("ssdtier.pending", []).append(done)  # ... or the graph is freed
 
 
 class _Done:
