@@ -1224,7 +1224,18 @@ def test_a_context_every_block_saves_marks_each_block_reached_once(store_dir, mo
             model(x, context * 1).backward()  # (context * 1: a tensor made in the forward)
             assert reached == [5, 4, 3, 2, 1], reached
         assert off.stats().dedup_hits == 2 * 7  # the context 3 times, each tanh output saved again
+        # Two micro-batches share the context, stored as the first's: each backward marks its own.
+        reached.clear()
+        shared = context * 1
+        first, second = model(x, shared), model(-x, shared)
+        second.backward()
+        first.backward()
+        assert reached == [5, 4, 3, 2, 1] * 2, reached
     for _ in range(2):
         want(x, context * 1).backward()
+    shared = context * 1
+    first, second = want(x, shared), want(-x, shared)
+    second.backward()
+    first.backward()
     for p, q in zip(want.parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)

@@ -263,9 +263,11 @@ class Saved:
     """What autograd holds for an offloaded tensor: its entry and how to rebuild the view."""
 
     __slots__ = (
+        "backward",
         "conj",
         "dtype",
         "entry",
+        "forward",
         "layer",
         "off",
         "offset",
@@ -277,14 +279,15 @@ class Saved:
         "version",
     )
 
-    def __init__(self, off: EntryOwner, entry: Entry, t: torch.Tensor, layer: int, first: tuple | None = None) -> None:
+    def __init__(self, off: EntryOwner, entry: Entry, t: torch.Tensor, fwd: Fwd, first: tuple | None = None) -> None:
         # Counted before anything is allocated: an allocation may run a garbage collection that
         # releases the entry's other handles, and with this one counted the entry stays.
         entry.refs += 1
         entry.waiting += 1
-        # The block that saved it, whose backward unpacks it: the entry's (the first to save
-        # the storage) may be an earlier one (a cross-attention's context, saved by each block).
-        self.off, self.entry, self.layer = off, entry, layer
+        self.off, self.entry = off, entry
+        # The forward and block that saved it, whose backward unpacks it: the entry's (the first
+        # to save the storage) may be others (a context saved by each block, or each micro-batch).
+        self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
         self.version = t._version
         # The entry's first tensor saved again, as it was (same version counter; ``resize_``

@@ -552,7 +552,7 @@ class Offloader:
         if keep and not kept and self._budget is not None and self.res.kept + nbytes > self._budget:
             keep = False  # over the device budget: offload even what the policy would keep
         elif keep and not (kept or small or excluded) and (dev, ptr) in self.entries.by_storage:
-            hit = self._offloaded(t, st, (dev, ptr), tag)  # offloaded already: keeping it would hold it twice
+            hit = self._offloaded(t, st, (dev, ptr), f)  # offloaded already: keeping it would hold it twice
             if hit is not None:
                 return hit
         if keep or excluded:
@@ -569,7 +569,7 @@ class Offloader:
             hit = self.entries.same_storage((dev, ptr), st, t._version)
             if hit is not None:
                 c["dedup_hits"] += 1
-                return Saved(self, hit, t, tag, hit.first)
+                return Saved(self, hit, t, f, hit.first)
             if self.adaptive is not None:
                 self.adaptive.saved(tag, nbytes, True)  # each storage once
             try:
@@ -590,7 +590,7 @@ class Offloader:
                 return self._keep(t, nbytes, f, (dev, ptr))
             c["tensors_offloaded"] += 1
             c["bytes_offloaded"] += nbytes
-            saved = Saved(self, entry, t, tag)
+            saved = Saved(self, entry, t, f)
             if self._dedup_on:
                 entry.first = (weakref.ref(t), saved.probe, saved.size, saved.stride, saved.offset)
             self.entries.add(entry, (dev, ptr) if self._dedup_on else None, st, saved.version)
@@ -602,7 +602,7 @@ class Offloader:
         self.res.note(self._native.host_used)
         return saved
 
-    def _offloaded(self, t: torch.Tensor, st: torch.UntypedStorage, key: tuple, tag: int) -> Saved | None:
+    def _offloaded(self, t: torch.Tensor, st: torch.UntypedStorage, key: tuple, f: Fwd) -> Saved | None:
         """A handle on the live entry of ``t``'s storage at its version, if one was offloaded."""
         if t.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # kept: a CUDA graph's memory is its own
@@ -613,7 +613,7 @@ class Offloader:
             if hit is None:
                 return None
             self.c["dedup_hits"] += 1
-            return Saved(self, hit, t, tag, hit.first)
+            return Saved(self, hit, t, f, hit.first)
 
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
         if self.adaptive is not None and nbytes >= self._min_bytes and key not in self._kept_st:
@@ -664,6 +664,18 @@ class Offloader:
             if not h.unpacked:
                 h.unpacked = True
                 e.waiting -= 1
+            b = h.backward
+            if not b.done:
+                self._backward_begins(h.forward)
+            layer = h.layer
+            if layer != b.last and b.due(layer):
+                if self.adaptive is not None:
+                    self.adaptive.backward_reached(layer)
+                if self._sample is not None:
+                    self._sample(layer)
+                self.cpu.poll()  # writes done since the last block let their sources go
+                if not self.ahead.auto:
+                    self.ahead.start(h.forward, layer)
             if h.twin and e.view is not None:
                 # The same tensor saved twice (one op's output, the next one's input): one
                 # view serves both (autograd makes each its own shallow copy).
@@ -676,20 +688,8 @@ class Offloader:
                     self.cuda.use_on_current_stream(e.device, back.made, out.untyped_storage())
                 c["forwarded"] += 1
                 return out
-            b = e.backward
-            if not b.done:
-                self._backward_begins(e.forward)
-            layer = h.layer
-            if layer != b.last and b.due(layer):
-                if self.adaptive is not None:
-                    self.adaptive.backward_reached(layer)
-                if self._sample is not None:
-                    self._sample(layer)
-                self.cpu.poll()  # writes done since the last block let their sources go
-                if not self.ahead.auto:
-                    self.ahead.start(e.forward, layer)
             if e.pos >= 0 and self.ahead.auto:
-                self.ahead.advance(b, e.pos)
+                self.ahead.advance(e.backward, e.pos)  # (its position in the forward that made it)
             try:
                 storage, pad = self._restore(e)
             except SsdtierOSError as err:

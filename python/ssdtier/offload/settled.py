@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..plan import Action
+from ._util import run_eagerly
 from .forward import flat
 
 if TYPE_CHECKING:
@@ -218,6 +219,7 @@ class _Done:
         self(None)
 
 
+run_eagerly(_Done, "__call__")  # compiled autograd would trace it, and warn at the call below
 _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
 
 
