@@ -566,10 +566,9 @@ class Offloader:
         with self._lock:
             if self._life is not Life.ATTACHED:
                 return Same(t)  # detach() on another thread since the check above
-            hit = self.entries.same_storage((dev, ptr), st, t._version)
+            hit = self._same(t, st, (dev, ptr), f)
             if hit is not None:
-                c["dedup_hits"] += 1
-                return Saved(self, hit, t, f, hit.first)
+                return hit
             if self.adaptive is not None:
                 self.adaptive.saved(tag, nbytes, True)  # each storage once
             try:
@@ -607,13 +606,15 @@ class Offloader:
         if t.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # kept: a CUDA graph's memory is its own
         with self._lock:
-            if self._life is not Life.ATTACHED:
-                return None
-            hit = self.entries.same_storage(key, st, t._version)
-            if hit is None:
-                return None
-            self.c["dedup_hits"] += 1
-            return Saved(self, hit, t, f, hit.first)
+            return self._same(t, st, key, f) if self._life is Life.ATTACHED else None
+
+    def _same(self, t: torch.Tensor, st: torch.UntypedStorage, key: tuple, f: Fwd) -> Saved | None:
+        """Under the lock: a handle on the live entry of ``t``'s storage at its version (dedup)."""
+        hit = self.entries.same_storage(key, st, t._version)
+        if hit is None:
+            return None
+        self.c["dedup_hits"] += 1
+        return Saved(self, hit, t, f, hit.first)
 
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
         if self.adaptive is not None and nbytes >= self._min_bytes and key not in self._kept_st:
