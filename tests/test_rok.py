@@ -20,7 +20,7 @@ from ssdtier.offload.recompute import Recompute
 from ssdtier.offload.settled import Settled
 from ssdtier.plan import Action
 
-from .test_attach import CONFIGS, TINY, assert_same, offload_config, train
+from .test_attach import CONFIGS, TINY, assert_same, offload_config, train, wait_copies
 
 K, OF, R, RO = Action.KEEP, Action.OFFLOAD, Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD
 GPT = GPTConfig(n_layers=4, **TINY)  # dropout 0.1: a recomputation must draw the same masks
@@ -1205,6 +1205,40 @@ class _Decoder(nn.Module):
         for b in self.blocks:
             x = b(x, context)
         return x.square().mean()
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_a_context_every_block_saves_is_read_ahead_of_the_last(store_dir, ahead):
+    # Stored as the first block's, the context was in block 1's read-ahead group, which the
+    # backward reaches last: with prefetch_layers = N, block 4 read it on demand.
+    torch.manual_seed(0)
+    model = _Decoder()
+    want = copy.deepcopy(model)
+    x, context = torch.randn(64, 64), torch.randn(64, 64)
+    with ssdtier.attach(model, offload_config(store_dir, prefetch_layers=ahead, keep_last_layers=0)) as off:
+        demand, ahead_now = [], [False]
+        start, read = off.ahead.start, off._start_read
+
+        def spy_start(forward, layer):
+            ahead_now[0] = True
+            start(forward, layer)
+            ahead_now[0] = False
+
+        def spy_read(e):
+            if not ahead_now[0]:
+                demand.append(e.nbytes)
+            read(e)
+
+        off.ahead.start, off._start_read = spy_start, spy_read
+        loss = model(x, context * 1)  # (context * 1: a tensor made in the forward)
+        wait_copies(off)  # every write done: each entry is read back, ahead or on demand
+        loss.backward()
+        s = off.stats()
+    want(x, context * 1).backward()
+    for p, q in zip(want.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert s.dedup_hits == 7 and s.bytes_read_nvme > 0
+    assert demand == [], "the head's backward reads block 4's entries ahead, the context among them"
 
 
 def test_a_context_every_block_saves_marks_each_block_reached_once(store_dir, monkeypatch):

@@ -237,7 +237,8 @@ class Entry:
         self.out: Copying | Bouncing | Writing | Held | None = None
         self.back: Reading | Restored | None = None
         self.dkey: tuple[torch.device, int] | None = None  # its key in the dedup map
-        # Its forward and layer, and the forward's backwards, which start each layer's read-ahead once.
+        # Its forward, the forward's backwards (which start each layer's read-ahead once), and
+        # the layer whose read-ahead group holds it: the latest block of its forward that saved it.
         self.forward, self.layer, self.backward = fwd.forward, fwd.tag, fwd.backward
         self.refs = 0
         # Handles not unpacked yet: while some are, the restored storage is held, so a

@@ -614,6 +614,8 @@ class Offloader:
         if hit is None:
             return None
         self.c["dedup_hits"] += 1
+        if hit.forward == f.forward:  # (the head's tag past the blocks: read as the head's backward starts)
+            self.entries.regroup(hit, min(f.tag, self.n_layers))
         return Saved(self, hit, t, f, hit.first)
 
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:

@@ -41,17 +41,29 @@ class Entries:
         self.by_layer.setdefault((e.forward, e.layer), {})[e] = None
         self.live += 1
 
+    def regroup(self, e: Entry, layer: int) -> None:
+        """A later block of its forward saved ``e`` again: its backward needs it first, so that
+        block's read-ahead group reads it (a context or rotary table each block saves)."""
+        if layer <= e.layer:
+            return
+        self._ungroup(e)
+        e.layer = layer
+        self.by_layer.setdefault((e.forward, layer), {})[e] = None
+
     def remove(self, e: Entry) -> None:
         if e.dkey is not None:
             hit = self.by_storage.get(e.dkey)
             if hit is not None and hit[2] is e:
                 del self.by_storage[e.dkey]
+        self._ungroup(e)
+        self.live -= 1
+
+    def _ungroup(self, e: Entry) -> None:
         group = self.by_layer.get((e.forward, e.layer))
         if group is not None:
             group.pop(e, None)
             if not group:
                 del self.by_layer[(e.forward, e.layer)]
-        self.live -= 1
 
     def of_layer(self, forward: int, layer: int) -> list[Entry]:
         """A copy: reading them may run a collection that releases some."""
