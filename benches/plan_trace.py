@@ -82,7 +82,7 @@ def steps(model, loss_of, n: int, off=None, profile: Path | None = None) -> list
             row["predicted_peak_gib"] = None if plan is None else plan.outcome.peak / 2**30
             row["guard_switched"] = off.adaptive.switched
             # "auto": what the budget left for all but activations (the plan's peak excludes it).
-            made = off.adaptive.auto.made if off.adaptive.gpu is not None else None
+            made = off.adaptive.watch.auto.made if off.adaptive.watch.gpu is not None else None
             row["made_gib"] = None if made is None else made / 2**30
             row["unhooked"] = off.c.get("forwards_unhooked", 0)  # running total: forwards of a settled plan
             row["solves"], row["replan_s"] = off.adaptive.solving.count, off.adaptive.replan_s  # running totals

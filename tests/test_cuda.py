@@ -625,7 +625,7 @@ def test_the_default_policy_follows_a_growing_batch_exactly(store_dir):
 
     def look(o):
         ad = o.adaptive
-        seen.append((o._budget, ad.auto_last, ad.auto.grown(2.0, ad.profile.inputs[0])))
+        seen.append((o._budget, ad.watch.last, ad.watch.auto.grown(2.0, ad.profile.inputs[0])))
 
     got = train_cuda(CFG, ssd, sizes=sizes, on_step=look)
     assert_same(train_cuda(CFG, sizes=sizes), got)

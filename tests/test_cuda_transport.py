@@ -802,7 +802,7 @@ def test_an_auto_device_budget_leaves_room_for_the_copies_queued(store_dir, gpu,
 
     def on_a_fake_gpu(self, off):
         init(self, off)
-        self.gpu = FakeGpu(off)
+        self.watch.gpu = FakeGpu(off)
 
     def recorded(self, held, queued, mem, **kw):
         budgets.append((queued, budget_for(self, held, queued, mem, **kw)))

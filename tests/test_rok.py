@@ -18,6 +18,7 @@ from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Counters, Memory
 from ssdtier.offload.recompute import Recompute
 from ssdtier.offload.settled import Settled
+from ssdtier.offload.watch import Watch
 from ssdtier.plan import Action
 
 from .test_attach import CONFIGS, TINY, assert_same, offload_config, train, wait_copies
@@ -325,7 +326,7 @@ def fake_gpu(monkeypatch, memory, beside):
 
     def start(self, off):
         init(self, off)
-        self.gpu = FakeGpu(off)
+        self.watch.gpu = FakeGpu(off)
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e3, 1e3))  # 1 kB/s: no block's I/O hides
@@ -467,7 +468,7 @@ def test_a_backward_that_reaches_no_early_block_still_reads_the_counters_as_it_e
 
     def start(self, off):
         init(self, off)
-        self.meter = Meter()
+        self.watch.meter = Meter()
 
     def frozen(model):
         for m in (model.tok_emb, model.pos_emb, model.blocks[0]):
@@ -487,7 +488,7 @@ def test_a_backward_that_reaches_no_early_block_still_reads_the_counters_as_it_e
             assert raised and "boom" in str(e)
 
     def look(off):
-        reads.append(off.adaptive.end)
+        reads.append(off.adaptive.watch.end)
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     sizes = (2,) * 4
@@ -650,10 +651,10 @@ def test_timings_the_gpu_has_not_finished_are_not_waited_for(store_dir, monkeypa
 
     def start(self, off):
         init(self, off)
-        self.meter = Meter()
+        self.watch.meter = Meter()
 
     monkeypatch.setattr(Adaptive, "__init__", start)
-    monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, start, end: learned.append((start[0], end[0])))
+    monkeypatch.setattr(Watch, "learn", lambda self, b, h, start, end: learned.append((start[0], end[0])))
     monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: adopted.append(a[-1]) or adopt(self, *a))
     # A fixed budget: it learns the peak its model misses from the counters.
     got = steps(
@@ -695,7 +696,7 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
 
     def start(self, off):
         init(self, off)
-        self.meter, self.gpu = Meter(), FakeGpu()
+        self.watch.meter, self.watch.gpu = Meter(), FakeGpu()
 
     def recorded(self, held, queued, mem, step_peak=None, **kw):
         seen.append(step_peak)
@@ -704,11 +705,11 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
     replan, reached = Adaptive.replan, Adaptive.backward_reached
 
     def in_forward(self, f):
-        self.meter.backward = False
+        self.watch.meter.backward = False
         replan(self, f)
 
     def in_backward(self, tag):
-        self.meter.backward = True
+        self.watch.meter.backward = True
         reached(self, tag)
 
     monkeypatch.setattr(Adaptive, "__init__", start)
@@ -741,7 +742,7 @@ def test_the_steps_peak_is_read_as_its_backward_ends(store_dir, monkeypatch):
 
     def start(self, off):
         init(self, off)
-        self.meter = meter
+        self.watch.meter = meter
 
     def prepare(model):
         def seen(grad):
@@ -757,7 +758,7 @@ def test_the_steps_peak_is_read_as_its_backward_ends(store_dir, monkeypatch):
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(Adaptive, "replan", in_forward)
-    monkeypatch.setattr(Adaptive, "_learn", lambda self, b, h, start, end: learned.append(end[0]))
+    monkeypatch.setattr(Watch, "learn", lambda self, b, h, start, end: learned.append(end[0]))
     got = steps(GPT, adaptive(store_dir, device_budget=1 << 30), batches=(2,) * 3, prepare=prepare)
     assert_same(steps(GPT, batches=(2,) * 3, prepare=prepare), got)
     assert learned and set(learned) == {7 * gib}, learned
@@ -780,11 +781,11 @@ def test_a_fixed_budget_learns_its_steps_peak_below_an_earlier_higher_one(store_
             self.peak = gib
 
     meter = Meter()
-    init, learn, reached = Adaptive.__init__, Adaptive._learn, Adaptive.backward_reached
+    init, learn, reached = Adaptive.__init__, Watch.learn, Adaptive.backward_reached
 
     def start(self, off):
         init(self, off)
-        self.meter = meter
+        self.watch.meter = meter
 
     def in_backward(self, tag):
         meter.peak = max(meter.peak, 9 * gib)
@@ -796,7 +797,7 @@ def test_a_fixed_budget_learns_its_steps_peak_below_an_earlier_higher_one(store_
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(Adaptive, "backward_reached", in_backward)
-    monkeypatch.setattr(Adaptive, "_learn", recorded)
+    monkeypatch.setattr(Watch, "learn", recorded)
     got = steps(GPT, adaptive(store_dir, device_budget=64 << 20), batches=(2,) * 4)
     assert_same(steps(GPT, batches=(2,) * 4), got)
     assert len(learned) == 3 and all(7 * gib < w < 8 * gib for w in learned), learned
@@ -817,7 +818,7 @@ def test_an_auto_budget_holds_while_it_grows_by_under_5_percent(store_dir, monke
 
     def start(self, off):
         init(self, off)
-        self.gpu = SimpleNamespace(memory=lambda: None, allocated=lambda: 0)  # the budgets are scripted
+        self.watch.gpu = SimpleNamespace(memory=lambda: None, allocated=lambda: 0)  # the budgets are scripted
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(AutoBudget, "next", lambda self, *a, **k: next(made))
@@ -866,20 +867,20 @@ def test_a_fixed_budget_learns_the_peak_the_model_misses():
     tr = Transfers(1e9, 1e9, 10e9, 10e9, 1 << 30)
     head = Head(30 * mb)
     model = simulate(blocks, [K] * 4, tr, head).peak
-    me = SimpleNamespace(ran=[K] * 4, working=0, transfers=lambda: tr)
+    me = SimpleNamespace(ad=SimpleNamespace(ran=[K] * 4, transfers=lambda: tr), working=0)
     base = 2 * GiB
     peak = base + model + 500 * mb
-    Adaptive._learn(me, blocks, head, Counters(base, base), Counters(peak, base))  # a new peak
+    Watch.learn(me, blocks, head, Counters(base, base), Counters(peak, base))  # a new peak
     assert me.working == 500 * mb
     # The same peak, from 300 MiB higher:
-    Adaptive._learn(me, blocks, head, Counters(peak, base + 300 * mb), Counters(peak, base))
+    Watch.learn(me, blocks, head, Counters(peak, base + 300 * mb), Counters(peak, base))
     assert me.working == 200 * mb
-    Adaptive._learn(me, blocks, head, Counters(peak, base), Counters(base + mb, base + mb))  # reset within the step
+    Watch.learn(me, blocks, head, Counters(peak, base), Counters(base + mb, base + mb))  # reset within the step
     assert me.working == 200 * mb
-    Adaptive._learn(me, blocks, head, Counters(peak, base), None)  # no backward reached the first block
+    Watch.learn(me, blocks, head, Counters(peak, base), None)  # no backward reached the first block
     assert me.working == 200 * mb
     # A loop that resets the counters before each step (as benches do): the step's own peak.
-    Adaptive._learn(me, blocks, head, Counters(base + mb, base), Counters(base + model + 700 * mb, base))
+    Watch.learn(me, blocks, head, Counters(base + mb, base), Counters(base + model + 700 * mb, base))
     assert me.working == 700 * mb
 
 
@@ -900,7 +901,6 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
         me = SimpleNamespace(
             off=SimpleNamespace(_budget=320 * mb, c={"guard_recomputed": 0}),
             held=lambda held=held: held,
-            before=list(plan.outcome.before),
             plan=plan,
             swell=1.0,
             switched=0,
@@ -929,7 +929,6 @@ def test_the_guard_scales_by_what_this_forward_saved():
         me = SimpleNamespace(
             off=SimpleNamespace(_budget=455 * mb, c={"guard_recomputed": 0}),
             held=lambda saved=saved: 3 * saved,
-            before=list(plan.outcome.before),
             plan=plan,
             swell=1.0,
             switched=0,

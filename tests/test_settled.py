@@ -18,6 +18,7 @@ from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive, Solving
 from ssdtier.offload.budget import Memory
 from ssdtier.offload.settled import MEASURE, STATES, Ceiling, Pending, Settled, batch_grew, shapes
+from ssdtier.offload.watch import Watch
 from ssdtier.plan import Action
 
 from .test_attach import assert_same
@@ -157,11 +158,11 @@ def test_forwards_without_hooks_before_a_backward_teach_a_budget_nothing(store_d
             self.peak = base + self.live * a
 
     meter = Meter()
-    init, learn = Adaptive.__init__, Adaptive._learn
+    init, learn = Adaptive.__init__, Watch.learn
 
     def start(self, off):
         init(self, off)
-        self.meter = meter
+        self.watch.meter = meter
 
     def recorded(self, blocks, head, start, end):
         learn(self, blocks, head, start, end)
@@ -169,7 +170,7 @@ def test_forwards_without_hooks_before_a_backward_teach_a_budget_nothing(store_d
             learned.append(self.working)
 
     monkeypatch.setattr(Adaptive, "__init__", start)
-    monkeypatch.setattr(Adaptive, "_learn", recorded)
+    monkeypatch.setattr(Watch, "learn", recorded)
 
     def run(ssd):
         torch.manual_seed(0)
@@ -345,7 +346,8 @@ def test_a_ceiling_counts_forwards_that_save_no_more_under_the_same_budget(monke
 
     monkeypatch.setattr(settled, "as_planned", lambda ad: True)
     off = SimpleNamespace(_budget=100, n_layers=2)  # saved: before the blocks, 2 blocks, the head
-    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, off=off, working=0, ran=[K], beside=None)
+    watch = SimpleNamespace(gpu=None, working=0)
+    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), watch=watch, off=off, ran=[K], beside=None)
 
     def hooked(s, shape, saved, measured=True):
         s.shapes, ad.profile.saved = shapes((torch.zeros(shape),)), saved
@@ -382,7 +384,8 @@ def test_the_heads_bytes_are_no_evidence_of_bytes_that_follow_the_data(monkeypat
     from ssdtier.offload import settled
 
     monkeypatch.setattr(settled, "as_planned", lambda ad: True)
-    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), gpu=None, working=0, ran=[K], beside=None)
+    watch = SimpleNamespace(gpu=None, working=0)
+    ad = SimpleNamespace(profile=SimpleNamespace(saved=[]), watch=watch, ran=[K], beside=None)
     ad.off = SimpleNamespace(_budget=100, n_layers=2)
     s = Settled()
     for head in (5, 7, 5):
@@ -686,7 +689,7 @@ def _watched(monkeypatch, kept, other=(0,), grads=False):
 
     def start(self, off):
         init(self, off)
-        self.meter = Meter()
+        self.watch.meter = Meter()
         ad.append(self)
 
     monkeypatch.setattr(Adaptive, "__init__", start)
@@ -1140,7 +1143,7 @@ def test_other_states_plans_and_ceilings_are_parked_together_the_latest_kept():
     # would let that state's forwards run without hooks under the wrong plan.
     acts = []
     ad = SimpleNamespace(
-        state_in=None, parked={}, settled=Settled(), plan=None, before=None, solving=Solving(), ran=None,
+        state_in=None, parked={}, settled=Settled(), plan=None, solving=Solving(), ran=None,
         off=SimpleNamespace(set_actions=acts.append),
     )  # fmt: skip
     for k in range(STATES + 3):

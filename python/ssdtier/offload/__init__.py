@@ -16,7 +16,7 @@ tensor is classified once, at pack time:
 The parts: ``offloader.py`` (hooks, pack, unpack), ``forward.py`` (the
 forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
 ``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``profile.py``,
-``recompute.py``, ``budget.py``, ``control.py``, ``layers.py``, ``shelf.py`` and ``stats.py``;
+``recompute.py``, ``budget.py``, ``watch.py``, ``control.py``, ``layers.py``, ``shelf.py`` and ``stats.py``;
 ``owner.py`` holds what each part uses of the offloader, so none imports
 ``offloader.py``. docs/offloader.md maps them.
 """

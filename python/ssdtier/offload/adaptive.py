@@ -19,10 +19,10 @@ from ..plan import Action, Decision, Head, Outcome, Plan, Transfers, simulate, s
 from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
-from .budget import AutoBudget, Counters, Gpu
 from .control import StepControl
 from .profile import Profile
 from .settled import STATES, Ceiling, Settled, batch_grew, shapes, within
+from .watch import Watch
 
 if TYPE_CHECKING:
     from .forward import Fwd
@@ -41,11 +41,10 @@ CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
 LONGEST = 8  # hooked forwards, all smaller, that a plan chosen at larger inputs stands through
 UNREAD = 3  # steps whose GPU timings are dropped, not waited for, before the host waits for one
 SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (each read: tens of us)
-SAY = 0.1  # an auto budget this share away from the one last logged is logged, with its parts
 
 
 class Adaptive:
-    """The plan in force, the measurements it comes from, and the device budget."""
+    """The plan in force and the measurements it comes from; the device budget is ``watch``'s."""
 
     def __init__(self, off: AdaptiveOwner) -> None:
         self.off = off
@@ -60,20 +59,14 @@ class Adaptive:
         self.ctl = StepControl(patience=3)
         self.wait0 = 0.0
         self.inputs_last = 0  # the first block's input bytes in the last forward
-        self.inputs_top = 0  # ... the most of those an auto budget was measured after
         self.growth = 1.0  # this forward's first block's inputs over the last one's (a larger batch)
         self.swell = 1.0  # ... and what its blocks may save over the last one's (longer: more than that)
-        # The guard's view of the plan: bytes held before each block, and at the peak.
-        self.before: list[int] | None = None
         self.switched = 0  # blocks the guard recomputed in this forward
         # A plan that could settle, on a GPU with a budget: allocated less held() as each block
         # began, less that as the forward began (gradients, an earlier forward's activations).
         # And held() then, since the forward began: what a forward without hooks is held to.
         self.beside: list[tuple[int, int] | None] | None = None
         self.beside0 = (0, 0)
-        self.held_peak = 0  # the most held() seen since the last budget
-        self.said_budget: int | None = None  # the auto budget last logged, with what it was made of
-        self.auto_last: int | None = None  # the auto budget of the last step
         write, read = self.calibrate()
         ranks = off.config.io.local_ranks
         if isinstance(ranks, int) and ranks > 1:  # measured alone; in training the ranks share the disks
@@ -81,31 +74,8 @@ class Adaptive:
             log.info("ssdtier: the plan takes a %dth of the store's bandwidth: %d ranks on this node", ranks, ranks)
         self.bw = (write, read)
         self.link = copy_bandwidth(self.device) if self.device is not None and off._gds is None else None
-        self.gpu: Gpu | None = None
-        self.stride = -(-off.n_layers // SAMPLES)  # sample_at: every stride-th block
-        if off.config.policy.device_budget == "auto":
-            if self.device is not None:
-                self.gpu = Gpu(self.device)
-                # The budget reads the allocator's peak counters: a higher peak of an earlier
-                # phase (another model, a larger batch), or its cache, would hide this training's.
-                torch.cuda.empty_cache()
-                self.gpu.reset_peak()
-                log.info("ssdtier: reset %s's peak memory counter: device_budget = 'auto' reads it", self.device)
-            else:
-                warn(
-                    f"{off.config.source}: policy.device_budget = 'auto' sizes the budget from GPU memory, and "
-                    f"this {type(off.model).__name__} is not on a GPU: no budget"
-                )
-        self.auto = AutoBudget()
-        # A fixed budget bounds the step's whole peak: what the model misses is measured from
-        # the allocator's counters (an auto budget reads them too).
-        self.fixed = isinstance(off.config.policy.device_budget, int)
-        self.meter = Gpu(self.device) if self.device is not None else None
-        self.working = 0  # bytes of the step's peak the model did not predict (Head.working)
-        self.counting = False  # the peak counter was reset for this training (a fixed budget)
-        self.mark: Counters | None = None  # the allocator's counters as the step began
-        self.end: Counters | None = None  # ... as its backward ended (or reached the first block)
-        self.ending = False  # a backward under way will read them as it ends
+        self.stride = -(-off.n_layers // SAMPLES)  # every stride-th block reads the allocator (Watch.sample_at, trip)
+        self.watch = Watch(self)
         self.ran: list[Action] | None = None  # the last forward's actions, the guard's included
         self.solving = Solving()
         self.settled = Settled()  # whether forwards may run without hooks
@@ -113,7 +83,6 @@ class Adaptive:
         self.parked: dict[tuple, Slot] = {}  # ... other states' plans (a GAN's steps alternate two)
         self.replan_s = 0.0  # host seconds spent planning at forwards' starts
         self.cache_said = False  # the warning that blocks updating a key/value cache run whole
-        self.aside = False  # a forward that saved nothing (no grad: an evaluation) ran since the last budget
 
     def calibrate(self) -> tuple[float, float]:
         """The store's write and read bandwidth, measured at attach through a store of its own
@@ -190,9 +159,10 @@ class Adaptive:
         if not self._timing():
             return
         self.profile.block_enter(tag, args)
-        if self.beside is not None and self.meter is not None and (tag - 1) % self.stride == 0:  # for trip()
+        meter = self.watch.meter
+        if self.beside is not None and meter is not None and (tag - 1) % self.stride == 0:  # for trip()
             held, (aside, held0) = self.held(), self.beside0
-            self.beside[tag - 1] = (self.meter.counters().allocated - held - aside, held - held0)
+            self.beside[tag - 1] = (meter.counters().allocated - held - aside, held - held0)
         if stack:  # a decoder's first block: its inputs are part of the forward's too
             self.settled.seen(stack, args)
         if tag == 1:
@@ -202,8 +172,8 @@ class Adaptive:
             more = self.growth > 1.0 and not batch_grew(last, self.settled.shapes)
             self.swell = self.growth ** self.profile.exponent() if more else self.growth
             # Or past the largest inputs a budget was measured after, by any share (creeping lengths).
-            if self.gpu is not None and (self.growth > GROWTH or now > self.inputs_top > 0):
-                self.grew()
+            if self.watch.gpu is not None and (self.growth > GROWTH or now > self.watch.inputs_top > 0):
+                self.watch.grew(self.growth, now)
         self.guard(f, tag)
         act = f.acts[tag - 1] if f.acts is not None else None
         self.profile.recomputed[tag - 1] = act is not None and act.recomputes
@@ -218,22 +188,7 @@ class Adaptive:
         """The backward's first unpack of layer ``tag`` (once per layer and backward)."""
         if self._timing():
             self.profile.backward_reached(tag)
-            if self.meter is None:
-                return
-            if tag <= 1:  # the step's peak is behind: read before a loop resets it
-                self.end = self.meter.counters()
-            if not self.ending:  # ... and as the backward ends, whatever it reaches (not frozen blocks)
-                try:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-                    self.ending = True
-                except RuntimeError:  # not inside a backward (a callback is refused there)
-                    pass
-
-    def _backward_end(self) -> None:
-        assert self.meter is not None  # queued only with one
-        self.ending = False
-        self.end = self.meter.counters()
-        self.settled.began = self.end.allocated - self.grads()
+            self.watch.reached(tag)
 
     def forward_end(self) -> None:
         if self._timing():
@@ -262,10 +217,10 @@ class Adaptive:
         if budget is None or acts is None or acts[i] is least:
             return
         now = self.held()
-        if self.before is not None and self.plan is not None:
+        if self.plan is not None:
             growth = max(1.0, self.swell, self._saving(acts, i))
             out = self.plan.outcome
-            coming = growth * max(out.forward_peak - self.before[i], 0)
+            coming = growth * max(out.forward_peak - out.before[i], 0)
             if growth > 1.0:  # the backward's peak grows too
                 now = max(now, int(growth * out.peak) - int(coming))
             if not self.plan.fits:  # the least it could: only growth is news
@@ -274,7 +229,7 @@ class Adaptive:
         elif i > 0:  # no plan yet: the blocks to come saving what the ones so far did, kept
             coming = self.profile.bytes_so_far(tag) / i * (len(acts) - i)
             # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
-            budget -= self.working or int(FIRST_FREE * budget)
+            budget -= self.watch.working or int(FIRST_FREE * budget)
         else:
             return
         if now + coming <= budget:
@@ -301,12 +256,13 @@ class Adaptive:
         beside, budget, plan, acts, i = self.settled.beside, self.off._budget, self.plan, f.acts, tag - 1
         if f.base is None or beside is None or beside[i] is None or budget is None or plan is None or acts is None:
             return
-        if self.meter is None or self.before is None or not self._timing():
+        meter = self.watch.meter
+        if meter is None or not self._timing():
             return
         aside, held = beside[i]
-        now, out = self.meter.counters().allocated - f.base - aside, plan.outcome
+        now, out = meter.counters().allocated - f.base - aside, plan.outcome
         growth = now / held if held > SLACK * budget else 1.0  # saving more so far: the rest will too
-        coming = max(growth, 1.0) * max(out.forward_peak - self.before[i], 0)
+        coming = max(growth, 1.0) * max(out.forward_peak - out.before[i], 0)
         if growth > 1.0:  # the backward's peak grows too
             now = max(now, int(growth * out.peak - coming))
         if now + coming <= budget + int(SLACK * budget):
@@ -378,82 +334,6 @@ class Adaptive:
             got += saved[j + 1]
         return got / want if want else 1.0
 
-    # ---------------------------------------------------------------- device budget
-
-    def budget(self) -> int | None:
-        """The device budget for the step about to start: the configured one, or with "auto"
-        what the GPU has room for (at the first step, half of what it has free)."""
-        budget = self.off.config.policy.device_budget
-        if budget != "auto":
-            return budget
-        if self.gpu is None:
-            return None
-        if self.device is not None and not self._timing():  # a CUDA graph being captured: not now
-            return self.off._budget
-        cuda = self.off.cuda
-        # The next step's highs are counted from what is held and queued now.
-        held, self.held_peak = self.held_peak, self.held()
-        queued, cuda.inflight_peak = cuda.inflight_peak, cuda.inflight
-        # The step's own peak, read in its backward: a loop may reset the counters before the next.
-        mark, end = self.mark, self.end
-        step_peak = end.peak if mark is not None and end is not None and end.peak > mark.peak else None
-        # The allocator's peak since the last look may be an unhooked forward's or an evaluation's.
-        unhooked, self.aside = self.settled.run > 0 or self.aside, False
-        inputs = self.profile.inputs[0] if self.profile.inputs else 0  # the last forward's, as yet
-        self.inputs_top = max(self.inputs_top, inputs)
-        alone = self.profile.ended and not self.profile.marks  # no backward since the last forward
-        mem, now = self.gpu.memory(), self.held_peak  # (held now: the next step's highs start from it)
-        got = self.auto.next(
-            held, queued, mem, step_peak=step_peak, end=end, unhooked=unhooked, inputs=inputs, alone=alone, holding=now
-        )
-        got = self.auto.first() if got is None else got
-        if alone and got is not None and self.off._budget is not None:  # a larger batch's cut (grew) stands too
-            got = min(got, self.off._budget)
-        last = self.auto_last  # not a larger batch's cut of it (grew)
-        if got is not None and last is not None and last < got <= last * (1 + SAME):
-            got = last  # a budget that grew by under 5% (copies queued, samples): the plan stands
-        self.auto_last = got
-        said = self.said_budget
-        if got is not None and (said is None or abs(got - said) > SAY * max(said, 1)):
-            self.said_budget = got
-            log.info("ssdtier: device budget %s: %s", format_size(got), self.auto.explain())
-        return got
-
-    def grew(self) -> None:
-        """A forward whose first block takes more input than the last one's (a larger batch,
-        longer sequences) makes more of everything: its budget shrinks now, before the GPU
-        runs full, rather than after the step."""
-        budget = self.off._budget
-        grown = self.auto.grown(self.growth, self.profile.inputs[0]) if budget is not None else None
-        if grown is not None and grown < budget:
-            log.info(
-                "ssdtier: this forward saves %.2fx the last one's: device budget %s for it, not %s",
-                self.growth,
-                format_size(grown),
-                format_size(budget),
-            )
-            self.off.device_budget(grown)
-
-    def sample(self, layer: int = -1) -> None:
-        """device_budget = "auto": what is allocated now and is not activations the offloader
-        holds (at the forward's end, and as the backward reaches each layer)."""
-        if self.gpu is not None and (self.device is None or self._timing()):
-            held = self.held()
-            self.held_peak = max(self.held_peak, held)
-            where = f"block {layer}'s backward"
-            if layer > self.off.n_layers:
-                where = "the head's backward"
-            elif layer < 1:
-                where = "the forward's end" if layer < 0 else "the backward of what runs before the blocks"
-            self.auto.sample(self.gpu.allocated(), held, where, ended=layer < 0)
-
-    def sample_at(self, layer: int) -> None:
-        """As the backward reaches ``layer``: a sample at every few blocks, the first block,
-        what runs before it, and each of the head's tensors (its gradients are large). What
-        is allocated beside the activations grows through a backward: little is missed."""
-        if layer > self.off.n_layers or layer == 1 or layer % self.stride == 0:
-            self.sample(layer)
-
     # ---------------------------------------------------------------- the plan
 
     def replan(self, f: Fwd) -> None:
@@ -463,7 +343,8 @@ class Adaptive:
         if self.settled.state:
             self.switch(self.settled.state)  # the plan the last hooked forward ran, measured now
         self.off.landed()  # the step begins with what its last one left in flight, not more
-        budget = self.budget()
+        watch = self.watch
+        budget = watch.budget()
         self.off.device_budget(budget)
         measured = None
         # After dropped steps, their waits spill into this one's.
@@ -477,8 +358,8 @@ class Adaptive:
                 self.unread = 0
             else:  # the host runs ahead of the GPU: a later step's timings, not a wait for these
                 self.unread += 1
-        if measured is not None and self.fixed:  # memory is right from the first step
-            self._learn(measured[0], measured[1], self.mark, self.end)
+        if measured is not None and watch.fixed:  # memory is right from the first step
+            watch.learn(measured[0], measured[1], watch.mark, watch.end)
         if measured is not None and self.device is not None and not self.warm:
             # A GPU's first iteration loads kernels and tunes cuBLAS: its times would plan the
             # next steps wrong (on an H200, 12 of 24 blocks kept, then 17, 19, 22).
@@ -489,19 +370,12 @@ class Adaptive:
         self.settled.hooked(self, f.state, measured is not None, judged=not alone)
         self.switch(f.state)
         moves = any(a.offloads for a in self.off.actions)
-        self.beside = (
-            [None] * self.off.n_layers if self.meter is not None and budget is not None and not moves else None
-        )
-        if self.meter is not None and self.fixed and not self.counting and self._timing():
-            # Before the first step: a higher peak from before attach would hide every step's.
-            self.meter.reset_peak()
-            self.counting = True
-            log.info("ssdtier: reset the peak memory counter: a fixed device_budget learns from it")
-        self.mark = self.meter.counters() if self.meter is not None else None
-        if self.beside is not None and self.mark is not None:
+        calm = watch.meter is not None and budget is not None and not moves
+        self.beside = [None] * self.off.n_layers if calm else None
+        mark = watch.begin()
+        if self.beside is not None and mark is not None:
             held = self.held()
-            self.beside0 = (self.mark.allocated - held, held)
-        self.end, self.ending = None, False  # (a backward that raised never ran its callback)
+            self.beside0 = (mark.allocated - held, held)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
         self.wait0 = self.off.io_wait()
@@ -515,7 +389,7 @@ class Adaptive:
     def unhooked_end(self, output: Any) -> None:
         """A forward without hooks ended: on the CPU with a budget, what it holds is counted
         until its backward begins (``Pending``)."""
-        if self.meter is None and self.off._budget and self.plan is not None:
+        if self.watch.meter is None and self.off._budget and self.plan is not None:
             self.settled.pending.add(output, self.plan.outcome.forward_peak)
 
     def switch(self, state: tuple) -> None:
@@ -525,15 +399,15 @@ class Adaptive:
             return
         st = self.settled
         if self.state_in is not None:
-            parked = Slot(self.plan, self.before, self.solving, self.ran, st.ceiling, st.calm, st.beside)
+            parked = Slot(self.plan, self.solving, self.ran, st.ceiling, st.calm, st.beside)
             self.parked[self.state_in] = parked
         self.state_in = state
         slot = self.parked.pop(state, None)
         while len(self.parked) >= STATES:
             del self.parked[next(iter(self.parked))]  # the longest parked
         if slot is None:  # planned from its own forwards; till then the actions in force run
-            slot = Slot(None, None, Solving(), None, None, 0, None)
-        self.plan, self.before, self.solving, self.ran, st.ceiling, st.calm, st.beside = slot
+            slot = Slot(None, Solving(), None, None, 0, None)
+        self.plan, self.solving, self.ran, st.ceiling, st.calm, st.beside = slot
         if self.plan is not None:
             self.off.set_actions(self.plan.actions)
 
@@ -541,25 +415,10 @@ class Adaptive:
         """A forward runs without hooks before the last hooked one's backward (several
         forwards, one backward): that step's peak holds activations no model counted. What is
         allocated as it begins, for ``trip``."""
-        if self.end is None:
-            self.mark = None
-        return self.settled.start if self.settled.beside is not None and self.meter is not None else None
-
-    def _learn(self, blocks: list, head: Head, start: Counters | None, end: Counters | None) -> None:
-        """A fixed budget on a GPU: the last step's peak (the allocator's counters as it began
-        and as its backward ended) against the model's for what it ran; the
-        difference is ``Head.working`` from now on. A step that set no new peak only bounds it
-        from above; counters reset within the step say nothing."""
-        if start is None or end is None or self.ran is None or len(self.ran) != len(blocks):
-            return
-        peak0, base, peak = start.peak, start.allocated, end.peak
-        if peak < peak0:  # the loop reset the counters within the step: nothing to learn
-            return
-        predicted = simulate(blocks, self.ran, self.transfers(), head).peak
-        if peak > peak0:
-            self.working = max(0, peak - base - predicted)
-        else:
-            self.working = min(self.working, max(0, peak0 - base - predicted))
+        watch = self.watch
+        if watch.end is None:
+            watch.mark = None
+        return self.settled.start if self.settled.beside is not None and watch.meter is not None else None
 
     def _adopt(self, blocks: list, head: Head, budget: int | None, feedback: bool = True) -> None:
         off = self.off
@@ -574,7 +433,7 @@ class Adaptive:
             elif self.ctl.quiet(can_lower=self.per_byte > 0):
                 self.per_byte /= 2
         tr = dataclasses.replace(self.transfers(), per_byte_s=self.per_byte)
-        head = dataclasses.replace(head, working=self.working)
+        head = dataclasses.replace(head, working=self.watch.working)
         plan, inputs, solving = self.plan, (blocks, tr, head, budget), self.solving
         # Measured at smaller inputs than the plan was chosen at (dynamic padding): a faster
         # plan for these would not fit those, so the plan stands while it fits, for a while.
@@ -617,7 +476,6 @@ class Adaptive:
 
     def _use(self, plan: Plan) -> None:
         self.plan = plan
-        self.before = list(plan.outcome.before)
         self.off.set_actions(plan.actions)
 
 
@@ -625,7 +483,6 @@ class Slot(NamedTuple):
     """A state's plan and ceiling, parked while forwards run in another."""
 
     plan: Plan | None
-    before: list[int] | None
     solving: Solving
     ran: list[Action] | None
     ceiling: Ceiling | None

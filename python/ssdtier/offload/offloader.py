@@ -240,8 +240,8 @@ class Offloader:
                 self.cuda.prepare(device)
             if pol.mode == "adaptive" and self.n_layers:
                 self.adaptive = Adaptive(self)
-                if self.adaptive.gpu is not None:
-                    self._sample = self.adaptive.sample_at
+                if self.adaptive.watch.gpu is not None:
+                    self._sample = self.adaptive.watch.sample_at
             imported()  # Dynamo imported by another thread while ssdtier's hooks were defined
             self._handles += [
                 model.register_forward_pre_hook(ModelHook(self._enter)),
@@ -389,7 +389,7 @@ class Offloader:
             if why:
                 self.once.warn("off", f"{why}: activations of such forwards of {type(module).__name__} stay in memory")
             if self.adaptive is not None:
-                self.adaptive.aside = True
+                self.adaptive.watch.aside = True
             return
         ad = self.adaptive
         if ad is not None:
@@ -461,7 +461,7 @@ class Offloader:
         if self.adaptive is not None:
             self.adaptive.forward_end()
         if self._sample is not None:
-            self.adaptive.sample()
+            self.adaptive.watch.sample()
         with self._lock:  # a backward, or a graph being freed, on another thread may poll too
             if self.ahead.auto and f.backward.seq and not (self._fifo and self.entries.waiting(f.forward, older=True)):
                 # The backward comes next: its first entries are wanted now (a source whose

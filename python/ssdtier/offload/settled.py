@@ -44,7 +44,7 @@ class Ceiling(NamedTuple):
         budget = ad.off._budget
         if budget is None:
             return True
-        return self.budget is not None and budget >= self.budget * (1 - ROOM) and ad.working <= self.working
+        return self.budget is not None and budget >= self.budget * (1 - ROOM) and ad.watch.working <= self.working
 
 
 class Settled:
@@ -90,7 +90,7 @@ class Settled:
             self.beside = ad.beside if self.calm else None
         self.state, self.rest = state, ()
         self.run = 0
-        self.room = ad.auto.usable() if ad.gpu is not None else None  # read by budget() just now
+        self.room = ad.watch.auto.usable() if ad.watch.gpu is not None else None  # read by watch.budget() just now
 
     def _judge(self, ad: Adaptive, measured: bool) -> int:
         """The calm count after the last hooked forward. One as planned at the ceiling's inputs
@@ -110,7 +110,7 @@ class Settled:
             self.known[key] = saved
         self.varies = self.varies or (was is not None and was != saved)
         if c is not None and (now, rest, saved) == (c.inputs, c.rest, c.saved):  # the plan fits at these inputs
-            self.ceiling = c._replace(budget=ad.off._budget, working=ad.working)
+            self.ceiling = c._replace(budget=ad.off._budget, working=ad.watch.working)
             return self.calm + 1
         if c is not None and c.holds(ad):
             smaller = not self.varies and (now, rest) != (c.inputs, c.rest) and within(now, c.inputs)
@@ -119,7 +119,7 @@ class Settled:
                 return self.calm + 1
             self.varies = self.varies or smaller  # smaller inputs saving more: not the shapes' bytes
         # The plan is predicted to fit the budget now from this forward's numbers (as_planned).
-        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.working, self.state, rest)
+        self.ceiling = Ceiling(now, saved, ad.off._budget, ad.watch.working, self.state, rest)
         return 1
 
     def skips(self, ad: Adaptive, state: tuple) -> bool:
@@ -131,23 +131,24 @@ class Settled:
         if not as_planned(ad, last=state == self.state):  # (another state's forward since: judged)
             return False
         budget, self.start = ad.off._budget or 0, None
-        if budget and ad.meter is None and self.pending.count:  # no allocator to see them: the guard counts
+        if budget and ad.watch.meter is None and self.pending.count:  # no allocator to see them: the guard counts
             return False
-        if ad.gpu is not None or (ad.meter is not None and budget):  # on a GPU with a budget
+        if ad.watch.gpu is not None or (ad.watch.meter is not None and budget):  # on a GPU with a budget
             if not ad._timing():  # a CUDA graph being captured: its memory is not to be read now
                 return False
-            if ad.gpu is not None:  # "auto": less memory than measured (another process), a retry
-                m = ad.gpu.memory()
+            if ad.watch.gpu is not None:  # "auto": less memory than measured (another process), a retry
+                m = ad.watch.gpu.memory()
                 if self.room is None or m.free + m.reserved < self.room - ROOM * budget:
                     return False
-                if m.retries > (ad.auto.retries or 0):  # the GPU ran full (its cache emptied: room as before)
+                if m.retries > (ad.watch.auto.retries or 0):  # the GPU ran full (its cache emptied: room as before)
                     return False
                 allocated = m.allocated
             else:
-                allocated = ad.meter.counters().allocated
+                allocated = ad.watch.meter.counters().allocated
             # More allocated than as the last hooked backward ended: earlier forwards' activations.
             # Gradients aside: zero_grad frees them between, and would hide as much of those.
-            if ad.meter is not None and (self.began is None or allocated - ad.grads() > self.began + ROOM * budget):
+            more = self.began is None or allocated - ad.grads() > self.began + ROOM * budget
+            if ad.watch.meter is not None and more:
                 return False
             self.start = allocated
         self.run += 1
