@@ -146,6 +146,8 @@ def test_allocator_retries_are_said_where_they_happened():
     assert "blocks a measured step recomputed past ssdtier's plan (its forward would have passed the budget): " \
         "ssdtier 0.5x keep 1.5" in summary.render([keep, ours], TINY)  # fmt: skip
     assert train.in_a_line(ours).endswith("retries, 1.5 blocks a step recomputed past the plan")
+    ours["guard_recomputed"] = 1 / 3  # a block in one of 3 measured steps
+    assert train.in_a_line(ours).endswith("retries, 0.33 blocks a step recomputed past the plan")
     ours["plan"] = {"keep": 2, "recompute": 1}
     assert train.in_a_line(ours).endswith("past the plan, plan 2/0/1 (keep/offload/recompute)")
     assert train.in_a_line(train.failed(Setting(Mode.KEEP), TINY, "OOM", "x")) == "OOM: x"

@@ -110,7 +110,7 @@ def render(results: list[dict[str, Any]], w: Workload) -> str:
         ("guard_recomputed", "", "blocks a measured step recomputed past ssdtier's plan (its forward would have "
                                  "passed the budget)"),
     ):  # fmt: skip
-        named = [f"{r['setting']} {sign}{r[key]:g}" for r in ok if r.get(key)]
+        named = [f"{r['setting']} {sign}{round(r[key], 2):g}" for r in ok if r.get(key)]  # (a mean a step)
         if named:
             lines.append(f"{what}: {', '.join(named)}")
     if any(r.get("losses_equal_keep") is None for r in ok):

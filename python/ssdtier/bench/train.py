@@ -637,7 +637,7 @@ def in_a_line(r: dict[str, Any]) -> str:
     if r.get("alloc_retries"):
         line += f", {r['alloc_retries']} allocator retries"
     if r.get("guard_recomputed"):
-        line += f", {r['guard_recomputed']:g} blocks a step recomputed past the plan"
+        line += f", {round(r['guard_recomputed'], 2):g} blocks a step recomputed past the plan"
     return line + (f", plan {plan_text(r['plan'])} (keep/offload/recompute)" if r.get("plan") else "")
 
 
