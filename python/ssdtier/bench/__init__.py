@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
     p = command("train", _train, "keep, ssdtier, checkpoint and save_on_cpu side by side on one model")
     add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256), 3 rounds: about 2 minutes on a CPU")
     p = command("rok", _rok, "every way to save activation memory side by side: the ROK curve and who dominates")
-    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256), 3 rounds: about 5 minutes on a CPU")
+    add_workload_arguments(p, "a small model (4 blocks, width 128, seq 256), 3 rounds: about 7 minutes on 2 CPU cores")
     _rok_arguments(p)
 
 

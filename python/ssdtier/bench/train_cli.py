@@ -25,7 +25,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attention": "plain", "dtype": "fp32", "dropout": 0.1, "min_tensor_bytes": "64KiB",
     },
     # Small, yet its activations (~180 MiB) are well above what a process's RSS moves by
-    # itself, so that memory saved shows on a CPU (3 rounds: 2 to 5 minutes there).
+    # itself, so that memory saved shows on a CPU (3 rounds: about 7 minutes on 2 cores).
     "quick": {"layers": 4, "d_model": 128, "heads": 4, "seq": 256, "batch": 8, "vocab": 512, "steps": 3, "warmup": 1},
     # For a GPU: wide blocks (more FLOPs per byte saved), and long sequences (SDPA: no T x T
     # scores); too slow for a CPU.
