@@ -61,6 +61,21 @@ def test_what_is_held_as_each_block_starts_counts_the_sources_still_leaving():
     assert got.before == (0, 50 * MB, 100 * MB, 200 * MB)
 
 
+def test_tensors_too_small_to_offload_stay_unless_the_block_is_recomputed():
+    # Each block: 100 MB offloadable, 30 MB in tensors under min_tensor_bytes; of its 10 MB of
+    # inputs, 4 MB in such tensors. Offloaded, a block holds its 30 MB; recomputed with its
+    # inputs offloaded, the 4 MB; the guard reads these as held, so the plan must too.
+    blocks = [dataclasses.replace(b, small=30 * MB, inputs_small=4 * MB) for b in uniform(4)]
+    b = blocks[0]
+    assert [b.held(a) for a in (K, OF, R, RO)] == [130 * MB, 30 * MB, 10 * MB, 4 * MB]
+    assert [b.moved(a) for a in (K, OF, R, RO)] == [0, 100 * MB, 0, 6 * MB]
+    got = simulate(blocks, [OF, OF, K, RO], disk(5e9))
+    assert got.before[1:] == (30 * MB, 60 * MB, 190 * MB) and got.forward_peak == 194 * MB
+    # Kept, a block holds all of it: a budget of 4 kept blocks' offloadable bytes is not enough.
+    p = solve(blocks, disk(1e3), 400 * MB)  # (a disk too slow to hide anything)
+    assert p.fits and p.count(K) < 4 and p.outcome.peak <= 400 * MB, p.table()
+
+
 def test_the_peak_measured_past_the_model_is_added_to_every_plan():
     head = Head(30 * MB, 0.05, 0.1)
     plain = simulate(uniform(), [K] * 8, disk(), head)

@@ -145,15 +145,15 @@ def test_a_blocks_inputs_at_the_address_of_a_freed_storage_are_counted():
     from ssdtier.offload.profile import input_bytes
 
     a, seen = torch.zeros(256), {}
-    assert input_bytes((a, a[:10], torch.zeros(3, dtype=torch.long)), seen) == 1024  # a storage once
-    assert input_bytes((a,), seen) == 0  # a tensor every block takes (a mask): one block's input
+    assert input_bytes((a, a[:10], torch.zeros(3, dtype=torch.long)), seen) == (1024, 0)  # a storage once
+    assert input_bytes((a,), seen) == (0, 0)  # a tensor every block takes (a mask): one block's input
     m, per_block = torch.zeros(64), {}
-    assert input_bytes((m[None],), per_block) == 256
-    assert input_bytes((m[None],), per_block) == 0  # ... or a view of it made for each block
+    assert input_bytes((m[None],), per_block, 1024) == (256, 256)  # under 1024 bytes: kept if offloaded
+    assert input_bytes((m[None],), per_block) == (0, 0)  # ... or a view of it made for each block
     gone = torch.zeros(1)
     seen[a.untyped_storage().data_ptr()] = weakref.ref(gone)
     del gone  # the tensor seen at this address is freed: what is there now is another one's
-    assert input_bytes((a,), seen) == 1024
+    assert input_bytes((a,), seen) == (1024, 0)
 
 
 # ------------------------------------------------------------------ attach, detach, copies

@@ -1174,3 +1174,31 @@ def test_a_forward_without_hooks_is_pending_until_a_backward_through_any_output(
     assert (p.count, p.bytes) == (0, 0)
     p.add(w * 4, 7)  # its graph freed at once, no backward
     assert (p.count, p.bytes) == (0, 0)
+
+
+@pytest.mark.parametrize("small", [6144, 1 << 20], ids=["some", "all"])
+def test_tensors_under_min_tensor_bytes_are_planned_as_held(store_dir, monkeypatch, small):
+    # Under 6 KiB a tensor is kept whatever its block's action (the model's width: 4 KiB); the
+    # guard counts it held. The plan left such tensors out: at this budget it kept every block
+    # and the guard recomputed two past it at every step. Under 1 MiB every tensor is kept.
+    _steady(monkeypatch)
+    per_block = {}
+
+    def run(min_bytes):
+        seen = []
+
+        def look(off):
+            seen.append(off.c["guard_recomputed"])
+            blocks = [d.block for d in off.adaptive.plan.decisions] if off.adaptive.plan else []
+            per_block[min_bytes] = [b.whole for b in blocks]
+
+        cfg = adaptive(store_dir, device_budget=240_000, min_tensor_bytes=min_bytes, keep_last_layers="auto")
+        got = steps(GPT, cfg, batches=(2,) * 10, on_step=look)
+        return got, seen
+
+    (got, seen), _ = run(small), run(0)
+    assert_same(steps(GPT, batches=(2,) * 10), got)
+    assert seen[-6:] == [seen[-1]] * 6, seen  # the plan stands, and the guard switches nothing
+    # What a block holds kept is one amount, whether its tensors are offloadable or not
+    # (block 0's share of what runs before the blocks aside: kept whatever, with the head's).
+    assert per_block[small][1:] == per_block[0][1:], per_block

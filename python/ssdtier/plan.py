@@ -50,13 +50,26 @@ class Block:
     recompute_s: float  # its forward again, in backward
     offload_s: float = 0.0  # the hooks' time that the step pays when the block is offloaded
     recomputable: bool = True  # not when it updates a cache each call (transformers' use_cache)
+    small: int = 0  # saved below policy.min_tensor_bytes: never moved, dropped only by recomputing
+    inputs_small: int = 0  # of ``inputs``, those below it: kept even when the inputs are offloaded
+
+    @property
+    def whole(self) -> int:
+        """Bytes the block holds kept (and in its backward, whatever its action)."""
+        return self.bytes + self.small
 
     def held(self, a: Action) -> int:
         """Bytes the block holds on the device from its forward to its backward."""
-        return self.bytes if a is Action.KEEP else self.inputs if a is Action.RECOMPUTE else 0
+        if a is Action.KEEP:
+            return self.whole
+        if a is Action.RECOMPUTE:
+            return self.inputs
+        return self.small if a is Action.OFFLOAD else self.inputs_small
 
     def moved(self, a: Action) -> int:
-        return self.bytes if a is Action.OFFLOAD else self.inputs if a is Action.RECOMPUTE_OFFLOAD else 0
+        if a is Action.OFFLOAD:
+            return self.bytes
+        return self.inputs - self.inputs_small if a is Action.RECOMPUTE_OFFLOAD else 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class Head:
     forward_s: float = 0.0
     backward_s: float = 0.0
     working: int = 0
+    first: int = 0  # kept from before the first block to the end of the backward (small tensors)
 
 
 @dataclass(frozen=True)
@@ -143,7 +157,7 @@ def simulate(
     done = [0.0] * n
     held = [b.held(a) for b, a in zip(blocks, actions, strict=True)]
     again = [a is Action.RECOMPUTE or a is Action.RECOMPUTE_OFFLOAD for a in actions]  # recomputed
-    before, kept = [], 0
+    before, kept = [], head.first
     live = 0  # spans before it have ended: their ends come in order, as ``t`` does
     for i, (b, a) in enumerate(zip(blocks, actions, strict=True)):
         start = t
@@ -197,7 +211,7 @@ def simulate(
     if limit is not None:  # what the model does not see takes its share of the budget first
         limit -= head.working
     unfinished = leaving(t_fwd)
-    peak = forward_peak = head.bytes + sum(held) + int(unfinished)
+    peak = forward_peak = head.bytes + head.first + sum(held) + int(unfinished)
     # Backward: the spilled bytes are the first ones saved. NVMe reads them into the host
     # after the writes, in the order the backward needs them; copies back to the device (or,
     # without a link, the reads) start as soon as the device has room under ``limit``.
@@ -207,10 +221,10 @@ def simulate(
         on_disk[i] = min(moved[i], left)
         left -= on_disk[i]
     if limit is None:  # the most the plan holds anyway (at the forward's end, or a block made again), and a block ahead
-        below, limit = sum(held), peak
+        below, limit = head.first + sum(held), peak
         for j in range(n - 1, -1, -1):
             below -= held[j]
-            limit = max(limit, below + max(blocks[j].bytes, held[j]) + (blocks[j].inputs if again[j] else 0))
+            limit = max(limit, below + max(blocks[j].whole, held[j]) + (blocks[j].inputs if again[j] else 0))
         limit += max(moved, default=0)
     order = [i for i in range(n - 1, -1, -1) if moved[i]]
     ready = [max(t_fwd, done[i]) for i in range(n)]
@@ -243,10 +257,10 @@ def simulate(
         while q < len(order) and used + ahead + moved[order[q]] <= limit:
             start(order[q], at)
 
-    below = sum(held)
+    below = head.first + sum(held)
     if n:  # during the head's backward, with room for the last block's
         last = blocks[-1]
-        first = below - held[-1] + max(last.bytes, held[-1]) + (last.inputs if again[-1] else 0)
+        first = below - held[-1] + max(last.whole, held[-1]) + (last.inputs if again[-1] else 0)
         fill(t_fwd, max(head.bytes + below, first))
     t = t_fwd + head.backward_s
     wait_b = rec = 0.0
@@ -269,7 +283,7 @@ def simulate(
                 late.append(b.index)
                 t += lateness
                 wait_b += lateness
-        working = max(b.bytes, held[j]) + (b.inputs if again[j] else 0)
+        working = max(b.whole, held[j]) + (b.inputs if again[j] else 0)
         gone = leaving(t, j) if late_spans else 0
         fill(t, below + working + gone)
         peak = max(peak, below + working + ahead + gone)
@@ -461,7 +475,7 @@ def _search(
 
 
 def _frees_per_s(b: Block) -> float:
-    return (b.bytes - b.inputs) / max(b.recompute_s, EPS)
+    return (b.whole - b.inputs) / max(b.recompute_s, EPS)
 
 
 def solve(
@@ -502,7 +516,7 @@ def solve(
     if got.fits_host and got.peak <= budget:
         return _plan(blocks, acts, got, tr, head, budget, step, True, "the fastest mix within the budget")
     reason = f"nothing fits the budget: the least memory found ({format_size(got.peak)} predicted)"
-    fixed = head.bytes + head.working  # no block's action moves these: a smaller loss would
+    fixed = head.bytes + head.first + head.working  # no block's action moves these: a smaller loss would
     if fixed:
         working = f", {format_size(head.working)} of it working memory" if head.working else ""
         reason += f"; {format_size(fixed)} of it is the loss's and what follows the last block{working}"
@@ -587,8 +601,9 @@ def _plan(
         elif a is Action.OFFLOAD:
             why = "back late: the backward waits" if b.index in late else "its transfers hide behind compute"
         elif a is Action.RECOMPUTE:
-            why = f"frees {format_size(b.bytes - b.inputs)} for {b.recompute_s * 1e3:.1f} ms"
+            why = f"frees {format_size(b.whole - b.inputs)} for {b.recompute_s * 1e3:.1f} ms"
         else:
-            why = f"frees {format_size(b.bytes)} for {b.recompute_s * 1e3:.1f} ms, its inputs offloaded"
+            frees = format_size(b.whole - b.inputs_small)
+            why = f"frees {frees} for {b.recompute_s * 1e3:.1f} ms, its inputs offloaded"
         decisions.append(Decision(b, a, why))
     return Plan(tuple(decisions), got, tr, head, budget, step, fits, reason)

@@ -50,7 +50,12 @@ class Adaptive:
         self.off = off
         self.device = cuda_device(off.model)  # None: on the CPU
         self.profile = Profile(
-            off.n_layers, self.device, self._forward_waits, self.device is None, self._backward_waits
+            off.n_layers,
+            self.device,
+            self._forward_waits,
+            self.device is None,
+            self._backward_waits,
+            off.config.policy.min_tensor_bytes,
         )
         self.plan: Plan | None = None
         self.warm = False  # an iteration was profiled and not planned from (GPU only)
@@ -194,8 +199,8 @@ class Adaptive:
         if self._timing():
             self.profile.forward_end()
 
-    def saved(self, tag: int, nbytes: int, offloaded: bool) -> None:
-        self.profile.saved_bytes(tag, nbytes, offloaded)
+    def saved(self, tag: int, nbytes: int, offloaded: bool, small: bool = False) -> None:
+        self.profile.saved_bytes(tag, nbytes, offloaded, small)
 
     def held(self) -> int:
         """Activation bytes on the device now that the offloader knows of: kept, restored or
@@ -330,7 +335,7 @@ class Adaptive:
         saved = self.profile.saved
         for j in range(1, i):
             b = self.plan.decisions[j].block
-            want += b.inputs if acts[j].recomputes else b.bytes
+            want += b.inputs - b.inputs_small if acts[j].recomputes else b.bytes  # (small: not in saved)
             got += saved[j + 1]
         return got / want if want else 1.0
 
@@ -548,7 +553,7 @@ def same_inputs(a: tuple, b: tuple) -> bool:
 
     pairs = [(x, y) for x, y in zip(blocks, blocks2, strict=True)] + [(head, head2)]
     per_block = step / max(len(blocks2), 1)
-    for name in ("bytes", "inputs", "forward_s", "backward_s", "recompute_s", "offload_s"):
+    for name in ("bytes", "inputs", "small", "inputs_small", "forward_s", "backward_s", "recompute_s", "offload_s"):
         present = [(getattr(x, name), getattr(y, name)) for x, y in pairs if hasattr(x, name)]
         scale = per_block if name.endswith("_s") else sum(abs(y) for _, y in present) / max(len(present), 1)
         if not all(near(x, y, scale) for x, y in present):

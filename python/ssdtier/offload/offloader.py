@@ -549,8 +549,8 @@ class Offloader:
         excluded = f.excluded or NO_OFFLOAD.depth  # asked for: the budget does not overrule it
         kept = (dev, ptr) in self._kept_st  # already (saved twice, or a view): offloading frees nothing
         keep = small or kept or not f.off_tag[tag]
-        if keep and not kept and self._budget is not None and self.res.kept + nbytes > self._budget:
-            keep = False  # over the device budget: offload even what the policy would keep
+        if keep and not (kept or small) and self._budget is not None and self.res.kept + nbytes > self._budget:
+            keep = False  # over the device budget: offload even what the policy would keep (not small ones)
         elif keep and not (kept or small or excluded) and (dev, ptr) in self.entries.by_storage:
             hit = self._offloaded(t, st, (dev, ptr), f)  # offloaded already: keeping it would hold it twice
             if hit is not None:
@@ -619,8 +619,8 @@ class Offloader:
         return Saved(self, hit, t, f, hit.first)
 
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
-        if self.adaptive is not None and nbytes >= self._min_bytes and key not in self._kept_st:
-            self.adaptive.saved(f.tag, nbytes, False)  # each storage once
+        if self.adaptive is not None and key not in self._kept_st:
+            self.adaptive.saved(f.tag, nbytes, False, nbytes < self._min_bytes)  # each storage once
         self.c["tensors_kept"] += 1
         self.c["bytes_kept"] += nbytes
         kept = Kept(self, t, nbytes, f, key)

@@ -24,11 +24,12 @@ SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence c
 UNSEEN = 2.0  # saved bytes ~ inputs ** this, for a longer sequence before two sizes were measured
 
 
-def input_bytes(args: tuple, seen: dict[int, weakref.ref]) -> int:
+def input_bytes(args: tuple, seen: dict[int, weakref.ref], below: int = 0) -> tuple[int, int]:
     """Bytes of the tensor arguments, each storage once (and none in ``seen``, which gets
-    them): what a recomputation of the block holds (checkpointing saves them). A storage
-    freed since (an offloaded input) may lend its address to a later block's: not the same."""
-    total = 0
+    them): what a recomputation of the block holds (checkpointing saves them); and of those,
+    storages under ``below`` bytes (kept, not offloaded). A storage freed since (an offloaded
+    input) may lend its address to a later block's: not the same."""
+    total = small = 0
     for a in args:
         if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
             st = a.untyped_storage()
@@ -37,8 +38,10 @@ def input_bytes(args: tuple, seen: dict[int, weakref.ref]) -> int:
             t = was() if was is not None else None
             if t is None or t.untyped_storage().data_ptr() != ptr:
                 seen[ptr] = weakref.ref(a if a._base is None else a._base)  # a view made per block dies
-                total += st.nbytes()
-    return total
+                n = st.nbytes()
+                total += n
+                small += n if n < below else 0
+    return total, small
 
 
 class _Clock:
@@ -89,8 +92,10 @@ class Profile:
         waited: Callable[[], float],
         cpu_hooks: bool,
         back_waited: Callable[[], float] = lambda: 0.0,
+        min_bytes: int = 0,
     ) -> None:
         self.n = n
+        self.min_bytes = min_bytes  # smaller storages are kept, never offloaded (min_tensor_bytes)
         self.clock = _Clock(device, waited)
         self.back_waited = back_waited  # seconds the backward waited for reads so far
         self.cpu_hooks = cpu_hooks  # the hooks run on the thread that computes: their time counts
@@ -100,6 +105,7 @@ class Profile:
         # Each block's last measurement (None: never): saved bytes when it was not recomputed,
         # and its inputs then, to scale it by.
         self.full: list[tuple[int, int] | None] = [None] * n
+        self.full_small = [0] * n  # ... and its small tensors' bytes then
         self.other: list[tuple[int, int] | None] = [None] * n  # ... and one at other inputs before it
         self.recompute_s: list[float | None] = [None] * n
         self.backward_s: list[float | None] = [None] * n
@@ -118,7 +124,9 @@ class Profile:
         n = self.n
         self.saved = [0] * (n + 2)  # bytes per tag, each storage once
         self.kept = [0] * (n + 2)  # kept tensors per tag: offloading them would cost the hooks' time
+        self.small = [0] * (n + 2)  # bytes per tag below min_tensor_bytes: kept whatever the action
         self.inputs = [0] * n
+        self.inputs_small = [0] * n  # ... of them, bytes in storages under min_bytes
         self.inputs_seen: dict[int, weakref.ref] = {}  # a tensor every block takes (a mask) is one block's input
         self.spans: list[tuple[int, Any]] = []
         self.head_span: Any = None
@@ -131,7 +139,7 @@ class Profile:
     # ---------------------------------------------------------------- forward
 
     def block_enter(self, tag: int, args: tuple) -> None:
-        self.inputs[tag - 1] = input_bytes(args, self.inputs_seen)
+        self.inputs[tag - 1], self.inputs_small[tag - 1] = input_bytes(args, self.inputs_seen, self.min_bytes)
         self.open[tag] = self.clock.start()
 
     def block_exit(self, tag: int) -> None:
@@ -149,7 +157,10 @@ class Profile:
         self.end_mark, self.end_waited = self.clock.mark(), self.back_waited()
         self.marks = []
 
-    def saved_bytes(self, tag: int, nbytes: int, offloaded: bool) -> None:
+    def saved_bytes(self, tag: int, nbytes: int, offloaded: bool, small: bool = False) -> None:
+        if small:
+            self.small[tag] += nbytes
+            return
         self.saved[tag] += nbytes
         if offloaded:
             self.sent += 1
@@ -171,8 +182,8 @@ class Profile:
         return statistics.median(seen) if seen else UNSEEN
 
     def bytes_so_far(self, tag: int) -> int:
-        """Saved by this forward before block ``tag`` - 1."""
-        return sum(self.saved[:tag])
+        """Saved by this forward before block ``tag`` - 1, small tensors included."""
+        return sum(self.saved[:tag]) + sum(self.small[:tag])
 
     # ---------------------------------------------------------------- backward
 
@@ -247,11 +258,14 @@ class Profile:
                 if last is not None and not _like(last[1], self.inputs[i]):
                     self.other[i] = last
                 self.full[i] = (self.saved[i + 1], self.inputs[i])
+                self.full_small[i] = self.small[i + 1]
                 if self.inputs[i] > 0:
                     now.append(self.saved[i + 1] / self.inputs[i])
         ratios = [b / x for b, x in (f for f in self.full if f is not None) if x > 0]
         per_input = statistics.median(ratios) if ratios else 1.0
         per_input_now = statistics.median(now) if now else None
+        smalls = [s / f[1] for s, f in zip(self.full_small, self.full, strict=True) if f is not None and f[1] > 0]
+        small_per_input = statistics.median(smalls) if smalls else 0.0
         rec = [r / fwd[i + 1] for i, r in enumerate(self.recompute_s) if r is not None and fwd[i + 1] > 0]
         rec_share = statistics.median(rec) if rec else 1.0
         back = [b / fwd[i + 1] for i, b in enumerate(self.backward_s) if b is not None and fwd[i + 1] > 0]
@@ -263,16 +277,17 @@ class Profile:
             inputs = self.inputs[i]
             known = self.full[i]
             if known is None:
-                nbytes = int(per_input * inputs)
+                nbytes, small = int(per_input * inputs), int(small_per_input * inputs)
             elif self.recomputed[i] and known[1] > 0:
                 # Measured at another batch or length: attention's T x T scores grow faster
                 # than inputs (UNSEEN until the block was measured at two sizes).
                 power = self._exponent(i) or (UNSEEN if inputs > known[1] else 1.0)
-                nbytes = int(known[0] * (inputs / known[1]) ** power)
+                scale = (inputs / known[1]) ** power
+                nbytes, small = int(known[0] * scale), int(self.full_small[i] * scale)
                 if per_input_now is not None and not _like(known[1], inputs):
                     nbytes = max(nbytes, int(per_input_now * inputs))
             else:
-                nbytes = known[0]
+                nbytes, small = known[0], self.full_small[i]
             if i == 0:
                 nbytes += self.saved[0]  # what is saved before the first block goes with it
             if fwd[i + 1] > 0 and not self.recorded:
@@ -288,11 +303,15 @@ class Profile:
                 if self.offloaded[i] and f + b > 0:  # its own time, without what offloading added
                     keep = max(f + b - cost, 0.0) / (f + b)
                     f, b = f * keep, b * keep
-            blocks.append(Block(i, nbytes, min(inputs, nbytes), f, b, r, cost, not self.stateful[i]))
+            held_in = min(inputs, nbytes + small)
+            small_in = min(self.inputs_small[i], held_in)
+            blocks.append(Block(i, nbytes, held_in, f, b, r, cost, not self.stateful[i], small, small_in))
         self.recorded = True
         head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
         head_b = self.head_back if self.head_back is not None else BACKWARD * head_s
-        return blocks, Head(self.saved[n + 1], head_s, head_b)
+        # Small tensors are kept whatever the plan: after the last block with the head's, and
+        # from before the first to the end of the backward.
+        return blocks, Head(self.saved[n + 1] + self.small[n + 1], head_s, head_b, first=self.small[0])
 
 
 def _like(x: int, inputs: int) -> bool:
