@@ -211,7 +211,7 @@ def simulate(
     if limit is not None:  # what the model does not see takes its share of the budget first
         limit -= head.working
     unfinished = leaving(t_fwd)
-    peak = forward_peak = head.bytes + head.first + sum(held) + int(unfinished)
+    peak = forward_peak = head.bytes + kept + int(unfinished)  # (kept: what the blocks hold, and head.first)
     # Backward: the spilled bytes are the first ones saved. NVMe reads them into the host
     # after the writes, in the order the backward needs them; copies back to the device (or,
     # without a link, the reads) start as soon as the device has room under ``limit``.
@@ -221,7 +221,7 @@ def simulate(
         on_disk[i] = min(moved[i], left)
         left -= on_disk[i]
     if limit is None:  # the most the plan holds anyway (at the forward's end, or a block made again), and a block ahead
-        below, limit = head.first + sum(held), peak
+        below, limit = kept, peak
         for j in range(n - 1, -1, -1):
             below -= held[j]
             limit = max(limit, below + max(blocks[j].whole, held[j]) + (blocks[j].inputs if again[j] else 0))
@@ -257,7 +257,7 @@ def simulate(
         while q < len(order) and used + ahead + moved[order[q]] <= limit:
             start(order[q], at)
 
-    below = head.first + sum(held)
+    below = kept
     if n:  # during the head's backward, with room for the last block's
         last = blocks[-1]
         first = below - held[-1] + max(last.whole, held[-1]) + (last.inputs if again[-1] else 0)
