@@ -16,6 +16,7 @@ import ssdtier
 from ssdtier.bench.models import GPTConfig, batch_loss, build_model, make_batch
 from ssdtier.offload.adaptive import Adaptive
 from ssdtier.offload.budget import Counters, Memory
+from ssdtier.offload.profile import Recomputable
 from ssdtier.offload.recompute import Recompute
 from ssdtier.offload.settled import Settled
 from ssdtier.offload.watch import Watch
@@ -99,6 +100,32 @@ def test_a_recomputed_block_hands_only_its_inputs_to_the_offloader(store_dir, mo
     saved = seen["saved"]  # by tag: 0 before the blocks, i + 1 in block i
     x = 2 * GPT.seq_len * GPT.d_model * 4  # a block's input: the fp32 residual stream
     assert saved[2] == x and saved[1] > 4 * x and saved[3] == saved[1]
+
+
+def _frozen_below(store_dir, budget, n=2):
+    """The GPT fine-tuned above its embeddings and first two blocks: the plans of ``n`` steps."""
+    torch.manual_seed(0)
+    model = build_model(GPT)
+    for m in (model.tok_emb, model.pos_emb, *model.blocks[:2]):
+        m.requires_grad_(False)
+    gen = torch.Generator().manual_seed(2)
+    plans = []
+    with ssdtier.attach(model, adaptive(store_dir, device_budget=budget)) as off:
+        for _ in range(n):
+            batch_loss(model, make_batch(GPT, 2, gen)).backward()
+            plans.append(off.plan())
+    return plans
+
+
+def test_a_block_never_measured_is_not_estimated_from_blocks_that_save_nothing(store_dir):
+    # The first forward's guard recomputes the last block, so it is never measured; the frozen
+    # blocks, which save nothing, say nothing of what it saves.
+    whole = _frozen_below(store_dir, 1 << 30)[-1]
+    x = whole.decisions[2].block.bytes
+    assert [d.block.bytes for d in whole.decisions][:2] == [0, 0] and x > 0
+    plan = _frozen_below(store_dir, int(1.5 * x))[1]  # from the first forward's measurements
+    assert plan.decisions[3].block.bytes == x
+    assert plan.actions[2:] != (K, K)
 
 
 def test_the_users_own_checkpointing_is_not_wrapped_again(store_dir, monkeypatch):
@@ -905,7 +932,7 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
             swell=1.0,
             switched=0,
             _saving=lambda acts, i: 1.0,
-            profile=SimpleNamespace(stateful=[False] * 4),
+            profile=SimpleNamespace(recomputable=[Recomputable.YES] * 4),
         )
         Adaptive.guard(me, f, 2)
         assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
@@ -932,7 +959,7 @@ def test_the_guard_scales_by_what_this_forward_saved():
             plan=plan,
             swell=1.0,
             switched=0,
-            profile=SimpleNamespace(saved=[0, saved, saved, saved, 0, 0], stateful=[False] * 4),
+            profile=SimpleNamespace(saved=[0, saved, saved, saved, 0, 0], recomputable=[Recomputable.YES] * 4),
         )
         me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
         Adaptive.guard(me, f, 4)

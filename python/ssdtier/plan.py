@@ -49,7 +49,7 @@ class Block:
     backward_s: float
     recompute_s: float  # its forward again, in backward
     offload_s: float = 0.0  # the hooks' time that the step pays when the block is offloaded
-    recomputable: bool = True  # not when it updates a cache each call (transformers' use_cache)
+    recomputable: bool = True  # not when it updates a cache each call, or changes its inputs in place
     small: int = 0  # saved below policy.min_tensor_bytes: never moved, dropped only by recomputing
     inputs_small: int = 0  # of ``inputs``, those below it: kept even when the inputs are offloaded
 

@@ -20,7 +20,7 @@ from ..sizes import format_size
 from ..store import TieredStore
 from ._util import aligned_storage, cuda_device, warn
 from .control import StepControl
-from .profile import Profile
+from .profile import Profile, Recomputable
 from .settled import STATES, Ceiling, Settled, batch_grew, shapes, within
 from .watch import Watch
 
@@ -218,7 +218,7 @@ class Adaptive:
         budget = self.off._budget
         acts = f.acts
         i = tag - 1
-        least = Action.OFFLOAD if self.profile.stateful[i] else Action.RECOMPUTE_OFFLOAD  # (a cache: runs whole)
+        least = Action.OFFLOAD if self.profile.recomputable[i] is not Recomputable.YES else Action.RECOMPUTE_OFFLOAD
         if budget is None or acts is None or acts[i] is least:
             return
         now = self.held()
@@ -307,7 +307,8 @@ class Adaptive:
                 "passed, or set on each config (ssdtier.integrations.hf.without_cache(model), as under its "
                 "gradient checkpointing)"
             )
-        prof.stateful[i] = True
+        if prof.recomputable[i] is Recomputable.YES:
+            prof.recomputable[i] = Recomputable.CACHE
         if f.unhooked:  # autograd keeps what it saves: the next forward is hooked, and planned anew
             self.settled.calm = 0
             return
@@ -315,12 +316,29 @@ class Adaptive:
         f.acts[i], f.off_tag[tag] = Action.OFFLOAD, True
         prof.recomputed[i], prof.offloaded[i] = False, True
 
+    def changes_inputs(self, f: Fwd, tag: int, block: object) -> None:
+        """Block ``tag`` - 1 changed its inputs in place: plans no longer recompute it, nor its
+        next calls in this forward."""
+        i = tag - 1
+        self.profile.recomputable[i] = Recomputable.INPUTS
+        if f.acts is not None and f.acts[i].recomputes:
+            f.acts[i], f.off_tag[tag] = Action.OFFLOAD, True
+        self.off.once.warn(
+            f"inputs {type(block).__name__}",
+            f"a {type(block).__name__} block changes its inputs in place, so a recomputation would start from "
+            "those changes (torch.utils.checkpoint refuses such blocks too): ssdtier keeps or offloads it",
+        )
+
     def _recompute_rest(self, f: Fwd, i: int) -> int:
         """Blocks ``i`` on of a forward without hooks that were to be kept recompute instead:
         how many."""
         assert f.acts is not None
         f.base, self.settled.calm = None, 0
-        switched = [j for j in range(i, len(f.acts)) if f.acts[j] is Action.KEEP and not self.profile.stateful[j]]
+        switched = [
+            j
+            for j in range(i, len(f.acts))
+            if f.acts[j] is Action.KEEP and self.profile.recomputable[j] is Recomputable.YES
+        ]
         for j in switched:
             f.acts[j] = Action.RECOMPUTE
         self.off.c["guard_recomputed"] += len(switched)

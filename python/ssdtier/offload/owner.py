@@ -90,7 +90,9 @@ class HookOwner(Protocol):
 
 
 class RecomputeOwner(HookOwner, Protocol):
-    pass
+    _params: Params
+
+    def _unpack(self, h: Any) -> torch.Tensor: ...
 
 
 class LayersOwner(Protocol):
@@ -118,6 +120,7 @@ class AdaptiveOwner(StatsOwner, LayersOwner, Protocol):
     _gds: CuFile | None
     _params: Params
     cuda_ok: bool
+    once: Once
 
     def set_actions(self, actions: tuple[Action, ...]) -> None: ...
 

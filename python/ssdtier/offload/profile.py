@@ -5,6 +5,7 @@ less the time the step waited on the store."""
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 import time
@@ -22,6 +23,14 @@ OFFLOAD_TENSOR_S = 15e-6  # the hooks' time per offloaded tensor on the CPU (ben
 RECENT = 3  # steps whose times of a block are taken together (their median): one odd step is noise
 SAME_INPUTS = 0.1  # ... while its inputs stay this close (a batch or sequence changed: times did too)
 UNSEEN = 2.0  # saved bytes ~ inputs ** this, for a longer sequence before two sizes were measured
+
+
+class Recomputable(enum.Enum):
+    """Whether a block may be recomputed."""
+
+    YES = "recomputable"
+    CACHE = "not while called with a key/value cache it updates"
+    INPUTS = "never: it changes its inputs in place, where a recomputation would start"
 
 
 def input_bytes(args: tuple, seen: dict[int, weakref.ref], below: int = 0) -> tuple[int, int]:
@@ -114,7 +123,7 @@ class Profile:
         self.fwd_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.back_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.rec_spans: list[tuple[int, Any]] = []
-        self.stateful = [False] * n  # blocks called with a cache they update: not recomputable
+        self.recomputable = [Recomputable.YES] * n
         self.io_per_byte: float | None = None  # what offloading costs the step per byte, past its waits
         self.end_mark: Any = None  # the forward's end, where the backward's marks start from
         self.end_waited = 0.0
@@ -259,12 +268,18 @@ class Profile:
                     self.other[i] = last
                 self.full[i] = (self.saved[i + 1], self.inputs[i])
                 self.full_small[i] = self.small[i + 1]
-                if self.inputs[i] > 0:
+                if self.inputs[i] > 0 and self.saved[i + 1] + self.small[i + 1] > 0:
                     now.append(self.saved[i + 1] / self.inputs[i])
-        ratios = [b / x for b, x in (f for f in self.full if f is not None) if x > 0]
+        # Blocks that saved nothing at all (frozen) say nothing of what the others save.
+        some = [
+            (f, s)
+            for f, s in zip(self.full, self.full_small, strict=True)
+            if f is not None and f[1] > 0 and f[0] + s > 0
+        ]
+        ratios = [b / x for (b, x), _ in some]
         per_input = statistics.median(ratios) if ratios else 1.0
         per_input_now = statistics.median(now) if now else None
-        smalls = [s / f[1] for s, f in zip(self.full_small, self.full, strict=True) if f is not None and f[1] > 0]
+        smalls = [s / x for (_, x), s in some]
         small_per_input = statistics.median(smalls) if smalls else 0.0
         rec = [r / fwd[i + 1] for i, r in enumerate(self.recompute_s) if r is not None and fwd[i + 1] > 0]
         rec_share = statistics.median(rec) if rec else 1.0
@@ -305,7 +320,9 @@ class Profile:
                     f, b = f * keep, b * keep
             held_in = min(inputs, nbytes + small)
             small_in = min(self.inputs_small[i], held_in)
-            blocks.append(Block(i, nbytes, held_in, f, b, r, cost, not self.stateful[i], small, small_in))
+            blocks.append(
+                Block(i, nbytes, held_in, f, b, r, cost, self.recomputable[i] is Recomputable.YES, small, small_in)
+            )
         self.recorded = True
         head_s = self.clock.seconds(self.head_span) if self.head_span is not None else 0.0
         head_b = self.head_back if self.head_back is not None else BACKWARD * head_s
