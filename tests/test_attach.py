@@ -792,6 +792,24 @@ def test_blocks_left_out_or_none_found_are_said(store_dir, warned):
     assert len(warned("left out")) == 1
 
 
+def test_one_module_listed_again_is_one_block_not_a_stack(store_dir, warned):
+    from ssdtier.offload import find_stacks
+
+    shared = _Stage()  # its weights shared, as ALBERT's layers are
+    model = nn.Sequential(*[shared] * 4)
+    assert find_stacks(model) == []
+    with pytest.raises(ssdtier.ConfigError, match="names one module more than once"):
+        find_stacks(model, "")
+    with pytest.raises(ssdtier.ConfigError, match="names one module more than once"):
+        find_stacks(_TwoStacks(), ("body", "body"))
+    x = torch.randn(8, 32)
+    want = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    with ssdtier.attach(model, offload_config(store_dir, mode="adaptive", device_budget="4KiB")) as off:
+        got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    assert off.layers == () and len(warned("found no repeated blocks")) == 1
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 class _DictNet(nn.Module):
     """Blocks in a ModuleDict (as some models keep named stages)."""
 
@@ -1366,6 +1384,40 @@ def test_auto_read_ahead_goes_up_when_reads_are_slow(store_dir):
     s = got[2]
     # The most, AHEAD_MAX layers' bytes: here more than half of what a step offloads.
     assert s.stall_seconds > 0 and s.prefetch_bytes > s.bytes_offloaded / 3 / 2, s.prefetch_bytes
+
+
+class _TwoViews(nn.Module):
+    """One stack run on two inputs in one forward (a siamese model's two views)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Stage() for _ in range(4))
+
+    def stack(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def forward(self, x):
+        return (self.stack(x) * self.stack(x.flip(0))).square().mean()
+
+
+def test_a_stack_run_twice_in_one_forward_is_read_as_one_backward(store_dir):
+    # Its backward goes up the blocks twice in one call of autograd's engine: taken for a
+    # retained graph's second backward, the sweep started again and learned half the order.
+    torch.manual_seed(0)
+    model = _TwoViews()
+    x = torch.randn(64, 32)
+    with ssdtier.attach(model, offload_config(store_dir, host="64MiB", prefetch_layers="auto")) as off:
+        for _ in range(2):
+            model(x).backward()
+        n, _, order = off.ahead.learned
+        assert off.ahead.sweep.round == 0
+        loss = model(x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        assert off.ahead.sweep.round == 1  # another call: another backward
+    assert sorted(order) == list(range(n)) and order[0] == n - 1, order
 
 
 class _ConjBlock(nn.Module):

@@ -23,7 +23,8 @@ def _run(mod: nn.Module, loose: bool = False) -> list[nn.Module]:
     over a plain list) are."""
     if isinstance(mod, _CONTAINERS):
         kids = _children(mod)
-        return kids if len(kids) >= 2 and len({type(m) for m in kids}) == 1 else []
+        # One module listed again (weights shared, as ALBERT's) is one block called again.
+        return kids if len(kids) >= 2 and len({type(m) for m in kids}) == 1 and _distinct(kids) else []
     if not loose:
         return []
     groups: dict[type, list[nn.Module]] = {}
@@ -32,6 +33,10 @@ def _run(mod: nn.Module, loose: bool = False) -> list[nn.Module]:
             groups.setdefault(type(kid), []).append(kid)
     best = max(groups.values(), key=len, default=[])
     return best if len(best) >= 2 else []
+
+
+def _distinct(blocks: list[nn.Module]) -> bool:
+    return len({id(b) for b in blocks}) == len(blocks)
 
 
 def _flat(blocks: list[nn.Module]) -> list[nn.Module]:
@@ -122,6 +127,12 @@ def excluded_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Mod
 def find_stacks(model: nn.Module, paths: str | tuple[str, ...] | None = None) -> list[tuple[str, list[nn.Module]]]:
     """Every stack of repeated blocks, in the order the model lists them (:func:`search`), or
     the ones ``paths`` names."""
-    if paths is not None:
-        return [(p, _named(model, p)) for p in ((paths,) if isinstance(paths, str) else paths)]
-    return search(model).found
+    if paths is None:
+        return search(model).found
+    stacks = [(p, _named(model, p)) for p in ((paths,) if isinstance(paths, str) else paths)]
+    if not _distinct([b for _, bs in stacks for b in bs]):
+        raise ConfigError(
+            f"policy.layers = {list(p for p, _ in stacks)!r} names one module more than once (listed again, "
+            "or in two stacks): ssdtier tells blocks apart by module, so each must be a module of its own"
+        )
+    return stacks

@@ -26,13 +26,14 @@ AHEAD_MIN_CAP = 16 << 20  # ... or this many, if more
 
 class Backward:
     """The backwards of one forward's graph. A layer's read-ahead starts once per backward;
-    a backward that goes back up to a layer above the lowest one reached is another backward
-    of the same graph (``retain_graph=True``). Every handle of the forward holds it.
+    a backward (another call of autograd's engine) that goes back up to a layer above the
+    lowest one reached is another backward of the same graph (``retain_graph=True``); in one
+    call, the blocks run again (a stack run on two inputs). Every handle of the forward holds it.
 
     With a byte window (``prefetch_layers = "auto"``) it also holds the forward's entries in
     pack order (``seq``, ``Entry.pos``) and the sweep of the backward under way."""
 
-    __slots__ = ("begun", "cum", "done", "last", "low", "round", "seq", "sweep")
+    __slots__ = ("begun", "cum", "done", "last", "low", "round", "seq", "sweep", "task")
 
     def __init__(self, begun: int = 0) -> None:
         self.begun = begun  # backwards of any forward begun before this forward
@@ -45,13 +46,16 @@ class Backward:
         self.seq: list[Any] = []
         self.cum = 0  # bytes in seq
         self.sweep: Sweep | None = None
+        self.task = -1  # the engine's graph task of the last call of due()
 
     def due(self, layer: int) -> bool:
         """Whether ``layer``'s read-ahead should start now (at an unpack of ``layer``)."""
         self.last = layer
-        if self.low is not None and layer > self.low:
+        task = torch._C._current_graph_task_id()
+        if self.low is not None and layer > self.low and task != self.task:
             self.round += 1
             self.low = None
+        self.task = task
         if self.done.get(layer) == self.round:
             return False
         self.done[layer] = self.round
