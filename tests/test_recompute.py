@@ -10,9 +10,8 @@ from torch import nn
 
 import ssdtier
 from ssdtier.offload.profile import Recomputable
-from ssdtier.offload.settled import Settled
 
-from .test_rok import OF, RO, K, R, adaptive, forced
+from .test_rok import OF, RO, K, R, adaptive, forced, unhooked_from_second
 
 N = 4
 
@@ -56,15 +55,17 @@ class _Net(nn.Module):
         return self.out(h).pow(2).mean()
 
 
-def _steps(ssd=None, block=_BufferBlock, n=4):
+def _steps(ssd=None, block=_BufferBlock, n=4, net=None, wrap=None):
+    """``n`` steps of ``net`` (``_Net``) of ``block``s, called through ``wrap(model)`` if given."""
     torch.manual_seed(0)
-    model = _Net(block)
+    model = (net or _Net)(block)
     gen = torch.Generator().manual_seed(2)
     off = ssdtier.attach(model, ssd) if ssd is not None else None
+    call = wrap(model) if wrap is not None else model
     torch.manual_seed(1)
     losses = []
     for _ in range(n):
-        loss = model(torch.randn(16, 8, generator=gen))
+        loss = call(torch.randn(16, 8, generator=gen))
         loss.backward()
         losses.append(loss.detach())
     stats = off.stats() if off is not None else None
@@ -88,10 +89,8 @@ def _assert_same(want, got):
 def test_a_recomputed_block_changes_its_buffers_once_and_computes_with_them_once(store_dir, monkeypatch, unhooked):
     # Recomputed, spectral norm would iterate twice and the average move twice, each used so.
     forced(monkeypatch, (R, RO, K, OF))
-    if unhooked:  # a settled plan's forwards, from the second on
-        seen = []
-        monkeypatch.setattr(Settled, "skips", lambda self, ad, state: bool(seen.append(1)) or len(seen) > 1)
-        monkeypatch.setattr(Settled, "woken", lambda self, args, stack=0: False)  # no plan, so no ceiling
+    if unhooked:
+        unhooked_from_second(monkeypatch)
     want = _steps()
     got = _steps(adaptive(store_dir))
     assert got[3].forwards_unhooked == (3 if unhooked else 0)
@@ -113,7 +112,7 @@ def test_a_recomputed_block_twice_backward_through_a_retained_graph_is_exact(sto
             off.detach()
         return [loss.detach()], dict(model.state_dict()), {k: p.grad for k, p in model.named_parameters()}
 
-    _assert_same(run(), run(adaptive(store_dir)))
+    _assert_same(_steps(block=_InPlace, n=2, net=_Looped), _steps(adaptive(store_dir), _InPlace, 2, _Looped))
 
 
 class _LazyNorm(nn.Module):
@@ -213,19 +212,7 @@ def test_a_model_compiled_whole_in_one_graph_runs_its_blocks_as_they_are(store_d
     # their versions, no graph break).
     def run(ssd=None):
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = _Net(_LazyNorm)
-        off = ssdtier.attach(model, ssd) if ssd is not None else None
-        compiled = torch.compile(model, backend="eager", fullgraph=True)
-        gen = torch.Generator().manual_seed(2)
-        losses = []
-        for _ in range(3):
-            loss = compiled(torch.randn(16, 8, generator=gen))
-            loss.backward()
-            losses.append(loss.detach())
-        if off is not None:
-            off.detach()
-        return losses, dict(model.state_dict()), {k: p.grad for k, p in model.named_parameters()}
+        return _steps(ssd, _LazyNorm, 3, wrap=lambda m: torch.compile(m, backend="eager", fullgraph=True))
 
     _assert_same(run(), run(adaptive(store_dir, device_budget="4KiB")))
 
@@ -264,21 +251,7 @@ class _Looped(_Net):
 def test_a_block_found_to_change_its_inputs_is_not_recomputed_whatever_the_actions(store_dir, monkeypatch):
     forced(monkeypatch, (R,) * N)  # every forward's actions, its second call of each block's too
 
-    def run(ssd=None):
-        torch.manual_seed(0)
-        model = _Looped(_InPlace)
-        gen = torch.Generator().manual_seed(2)
-        off = ssdtier.attach(model, ssd) if ssd is not None else None
-        losses = []
-        for _ in range(2):
-            loss = model(torch.randn(16, 8, generator=gen))
-            loss.backward()
-            losses.append(loss.detach())
-        if off is not None:
-            off.detach()
-        return losses, dict(model.state_dict()), {k: p.grad for k, p in model.named_parameters()}
-
-    _assert_same(run(), run(adaptive(store_dir)))
+    _assert_same(_steps(block=_InPlace, n=2, net=_Looped), _steps(adaptive(store_dir), _InPlace, 2, _Looped))
 
 
 def test_a_plan_never_recomputes_a_block_that_changes_its_inputs(store_dir, warned):

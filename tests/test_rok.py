@@ -44,6 +44,13 @@ def forced(monkeypatch, acts):
     monkeypatch.setattr(Adaptive, "_adopt", lambda self, *a: None)
 
 
+def unhooked_from_second(monkeypatch):
+    """A settled plan's forwards, from the second on (with forced actions: no plan, no ceiling)."""
+    seen = []
+    monkeypatch.setattr(Settled, "skips", lambda self, ad, state: bool(seen.append(1)) or len(seen) > 1)
+    monkeypatch.setattr(Settled, "woken", lambda self, args, stack=0: False)
+
+
 def hooked(monkeypatch):
     """Every forward hooked: for tests of what each one measures and plans."""
     monkeypatch.setattr(Settled, "skips", lambda self, ad, state: False)
@@ -1068,10 +1075,8 @@ def _norm_steps(ssd=None, n=4):
 @pytest.mark.parametrize("unhooked", [False, True])
 def test_a_recomputed_block_updates_its_batch_norms_statistics_once(store_dir, monkeypatch, unhooked):
     forced(monkeypatch, (R, RO, K, K))
-    if unhooked:  # a settled plan's forwards, from the second on
-        seen = []
-        monkeypatch.setattr(Settled, "skips", lambda self, ad, state: bool(seen.append(1)) or len(seen) > 1)
-        monkeypatch.setattr(Settled, "woken", lambda self, args, stack=0: False)  # no plan, so no ceiling
+    if unhooked:
+        unhooked_from_second(monkeypatch)
     want_state, want_grads, _ = _norm_steps()
     state, grads, ran = _norm_steps(adaptive(store_dir, min_tensor_bytes=1024))
     assert ran == (3 if unhooked else 0)
