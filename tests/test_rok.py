@@ -81,19 +81,25 @@ def test_every_action_is_exact(store_dir, monkeypatch, acts, zero_copy):
         assert s.tensors_offloaded > 0
 
 
-def _compile_blocks(model):
+def _compile_blocks(model, every=1):
     torch._dynamo.reset()
     for i, b in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(b, backend="aot_eager")
+        if i % every == 0:
+            model.blocks[i] = torch.compile(b, backend="aot_eager")
 
 
+@pytest.mark.parametrize("every", [1, 2], ids=["all", "some"])
 @pytest.mark.parametrize("acts", [(R, R, R, R), (RO, OF, K, R)], ids=lambda a: "-".join(x.value for x in a))
-def test_every_action_is_exact_on_blocks_compiled_before_attaching(store_dir, monkeypatch, acts):
-    """The compiled code recomputed whole, dropout's masks drawn again the same."""
+def test_every_action_is_exact_on_blocks_compiled_before_attaching(store_dir, monkeypatch, acts, every):
+    """The compiled code recomputed whole, dropout's masks drawn again the same; blocks
+    compiled and not are one stack."""
     forced(monkeypatch, acts)
-    got = steps(GPT, offload_config(store_dir, mode="adaptive"), prepare=_compile_blocks)
-    assert_same(steps(GPT, prepare=_compile_blocks), got)
+    layers = []
+    cfg = offload_config(store_dir, mode="adaptive")
+    got = steps(GPT, cfg, prepare=lambda m: _compile_blocks(m, every), on_step=lambda off: layers.append(off.layers))
+    assert_same(steps(GPT, prepare=lambda m: _compile_blocks(m, every)), got)
     assert got[2].layers_recomputed == sum(a.recomputes for a in acts)
+    assert layers[-1] == (("blocks", 4, "GPTBlock"),)
 
 
 def test_a_recomputed_block_hands_only_its_inputs_to_the_offloader(store_dir, monkeypatch):

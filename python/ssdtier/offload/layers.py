@@ -12,6 +12,11 @@ from ..errors import ConfigError
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
+def kind(m: nn.Module) -> type:
+    """A block's class; a block compiled on its own (``torch.compile(block)``) is its module's."""
+    return type(m._orig_mod) if type(m).__name__ == "OptimizedModule" else type(m)  # (Dynamo not imported)
+
+
 def _children(mod: nn.Module) -> list[nn.Module]:
     return list(mod.values()) if isinstance(mod, nn.ModuleDict) else list(mod)
 
@@ -24,13 +29,13 @@ def _run(mod: nn.Module, loose: bool = False) -> list[nn.Module]:
     if isinstance(mod, _CONTAINERS):
         kids = _children(mod)
         # One module listed again (weights shared, as ALBERT's) is one block called again.
-        return kids if len(kids) >= 2 and len({type(m) for m in kids}) == 1 and _distinct(kids) else []
+        return kids if len(kids) >= 2 and len({kind(m) for m in kids}) == 1 and _distinct(kids) else []
     if not loose:
         return []
     groups: dict[type, list[nn.Module]] = {}
     for kid in mod.children():
         if next(kid.children(), None) is not None and not isinstance(kid, _CONTAINERS):
-            groups.setdefault(type(kid), []).append(kid)
+            groups.setdefault(kind(kid), []).append(kid)
     best = max(groups.values(), key=len, default=[])
     return best if len(best) >= 2 else []
 

@@ -47,7 +47,7 @@ from .forward import (
     top_hooks,
     unpush,
 )
-from .layers import excluded_modules, find_stacks, search
+from .layers import excluded_modules, find_stacks, kind, search
 from .readahead import Backward, ReadAhead
 from .recompute import Recompute
 from .registry import Entries, Params, StorageKey
@@ -81,7 +81,7 @@ def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
 
 def _described(stacks: list[tuple[str, list[nn.Module]]]) -> tuple[tuple[str, int, str], ...]:
     """(path, blocks, their class) per stack."""
-    return tuple((p, len(bs), type(bs[0]).__name__) for p, bs in stacks)
+    return tuple((p, len(bs), kind(bs[0]).__name__) for p, bs in stacks)
 
 
 def _blocks_text(stacks: tuple[tuple[str, int, str], ...]) -> str:
