@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ssdtier
+from ssdtier.offload import recompute
 from ssdtier.offload.profile import Recomputable
 
 from .test_rok import OF, RO, K, R, adaptive, forced, unhooked_from_second
@@ -112,7 +113,7 @@ def test_a_recomputed_block_twice_backward_through_a_retained_graph_is_exact(sto
             off.detach()
         return [loss.detach()], dict(model.state_dict()), {k: p.grad for k, p in model.named_parameters()}
 
-    _assert_same(_steps(block=_InPlace, n=2, net=_Looped), _steps(adaptive(store_dir), _InPlace, 2, _Looped))
+    _assert_same(run(), run(adaptive(store_dir)))
 
 
 class _LazyNorm(nn.Module):
@@ -156,7 +157,33 @@ class _Replaced(nn.Module):
         return x + torch.tanh(y * self.avg)
 
 
-@pytest.mark.parametrize("block", [_LazyNorm, _Shared, _Replaced], ids=lambda b: b.__name__)
+class _Hidden(nn.Module):
+    """Changes a buffer through ``.data`` (no new version), and holds a scripted batch norm
+    (its buffers are TorchScript's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(32, 32), torch.jit.script(nn.BatchNorm1d(32))
+        self.register_buffer("avg", torch.zeros(32), persistent=False)
+
+    def forward(self, x):
+        y = self.bn(self.fc(x))
+        self.avg.data.mul_(0.5).add_(y.detach().mean(dim=0), alpha=0.5)
+        return x + torch.tanh(y * self.avg)
+
+
+class _LazyDrop(nn.Module):
+    """Its weights made in its first forward, from the RNG its dropout draws from next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.LazyLinear(32), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("block", [_LazyNorm, _Shared, _Replaced, _Hidden, _LazyDrop], ids=lambda b: b.__name__)
 def test_a_recomputed_blocks_buffers_made_shared_or_replaced_are_exact(store_dir, monkeypatch, block):
     forced(monkeypatch, (R, RO, K, R))
     _assert_same(_steps(block=block, n=3), _steps(adaptive(store_dir), block=block, n=3))
@@ -252,6 +279,44 @@ def test_a_block_found_to_change_its_inputs_is_not_recomputed_whatever_the_actio
     forced(monkeypatch, (R,) * N)  # every forward's actions, its second call of each block's too
 
     _assert_same(_steps(block=_InPlace, n=2, net=_Looped), _steps(adaptive(store_dir), _InPlace, 2, _Looped))
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x, mask, z):
+        return x + torch.tanh(self.fc(x) * mask + (z * z.conj()).real)
+
+
+class _MaskNet(nn.Module):
+    """One mask for every block, and a conjugate view (a lazy bit its copy must keep)."""
+
+    def __init__(self, block=_Masked) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 1)
+        self.blocks = nn.ModuleList(block() for _ in range(N))
+
+    def forward(self, x):
+        h = self.inp(x)
+        mask = (x[:, :1] > 0).float().expand(-1, 32).contiguous()
+        z = (h * 1j).conj()
+        for b in self.blocks:
+            h = b(h, mask, z)
+        return self.out(h).pow(2).mean()
+
+
+def test_a_first_recomputed_call_copies_each_input_once_a_forward(store_dir, monkeypatch):
+    forced(monkeypatch, (R,) * N)
+    copied = []
+    copy = recompute._copy
+    monkeypatch.setattr(recompute, "_copy", lambda t: copied.append(t.dtype) or copy(t))
+    want = _steps(block=_Masked, n=2, net=_MaskNet)
+    got = _steps(adaptive(store_dir), _Masked, 2, _MaskNet)
+    _assert_same(want, got)
+    # Each block's input at its first call, the mask and the conjugate view once.
+    assert copied == [torch.float32, torch.float32, torch.complex64] + [torch.float32] * (N - 1), copied
 
 
 def test_a_plan_never_recomputes_a_block_that_changes_its_inputs(store_dir, warned):

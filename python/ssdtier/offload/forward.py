@@ -152,6 +152,7 @@ class Fwd:
         "autocast",
         "backward",
         "base",
+        "copies",
         "excluded",
         "forward",
         "off",
@@ -181,6 +182,7 @@ class Fwd:
         self.top: Any = None  # ... and the saved-tensor hooks on top as it began
         self.base: int | None = None  # ... GPU memory allocated as it began (None: not watched, or tripped)
         self.state: tuple = ()  # adaptive mode: the model's state as that forward began (Params.state)
+        self.copies: tuple[int, dict] = (0, {})  # (forward, inputs copied for blocks seen first: recompute.py)
 
     def recompute(self, tag: int) -> bool:
         acts = self.acts

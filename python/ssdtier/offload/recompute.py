@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import checkpoint
 
@@ -36,7 +38,7 @@ class Recompute:
         self.fn = block.forward
         self.__wrapped__ = self.fn  # inspect.signature (transformers reads it) sees the block's
         self.seen = False  # called with gradients in a hooked forward: whether it changes its inputs is known
-        self.buffers = Buffers()
+        self.buffers = Buffers(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
@@ -47,7 +49,7 @@ class Recompute:
         if f.unhooked:  # a settled plan's forward: checkpointed as planned, its inputs kept by autograd
             if f.recompute(self.tag) and self._may(off, f) and not self._stateful(f, args, kwargs):
                 fn, args = _positional(self.fn, args, kwargs)
-                return checkpoint(_Again(fn, self.block, self.buffers), *args, use_reentrant=False)
+                return checkpoint(_Again(fn, self.buffers), *args, use_reentrant=False)
             return self.fn(*args, **kwargs)
         hooked = bool(f.pushed and f.pushed[0]) and off.adaptive is not None
         if hooked and off.adaptive.profile.recomputable[self.tag - 1] is Recomputable.CACHE:
@@ -57,7 +59,7 @@ class Recompute:
                 return self.fn(*args, **kwargs)
             return self._watched(f, self.fn, args, kwargs)
         fn, args = _positional(self.fn, args, kwargs)
-        timed = _Timed(fn, self.block, self.buffers, off, self.tag)
+        timed = _Timed(fn, self.buffers, off, self.tag)
         if self.seen:
             return checkpoint(timed, *args, use_reentrant=False)
         # Its first call: its inputs saved as copies, a recomputation starts from them as they
@@ -69,11 +71,26 @@ class Recompute:
         ad = off.adaptive
         if ad is not None and ad.profile.recomputable[self.tag - 1] is Recomputable.INPUTS:
             return False  # whatever the actions say: it would start from its inputs' changes
+        if not self.seen and any(is_lazy(p) for p in self.block.parameters()):
+            return False  # made in its first forward, from the RNG dropout draws from next
         return _may_checkpoint(off, f)
 
     def _copied(self, t: torch.Tensor) -> Any:
-        if type(t) is torch.Tensor and (t.device, t.untyped_storage().data_ptr()) not in self.off._params.ptrs:
-            t = _copy(t)
+        if type(t) is torch.Tensor and t.layout is torch.strided:
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key not in self.off._params.ptrs:
+                f = self.off._tls.fwd
+                if f.copies[0] != f.forward:
+                    f.copies = (f.forward, {})
+                # One copy a forward of an input every block takes (a mask), while unchanged
+                # and held (weakly: an offloaded one leaves).
+                key = (*key, t.storage_offset(), t.size(), t.stride(), t.dtype, _version(t))
+                had = f.copies[1].get(key)
+                copy = had() if had is not None else None
+                if copy is None:
+                    copy = _copy(t)
+                    f.copies[1][key] = weakref.ref(copy)
+                t = copy
         return self.off._pack(t)
 
     def _watched(self, f: Fwd, fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -166,13 +183,22 @@ class _Keywords:
 
 
 class Buffers:
-    """What a block's recomputations have shown of its buffers."""
+    """A block's modules (walked again every 64 calls) and what its recomputed forwards have
+    shown of their buffers, by (module path in the block, name)."""
 
-    __slots__ = ("changing", "seen")
+    __slots__ = ("block", "calls", "changing", "known", "mods")
 
-    def __init__(self) -> None:
-        self.seen = False  # a recomputed call's forward copied them all and saw which changed
-        self.changing: set[tuple[int, str]] = set()  # (id of a module's buffer dict, name)
+    def __init__(self, block: nn.Module) -> None:
+        self.block, self.calls = block, 0
+        self.mods: list[tuple[str, nn.Module]] = []
+        self.known: set[tuple[str, str]] = set()  # seen through a forward, copied and compared
+        self.changing: set[tuple[str, str]] = set()  # ... and changed by one
+
+    def modules(self) -> list[tuple[str, nn.Module]]:
+        if self.calls % 64 == 0:
+            self.mods = list(self.block.named_modules())
+        self.calls += 1
+        return self.mods
 
 
 class _Again:
@@ -180,16 +206,17 @@ class _Again:
     the recomputation. The buffers the forward changed (batch norm's statistics, spectral
     norm's vectors, an average) are recomputed from as the forward found them, and the block's
     buffers put back as the recomputation found them: else it would compute with them, and
-    change them, twice. Persistent buffers (state) are copied at every forward; the others
-    (masks, tables) at the first, and then those seen to change."""
+    change them, twice. A buffer is copied at its first forward, compared after it (``.data``
+    and some kernels change one without a new version), and from then on if it changed."""
 
-    __slots__ = ("added", "before", "block", "buffers", "calls", "fn", "lazy", "lost")
+    __slots__ = ("added", "before", "buffers", "calls", "dicts", "fn", "lazy", "lost")
 
-    def __init__(self, fn: Any, block: nn.Module, buffers: Buffers) -> None:
-        self.fn, self.block, self.buffers, self.calls = fn, block, buffers, 0
+    def __init__(self, fn: Any, buffers: Buffers) -> None:
+        self.fn, self.buffers, self.calls = fn, buffers, 0
         self.before: list[tuple[dict, str, torch.Tensor]] = []  # (a module's buffers, name, as found)
         self.added: list[tuple[dict, str]] = []  # buffers the forward registered
-        self.lazy: list[tuple[dict, str]] = []  # ... or materialised
+        self.lazy: list[torch.Tensor] = []  # ... or materialised, or TorchScript's: put back by value
+        self.dicts: list[dict] = []
         self.lost: str | None = None  # a buffer changed in place, not copied
 
     def __call__(self, *args: Any) -> Any:
@@ -199,51 +226,58 @@ class _Again:
         return self.again(*args)
 
     def forward(self, *args: Any) -> Any:
-        seen, changing = self.buffers.seen, self.buffers.changing
+        buffers = self.buffers
+        known, changing = buffers.known, buffers.changing
         found, names, clones = [], [], {}  # (one copy of a buffer that two modules hold)
         with torch.no_grad():
-            for m in self.block.modules():
+            for path, m in buffers.modules():
                 d = m._buffers
+                if type(d) is not dict:  # TorchScript's: its buffers put back as batch norm's were
+                    self.lazy += [b for b in d.values() if b is not None]
+                    continue
                 names.append((d, set(d)))
+                norm = isinstance(m, _NormBase)  # its kernel updates the statistics without a new version
                 for k, b in d.items():
                     if b is None:
                         continue
                     if is_lazy(b):
-                        self.lazy.append((d, k))
+                        self.lazy.append(b)
                         continue
-                    state = k not in m._non_persistent_buffers_set
-                    copy = not seen or state or (id(d), k) in changing
-                    if copy and id(b) not in clones:
+                    key = (path, k)
+                    if (norm or key not in known or key in changing) and id(b) not in clones:
                         clones[id(b)] = b.clone()
-                    found.append((d, k, b, _version(b), clones[id(b)] if copy else None, state))
+                    found.append((d, k, key, b, _version(b), clones.get(id(b)), norm))
         out = self.fn(*args)
-        for d, k, b, v, was, state in found:
+        for d, k, key, b, v, was, norm in found:
             moved = d.get(k) is not b or _version(b) != v
+            if key not in known:
+                known.add(key)
+                moved = moved or not torch.equal(was, b)
             if moved:
-                changing.add((id(d), k))
-            if was is None and moved:
+                changing.add(key)
+            elif not (norm or key in changing):
+                continue
+            if was is None:  # changed, not copied
                 if d.get(k) is not b and _version(b) == v:
-                    was = b  # replaced, not changed: as the forward found it
+                    was = b  # replaced: as the forward found it
                 else:
                     self.lost = k
-            # State is put back whatever its version says: ``.data`` and fused kernels (batch
-            # norm's) change buffers without a new one.
-            if was is not None and (moved or state):
-                self.before.append((d, k, was))
+                    continue
+            self.before.append((d, k, was))
         self.added = [(d, k) for d, had in names for k in d if k not in had]
-        self.buffers.seen = True
+        self.dicts = [d for d, _ in names]
         return out
 
     def again(self, *args: Any) -> Any:
         if self.lost is not None:
             raise SsdtierError(
-                f"a recomputed {type(self.block).__name__} block changed its buffer {self.lost!r} in place, which "
-                "its first recomputed call did not, so ssdtier had no copy to recompute it from and this backward "
-                "cannot be exact; later forwards copy it"
+                f"a recomputed block changed its buffer {self.lost!r} in place, which its earlier recomputed "
+                "calls did not, so ssdtier had no copy to recompute it from and this backward cannot be exact; "
+                "later forwards copy it"
             )
-        dicts = {id(m._buffers): m._buffers for m in self.block.modules()}
-        now = [(d, dict(d)) for d in dicts.values()]
-        stats = [(d[k], d[k].clone()) for d, k in self.lazy if d.get(k) is not None]  # (as batch norm's)
+        now = [(d, dict(d)) for d in self.dicts]
+        with torch.no_grad():
+            stats = [(b, b.clone()) for b in self.lazy]
         copies: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for d, k, was in self.before:
@@ -267,8 +301,8 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a storage of their own, its strides kept (an expanded mask stays
     small)."""
     st = t.untyped_storage()
-    if st.nbytes() > 2 * t.numel() * t.element_size():
-        return t.detach().clone()  # a small view of a large storage: its values alone
+    if st.nbytes() > 2 * t.numel() * t.element_size() or t.is_conj() or t.is_neg():
+        return t.detach().clone()  # a small view of a large storage: its values alone (lazy bits resolved)
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     return out.set_(st.clone(), t.storage_offset(), t.size(), t.stride())
 
@@ -285,8 +319,8 @@ class _Timed(_Again):
 
     __slots__ = ("off", "tag")
 
-    def __init__(self, fn: Any, block: nn.Module, buffers: Buffers, off: RecomputeOwner, tag: int) -> None:
-        super().__init__(fn, block, buffers)
+    def __init__(self, fn: Any, buffers: Buffers, off: RecomputeOwner, tag: int) -> None:
+        super().__init__(fn, buffers)
         self.off, self.tag = off, tag
 
     def again(self, *args: Any) -> Any:
