@@ -51,8 +51,9 @@ class Recompute:
                 fn, args = _positional(self.fn, args, kwargs)
                 return checkpoint(_Again(fn, self.buffers), *args, use_reentrant=False)
             return self.fn(*args, **kwargs)
-        hooked = bool(f.pushed and f.pushed[0]) and off.adaptive is not None
-        if hooked and off.adaptive.profile.recomputable[self.tag - 1] is Recomputable.CACHE:
+        ad = off.adaptive
+        hooked = bool(f.pushed and f.pushed[0]) and ad is not None
+        if ad is not None and hooked and ad.profile.recomputable[self.tag - 1] is Recomputable.CACHE:
             self._unstick(args, kwargs)
         if not hooked or not f.recompute(self.tag) or not self._may(off, f) or self._stateful(f, args, kwargs):
             if not hooked or self.seen or not torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -77,14 +78,14 @@ class Recompute:
 
     def _copied(self, t: torch.Tensor) -> Any:
         if type(t) is torch.Tensor and t.layout is torch.strided:
-            key = (t.device, t.untyped_storage().data_ptr())
-            if key not in self.off._params.ptrs:
+            st = (t.device, t.untyped_storage().data_ptr())
+            if st not in self.off._params.ptrs:
                 f = self.off._tls.fwd
                 if f.copies[0] != f.forward:
                     f.copies = (f.forward, {})
                 # One copy a forward of an input every block takes (a mask), while unchanged
                 # and held (weakly: an offloaded one leaves).
-                key = (*key, t.storage_offset(), t.size(), t.stride(), t.dtype, _version(t))
+                key = (*st, t.storage_offset(), t.size(), t.stride(), t.dtype, _version(t))
                 had = f.copies[1].get(key)
                 copy = had() if had is not None else None
                 if copy is None:
@@ -252,7 +253,7 @@ class _Again:
             moved = d.get(k) is not b or _version(b) != v
             if key not in known:
                 known.add(key)
-                moved = moved or not torch.equal(was, b)
+                moved = moved or was is None or not torch.equal(was, b)
             if moved:
                 changing.add(key)
             elif not (norm or key in changing):
