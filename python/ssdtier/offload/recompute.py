@@ -184,22 +184,18 @@ class _Keywords:
 
 
 class Buffers:
-    """A block's modules (walked again every 64 calls) and what its recomputed forwards have
-    shown of their buffers, by (module path in the block, name)."""
+    """What a block's recomputed forwards have shown of its buffers, by (module path in the
+    block, name): a submodule replaced keeps what was learned of its place."""
 
-    __slots__ = ("block", "calls", "changing", "known", "mods")
+    __slots__ = ("block", "changing", "known")
 
     def __init__(self, block: nn.Module) -> None:
-        self.block, self.calls = block, 0
-        self.mods: list[tuple[str, nn.Module]] = []
+        self.block = block
         self.known: set[tuple[str, str]] = set()  # seen through a forward, copied and compared
         self.changing: set[tuple[str, str]] = set()  # ... and changed by one
 
     def modules(self) -> list[tuple[str, nn.Module]]:
-        if self.calls % 64 == 0:
-            self.mods = list(self.block.named_modules())
-        self.calls += 1
-        return self.mods
+        return list(self.block.named_modules())  # (each call: about 1 us a module)
 
 
 class _Again:
