@@ -84,13 +84,13 @@ class Recompute:
                 if f.copies[0] != f.forward:
                     f.copies = (f.forward, {})
                 # One copy a forward of an input every block takes (a mask), while unchanged
-                # and held (weakly: an offloaded one leaves).
+                # and both held (weakly: an offloaded one leaves; a freed one's address is reused).
                 key = (*st, t.storage_offset(), t.size(), t.stride(), t.dtype, _version(t))
                 had = f.copies[1].get(key)
-                copy = had() if had is not None else None
+                copy = had[1]() if had is not None and had[0]() is t else None
                 if copy is None:
                     copy = _copy(t)
-                    f.copies[1][key] = weakref.ref(copy)
+                    f.copies[1][key] = (weakref.ref(t), weakref.ref(copy))
                 t = copy
         return self.off._pack(t)
 
