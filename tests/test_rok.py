@@ -945,11 +945,54 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
             swell=1.0,
             switched=0,
             _saving=lambda acts, i: 1.0,
-            profile=SimpleNamespace(recomputable=[Recomputable.YES] * 4),
+            profile=SimpleNamespace(recomputable=[Recomputable.YES] * 4, calls=[1] * 4),
         )
         Adaptive.guard(me, f, 2)
         assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
         assert me.off.c["guard_recomputed"] == switched
+
+
+class _Views(nn.Module):
+    """One stack run on two views of the input in each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 64), nn.Linear(64, 1)
+        mlp = lambda: nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh())  # noqa: E731
+        self.blocks = nn.ModuleList(mlp() for _ in range(4))
+
+    def stack(self, h):
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+    def forward(self, x):
+        h = self.inp(x)
+        return (self.out(self.stack(h)) * self.out(self.stack(h.flip(0)))).mean()
+
+
+def test_the_guard_does_not_count_a_blocks_first_call_again_at_its_second(store_dir):
+    # The plan has both calls' bytes in its one pass; projected from there at the second
+    # call, the first pass's bytes were counted twice and every second call recomputed.
+    def run(budget=None, steps=8):
+        torch.manual_seed(0)
+        model = _Views()
+        gen = torch.Generator().manual_seed(2)
+        off = ssdtier.attach(model, adaptive(store_dir, device_budget=budget)) if budget else None
+        switched = []
+        for _ in range(steps):
+            model(torch.randn(128, 8, generator=gen)).backward()
+            switched.append(off.c["guard_recomputed"] if off is not None else 0)
+        plan = off.plan() if off is not None else None
+        if off is not None:
+            off.detach()
+        return [p.grad for p in model.parameters()], switched, plan
+
+    peak = run(1 << 30, 3)[2].outcome.peak
+    want = run()
+    got = run(int(0.7 * peak))
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
+    assert got[2].fits and got[1][1:] == [got[1][0]] * 7, got[1]  # the first forward's guard only
 
 
 def test_the_guard_scales_by_what_this_forward_saved():
@@ -972,7 +1015,9 @@ def test_the_guard_scales_by_what_this_forward_saved():
             plan=plan,
             swell=1.0,
             switched=0,
-            profile=SimpleNamespace(saved=[0, saved, saved, saved, 0, 0], recomputable=[Recomputable.YES] * 4),
+            profile=SimpleNamespace(
+                saved=[0, saved, saved, saved, 0, 0], recomputable=[Recomputable.YES] * 4, calls=[1] * 4
+            ),
         )
         me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
         Adaptive.guard(me, f, 4)

@@ -222,7 +222,16 @@ class Adaptive:
         if budget is None or acts is None or acts[i] is least:
             return
         now = self.held()
-        if self.plan is not None:
+        if self.profile.calls[i] > 1:
+            # Called again (two views): the plan's one pass has every call's bytes, the first
+            # pass's among those held, so only what is held now is news.
+            coming = 0.0
+            if self.plan is None:
+                budget -= self.watch.working or int(FIRST_FREE * budget)
+            else:
+                budget = max(budget, self.plan.outcome.peak) if not self.plan.fits else budget
+                budget += int(SLACK * budget)
+        elif self.plan is not None:
             growth = max(1.0, self.swell, self._saving(acts, i))
             out = self.plan.outcome
             coming = growth * max(out.forward_peak - out.before[i], 0)

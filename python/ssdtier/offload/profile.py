@@ -136,6 +136,7 @@ class Profile:
         self.small = [0] * (n + 2)  # bytes per tag below min_tensor_bytes: kept whatever the action
         self.inputs = [0] * n
         self.inputs_small = [0] * n  # ... of them, bytes in storages under min_bytes
+        self.calls = [0] * n  # of each block (a stack run on two views: 2)
         self.inputs_seen: dict[int, weakref.ref] = {}  # a tensor every block takes (a mask) is one block's input
         self.spans: list[tuple[int, Any]] = []
         self.head_span: Any = None
@@ -148,6 +149,7 @@ class Profile:
     # ---------------------------------------------------------------- forward
 
     def block_enter(self, tag: int, args: tuple) -> None:
+        self.calls[tag - 1] += 1
         self.inputs[tag - 1], self.inputs_small[tag - 1] = input_bytes(args, self.inputs_seen, self.min_bytes)
         self.open[tag] = self.clock.start()
 
