@@ -222,26 +222,20 @@ class Adaptive:
         if budget is None or acts is None or acts[i] is least:
             return
         now = self.held()
-        if self.profile.calls[i] > 1:
-            # Called again (two views): the plan's one pass has every call's bytes, the first
-            # pass's among those held, so only what is held now is news.
-            coming = 0.0
-            if self.plan is None:
-                budget -= self.watch.working or int(FIRST_FREE * budget)
-            else:
-                budget = max(budget, self.plan.outcome.peak) if not self.plan.fits else budget
-                budget += int(SLACK * budget)
-        elif self.plan is not None:
-            growth = max(1.0, self.swell, self._saving(acts, i))
+        # Called again (two views): the plan's one pass has every call's bytes, the first
+        # pass's among those held, so only what is held now is news.
+        again = self.profile.calls[i] > 1
+        if self.plan is not None:
+            growth = 1.0 if again else max(1.0, self.swell, self._saving(acts, i))
             out = self.plan.outcome
-            coming = growth * max(out.forward_peak - out.before[i], 0)
+            coming = 0.0 if again else growth * max(out.forward_peak - out.before[i], 0)
             if growth > 1.0:  # the backward's peak grows too
                 now = max(now, int(growth * out.peak) - int(coming))
             if not self.plan.fits:  # the least it could: only growth is news
                 budget = max(budget, out.peak)
             budget += int(SLACK * budget)
-        elif i > 0:  # no plan yet: the blocks to come saving what the ones so far did, kept
-            coming = self.profile.bytes_so_far(tag) / i * (len(acts) - i)
+        elif i > 0 or again:  # no plan yet: the blocks to come saving what the ones so far did, kept
+            coming = 0.0 if again else self.profile.bytes_so_far(tag) / i * (len(acts) - i)
             # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
             budget -= self.watch.working or int(FIRST_FREE * budget)
         else:

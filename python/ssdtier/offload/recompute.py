@@ -273,10 +273,9 @@ class _Again:
                 "later forwards copy it"
             )
         now = [(d, dict(d)) for d in self.dicts]
-        with torch.no_grad():
-            stats = [(b, b.clone()) for b in self.lazy]
         copies: dict[int, torch.Tensor] = {}
         with torch.no_grad():
+            stats = [(b, b.clone()) for b in self.lazy]
             for d, k, was in self.before:
                 if id(was) not in copies:
                     copies[id(was)] = was.clone()  # a second backward (retain_graph) recomputes again
