@@ -346,6 +346,22 @@ def test_double_backward(store_dir):
     s = got[2]
     assert s.tensors_offloaded > 0 and s.bytes_read_nvme > 0
 
+    assert len(warned("create_graph=True")) == 1  # what they cost said once
+
+
+def test_a_graph_freed_without_a_backward_lets_its_written_sources_go(store_dir):
+    # autograd.grad to an intermediate, a graph cut: no backward reaches these entries to poll.
+    cfg = offload_config(store_dir)
+    cfg["io"]["throttle"] = "20KB"  # 0.4 s an 8 KiB write: still in flight as the forward ends
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    with ssdtier.attach(model, cfg) as off:
+        loss = model(torch.randn(32, 16)).square().mean()
+        assert off.cpu.writing and off.res.sources > 0
+        for e in list(off.cpu.writing):
+            e.out.ticket.wait()  # done, not yet seen done
+        del loss
+        assert off.res.sources == 0 and not off.cpu.writing
 
 def test_no_grad_and_inference_mode_offload_nothing(store_dir):
     torch.manual_seed(0)

@@ -211,6 +211,13 @@ class Adaptive:
         res = self.off.res
         return res.kept + res.sources + res.restored + self.off.cuda.inflight + self.settled.pending.bytes
 
+    def limit(self) -> int | None:
+        """The device budget held to: a plan that does not fit it holds the least it could."""
+        budget, plan = self.off._budget, self.plan
+        if budget is not None and plan is not None and not plan.fits:
+            return max(budget, plan.outcome.peak)
+        return budget
+
     def guard(self, f: Fwd, tag: int) -> None:
         """Before block ``tag`` - 1 runs: if, scaled by what this forward saved so far against
         the plan's, the rest would pass the budget, the block is recomputed with its inputs
@@ -234,12 +241,13 @@ class Adaptive:
             if not self.plan.fits:  # the least it could: only growth is news
                 budget = max(budget, out.peak)
             budget += int(SLACK * budget)
-        elif i > 0 or again:  # no plan yet: the blocks to come saving what the ones so far did, kept
-            coming = 0.0 if again else self.profile.bytes_so_far(tag) / i * (len(acts) - i)
+        else:  # no plan yet: the blocks to come saving what the ones so far did, kept
+            done, saved = self.profile.so_far()
+            if not done and not again:
+                return
+            coming = 0.0 if again else saved / done * (len(acts) - done)
             # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
             budget -= self.watch.working or int(FIRST_FREE * budget)
-        else:
-            return
         if now + coming <= budget:
             return
         acts[i] = least

@@ -44,6 +44,7 @@ class CpuTransport:
         # The restored view starts `lead` bytes into its page as the original did; a
         # multiple of 64 keeps every dtype's views aligned (torch allocates at 64).
         if self.zero_copy and lead % 64 == 0:
+            self.hold_back(nbytes)
             # Held until written; the ticket holds it too, so its pages outlive the write.
             key, ticket = self.native.write_from(ptr - lead, lead + nbytes, st)
             e = self._writing(Entry(key, nbytes, st.device, False, f), st, ticket, ptr)
@@ -56,6 +57,7 @@ class CpuTransport:
         """cuFile writes the storage from GPU memory once the work queued so far is done; the
         storage is held until then."""
         assert self.gds is not None
+        self.hold_back(nbytes)
         bound = _queue_bound(st.device)
         while self.gds_inflight and self.gds_inflight + nbytes > bound:
             self._wait_gds()  # back-pressure, as copies to the arena have: a larger one goes alone
@@ -83,6 +85,37 @@ class CpuTransport:
                 self.writing.remove(e)
                 self._end_write(e)
         self.poll()
+
+    def wait_writes(self, nbytes: int) -> float:
+        """Back-pressure within a device budget: before ``nbytes`` more are held, writes that
+        lag the rate planned for are waited for, while that can make room, rather than their
+        sources piling up past it. Returns the seconds waited."""
+        waited = 0.0
+        while self.writing:
+            room = self.off.room()
+            if room is None or nbytes <= room:
+                break
+            with self.off._lock:  # another thread's poll may end writes meanwhile
+                pending = list(self.writing)
+            if not pending or room + sum(e.nbytes for e in pending) < nbytes:
+                break  # held past the budget otherwise (a plan that does not fit): no use
+            w = pending[0].out
+            if type(w) is not Writing:
+                break
+            t0 = time.perf_counter()
+            with contextlib.suppress(SsdtierError):  # its end reports the failure
+                w.ticket.wait()
+            waited += time.perf_counter() - t0
+            self.poll()
+        return waited
+
+    def hold_back(self, nbytes: int) -> None:
+        """In a forward: wait_writes, counted as the forward held back."""
+        if self.writing:
+            waited = self.wait_writes(nbytes)
+            if waited:
+                self.off.res.held_back += waited
+                self.off.res.forward_wait += waited
 
     def _writing(self, e: Entry, st: torch.UntypedStorage, ticket: Any, ptr: int) -> Entry:
         """A new entry written from its source's memory: the source is held until a poll sees
@@ -141,6 +174,10 @@ class CpuTransport:
         """The bytes go from NVMe straight into the page-aligned buffer that becomes the
         restored storage; the arena is not used, so read-ahead never evicts what is about to
         be needed. The entry starts `lead` bytes before the data (a write covers whole pages)."""
+        if self.writing:  # earlier blocks' writes lag into the backward: room first
+            waited = self.wait_writes(e.nbytes)
+            if waited:
+                self.off.res.stall += waited
         if e.device.type in self.gds_types:
             self._read_gds(e)
             return

@@ -306,11 +306,12 @@ class Offloader:
         """The most bytes of activations kept from now on (adaptive mode's, with "auto")."""
         self._budget = budget
 
-    def read_room(self) -> int | None:
-        """Bytes the read-ahead may still bring to the device within the budget (adaptive mode)."""
-        if self.adaptive is None or self._budget is None:
-            return None
-        return max(self._budget - self.adaptive.held(), 0)
+    def room(self) -> int | None:
+        """Bytes of activations the device budget still has room for (adaptive mode): what
+        reads ahead may bring, and sources writes in flight may hold."""
+        ad = self.adaptive
+        limit = ad.limit() if ad is not None else None
+        return None if ad is None or limit is None else max(limit - ad.held(), 0)
 
     def landed(self) -> None:
         """Copies out that landed since the last unpack or save leave the bytes held."""
@@ -628,6 +629,7 @@ class Offloader:
         return kept
 
     @staticmethod
+            self.cpu.hold_back(nbytes)
     def _moved(e: Entry, src: torch.UntypedStorage, wrote: int) -> SsdtierError | None:
         """An error if the source storage was freed or resized while its bytes were being
         copied out (as sharded data parallelism does with a gathered parameter's storage after
@@ -823,7 +825,7 @@ class Offloader:
             self.entries.remove(e)
             if type(e.out) is Writing:
                 # The store lets the key go when the write ends, and the source is dropped
-                # when a poll sees it done.
+                # when a poll sees it done: now, if it is (no backward may come to poll).
                 key, e.key = e.key, None
                 self._free_key(key)
             else:
@@ -835,6 +837,7 @@ class Offloader:
             if self._life is Life.DETACHED and self.entries.live == 0:
                 self._close_store()
 
+                self.cpu.poll()
     def drop_source(self, e: Entry) -> None:
         """Let go of the source an entry holds, if any."""
         if e.source() is not None:

@@ -67,6 +67,8 @@ class CpuOwner(TransportOwner, Protocol):
 
     def drop_source(self, e: Entry) -> None: ...
 
+    def room(self) -> int | None: ...
+
 
 class ReadAheadOwner(StatsOwner, Protocol):
     entries: Entries
@@ -74,7 +76,7 @@ class ReadAheadOwner(StatsOwner, Protocol):
     cuda: CudaTransport
     _lock: threading.RLock
 
-    def read_room(self) -> int | None: ...
+    def room(self) -> int | None: ...
 
     def _start_read(self, e: Entry) -> None: ...
 

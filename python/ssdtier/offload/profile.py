@@ -192,9 +192,10 @@ class Profile:
         seen = [e for e in (self._exponent(i) for i in range(self.n)) if e is not None]
         return statistics.median(seen) if seen else UNSEEN
 
-    def bytes_so_far(self, tag: int) -> int:
-        """Saved by this forward before block ``tag`` - 1, small tensors included."""
-        return sum(self.saved[:tag]) + sum(self.small[:tag])
+    def so_far(self) -> tuple[int, int]:
+        """The blocks this forward ran before the one it enters now (in any order), and the
+        bytes it saved by then, small tensors included."""
+        return sum(1 for c in self.calls if c) - 1, sum(self.saved) + sum(self.small)
 
     # ---------------------------------------------------------------- backward
 

@@ -195,12 +195,16 @@ class ReadAhead:
         window = self.window if self.window is not None else self._first_window(s)
         if s.arena_cap:
             window = min(window, s.arena_cap)
-        room = self.off.read_room()
+        room = self.off.room()
         if room is not None:  # the plan's device budget holds what is read ahead too
             window = min(window, room)
         order, cum, nxt = s.order, s.cum, s.at + 1
-        j = s.read_to + 1
+        j = start = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
+            # Within the budget, past the first entry needed now: entries passed over (a storage
+            # blocks share, unpacked first, jumps a guessed order) and the window's last too.
+            if room is not None and cum[j + 1] - cum[start] > room and (j > start or j > nxt):
+                break
             if not self._want(s.seq[order[j]]):
                 s.held.add(j)
             j += 1

@@ -161,7 +161,7 @@ class Resident:
         self.peak = 0
         self.stall = 0.0  # seconds the backward waited for reads
         self.stall_ahead = 0.0  # the part of it spent on reads the read-ahead had started
-        self.held_back = 0.0  # seconds the forward waited for copies in flight (CUDA back-pressure)
+        self.held_back = 0.0  # seconds the forward waited for copies or writes in flight (back-pressure)
         self.forward_wait = 0.0  # seconds forwards waited: held back, or for the store (a full arena)
         self.tracked: dict[int, tuple[weakref.ref, int]] = {}  # id(ref) -> (ref, bytes), see track
 
