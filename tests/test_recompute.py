@@ -4,12 +4,15 @@ changes in place (CPU)."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import ssdtier
-from ssdtier.offload import recompute
+from ssdtier.offload import forward, recompute
 from ssdtier.offload.profile import Recomputable
 
 from .test_rok import OF, RO, K, R, adaptive, forced, unhooked_from_second
@@ -328,3 +331,118 @@ def test_a_plan_never_recomputes_a_block_that_changes_its_inputs(store_dir, warn
     assert got[3].plan is not None and not any(a.recomputes for a in got[3].plan.actions)
     assert got[4] == [Recomputable.INPUTS] * N
     assert len(warned("changes its inputs in place")) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    h: torch.Tensor
+    step: int = 0
+
+
+_Pair = collections.namedtuple("_Pair", "h step")
+
+_BOXES = {
+    "tensor": (lambda h: h, lambda x: x),
+    "list": (lambda h: [h, 0], lambda x: x[0]),
+    "dict": (lambda h: {"h": h, "step": 0}, lambda x: x["h"]),
+    "namedtuple": (lambda h: _Pair(h, 0), lambda x: x.h),
+    "ordered": (lambda h: collections.OrderedDict(step=0, h=h), lambda x: x["h"]),
+    "dataclass": (lambda h: _State(h), lambda x: x.h),
+}
+
+
+class _Boxed(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.box, self.unbox = _BOXES[kind]
+        self.fc, self.drop = nn.Linear(32, 32), nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.unbox(x)
+        return self.box(h + self.drop(torch.tanh(self.fc(h))))
+
+
+class _BoxNet(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 1)
+        self.box, self.unbox = _BOXES[kind]
+        self.blocks = nn.ModuleList(_Boxed(kind) for _ in range(N))
+
+    def forward(self, x):
+        h = self.box(self.inp(x))
+        for b in self.blocks:
+            h = b(h)
+        return self.out(self.unbox(h)).pow(2).mean()
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "namedtuple", "ordered", "dataclass"])
+def test_a_recomputed_blocks_inputs_in_a_container_are_offloaded_as_tensors_are(store_dir, monkeypatch, kind):
+    # Checkpoint hands only the tensors it is called with to the saved-tensor hooks: those in
+    # a container it would hold itself, never offloaded, and a dataclass's were measured as 0.
+    forced(monkeypatch, (RO,) * N)
+    plain = _steps(adaptive(store_dir), kind, net=_BoxNet)
+    _assert_same(_steps(None, kind, net=_BoxNet), plain)
+    tensor = _steps(adaptive(store_dir), "tensor", net=_BoxNet)
+    assert plain[3].tensors_offloaded == tensor[3].tensors_offloaded > 0
+    h = torch.ones(2)
+    assert any(t is h for t in forward._inputs((_BOXES[kind][0](h),), {}))
+
+
+class _Aux(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x, losses):
+        y = torch.tanh(self.fc(x))
+        losses.append(y.square().mean())  # an auxiliary loss, collected in a list passed in
+        return x + y
+
+
+class _AuxNet(_Net):
+    def forward(self, x):
+        h, losses = self.inp(x), []
+        for b in self.blocks:
+            h = b(h, losses)
+        assert len(losses) == N
+        return self.out(h).pow(2).mean() + sum(losses)
+
+
+@pytest.mark.parametrize("acts", [(R,) * N, (RO,) * N], ids=["recompute", "recompute+offload"])
+def test_what_a_recomputed_block_adds_to_a_container_it_is_passed_reaches_the_caller_once(store_dir, monkeypatch, acts):
+    forced(monkeypatch, acts)
+    _assert_same(_steps(None, net=_AuxNet, block=_Aux), _steps(adaptive(store_dir), net=_AuxNet, block=_Aux))
+
+
+def test_a_model_output_passed_to_a_recomputed_block_is_passed_as_it_is(store_dir, monkeypatch):
+    # transformers' outputs order their fields as they are set: held by checkpoint, not made again.
+    outputs = pytest.importorskip("transformers.utils")
+
+    @dataclasses.dataclass
+    class Out(outputs.ModelOutput):
+        h: torch.Tensor | None = None
+        step: int | None = None
+
+    _BOXES["model_output"] = (lambda h: Out(h=h, step=0), lambda x: x[0])
+    try:
+        forced(monkeypatch, (RO,) * N)
+        _assert_same(
+            _steps(None, "model_output", net=_BoxNet), _steps(adaptive(store_dir), "model_output", net=_BoxNet)
+        )
+    finally:
+        del _BOXES["model_output"]
+
+
+@dataclasses.dataclass
+class _Linked:
+    h: torch.Tensor
+    parent: _Linked | None = None
+    size: int = dataclasses.field(init=False)
+
+
+def test_inputs_are_measured_through_dataclasses_with_cycles_and_unset_fields():
+    h = torch.ones(2)
+    a = _Linked(h)
+    a.parent = a
+    assert [t for t in forward._inputs((a,), {}) if isinstance(t, torch.Tensor)] == [h]

@@ -5,6 +5,7 @@ it, per thread (as PyTorch keeps them), through interrupts, recursion, ``torch.f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -113,20 +114,31 @@ def _inputs(args: tuple, kwargs: Any) -> tuple:
     """A block's arguments, those passed by keyword too (a recomputation holds their tensors;
     numbers size them), with tensors in a list (a cross-attention context) opened."""
     if kwargs:
-        args = (*args, *(v for v in kwargs.values() if isinstance(v, _ARGS)))
-    return flat(args) if any(isinstance(a, _NESTED) for a in args) else args
+        args = (*args, *(v for v in kwargs.values() if isinstance(v, _ARGS) or opened(v)))
+    return flat(args) if any(opened(a) for a in args) else args
 
 
-def flat(args: tuple | list) -> tuple:
-    """The arguments with lists, tuples and dicts (a model output) opened, to any depth."""
+def opened(x: Any) -> bool:
+    """Whether ``flat`` opens ``x``: a list, tuple, dict or dataclass."""
+    return isinstance(x, _NESTED) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+
+
+def flat(args: tuple | list, seen: set[int] | None = None) -> tuple:
+    """The arguments with lists, tuples, dicts (a model output) and dataclasses opened, to
+    any depth, each once."""
+    seen = set() if seen is None else seen
     out: list = []
     for a in args:
-        if isinstance(a, dict):
-            out.extend(flat(tuple(a.values())))
-        elif isinstance(a, (list, tuple)):
-            out.extend(flat(a))
-        else:
+        if not opened(a):
             out.append(a)
+        elif id(a) not in seen:
+            seen.add(id(a))
+            if isinstance(a, dict):
+                out.extend(flat(tuple(a.values()), seen))
+            elif isinstance(a, (list, tuple)):
+                out.extend(flat(a, seen))
+            else:  # a dataclass (its fields left unset too)
+                out.extend(flat(tuple(getattr(a, f.name, None) for f in dataclasses.fields(a)), seen))
     return tuple(out)
 
 

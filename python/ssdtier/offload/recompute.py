@@ -5,6 +5,8 @@ inputs to the offloader's hooks, so those are kept or offloaded like any saved t
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import time
 import weakref
@@ -17,7 +19,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import SsdtierError
-from .forward import top_hooks
+from .forward import flat, opened, top_hooks
 from .profile import Recomputable
 
 if TYPE_CHECKING:
@@ -97,7 +99,7 @@ class Recompute:
     def _watched(self, f: Fwd, fn: Any, args: tuple, kwargs: dict) -> Any:
         """``fn`` called with gradients, the block seen for the first time: whether it changes
         its inputs in place."""
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        tensors = [v for v in flat((*args, *kwargs.values())) if isinstance(v, torch.Tensor)]
         before = [_version(t) for t in tensors]
         out = fn(*args, **kwargs)
         self.seen = True
@@ -159,28 +161,106 @@ def _cache_in(args: tuple, kwargs: dict) -> Any:
 
 
 def _positional(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
-    """``fn`` and what checkpoint calls it with: tensors passed by keyword go positionally
-    (it saves only those through the saved-tensor hooks, and keeps the RNG state of only
-    their devices), the other keywords bound (checkpoint would take ``debug`` and the like
-    as its own)."""
-    if not kwargs:
+    """``fn`` and what checkpoint calls it with: every tensor positionally, those passed by
+    keyword or inside lists, tuples, dicts and dataclasses too (it saves only its positional
+    tensors through the saved-tensor hooks, and keeps the RNG state of only their devices);
+    the rest bound as given (checkpoint would take ``debug`` and the like as its own)."""
+    if not kwargs and not any(opened(a) for a in args):
         return fn, args
-    names = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    rest = {k: v for k, v in kwargs.items() if k not in names}
-    return _Keywords(fn, len(args), names, rest), (*args, *(kwargs[k] for k in names))
+    tensors: list[torch.Tensor] = []
+    shape = _hollow((args, kwargs), tensors, set())
+    return _Filled(fn, shape, args, kwargs), tuple(tensors)
 
 
-class _Keywords:
-    """``fn`` called with its last positional arguments as the keywords they were, and the
-    other keywords as given."""
+class _Hole:
+    __slots__ = ("i",)
 
-    __slots__ = ("fn", "n", "names", "rest")
+    def __init__(self, i: int) -> None:
+        self.i = i
 
-    def __init__(self, fn: Any, n: int, names: tuple[str, ...], rest: dict) -> None:
-        self.fn, self.n, self.names, self.rest = fn, n, names, rest
 
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args[: self.n], **dict(zip(self.names, args[self.n :], strict=True)), **self.rest)
+class _Node:
+    """A container that held tensors: made again around what fills its holes."""
+
+    __slots__ = ("items", "make")
+
+    def __init__(self, make: Any, items: list) -> None:
+        self.make, self.items = make, items
+
+
+def _hollow(x: Any, tensors: list, seen: set[int]) -> Any:
+    """``x`` with each tensor in it a hole numbered as it is appended to ``tensors``; the
+    containers that hold none, or cannot be made again as they were, are left as they are
+    (held, as checkpoint holds them), and none that do is held."""
+    if isinstance(x, torch.Tensor):
+        tensors.append(x)
+        return _Hole(len(tensors) - 1)
+    t = type(x)
+    if not opened(x) or id(x) in seen:
+        return x
+    seen.add(id(x))
+    n = len(tensors)
+    if t is list or t is tuple or (issubclass(t, tuple) and hasattr(t, "_make")):  # (a named tuple)
+        items = [_hollow(v, tensors, seen) for v in x]
+        make: Any = t if t is list or t is tuple else t._make
+    elif isinstance(x, dict) and not dataclasses.is_dataclass(x):  # (not a model output: its own rules)
+        keys = list(x)
+        items = [_hollow(x[k], tensors, seen) for k in keys]
+        if t is dict:
+            make = functools.partial(_dict, keys)
+        else:  # an ordered dict, a default dict: its type kept, emptied of tensors
+            like = _set(copy.copy(x), keys, [None if type(v) in (_Hole, _Node) else v for v in items])
+            make = functools.partial(_like, like, keys)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, (tuple, list, dict)):
+        keys = [f.name for f in dataclasses.fields(x) if hasattr(x, f.name)]
+        items = [_hollow(getattr(x, k), tensors, seen) for k in keys]
+        like = _set(copy.copy(x), keys, [None if type(v) in (_Hole, _Node) else v for v in items])
+        make = functools.partial(_like, like, keys)
+    else:
+        return x
+    return _Node(make, items) if len(tensors) > n else x
+
+
+def _fill(x: Any, tensors: tuple) -> Any:
+    if type(x) is _Hole:
+        return tensors[x.i]
+    if type(x) is _Node:
+        return x.make([_fill(v, tensors) for v in x.items])
+    return x
+
+
+def _dict(keys: list, values: list) -> dict:
+    return dict(zip(keys, values, strict=True))
+
+
+def _like(like: Any, keys: list, values: list) -> Any:
+    return _set(copy.copy(like), keys, values)
+
+
+def _set(x: Any, keys: list, values: list) -> Any:
+    for k, v in zip(keys, values, strict=True):
+        if isinstance(x, dict):
+            x[k] = v
+        else:
+            object.__setattr__(x, k, v)  # (frozen dataclasses too)
+    return x
+
+
+class _Filled:
+    """``fn`` called with its arguments: in the forward as given (what it changes in them, an
+    auxiliary loss appended, reaches the caller), in a recomputation made again around the
+    tensors checkpoint hands it."""
+
+    __slots__ = ("fn", "given", "shape")
+
+    def __init__(self, fn: Any, shape: Any, args: tuple, kwargs: dict) -> None:
+        self.fn, self.shape = fn, shape
+        self.given: tuple[tuple, dict] | None = (args, kwargs)
+
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        given, self.given = self.given, None  # (held no longer than the forward)
+        args, kwargs = given if given is not None else _fill(self.shape, tensors)
+        return self.fn(*args, **kwargs)
 
 
 class Buffers:
