@@ -321,7 +321,7 @@ def test_several_forwards_before_one_backward(store_dir):
     assert s.tensors_offloaded > 0 and s.bytes_read_nvme > 0 and s.store.entries == 0
 
 
-def test_double_backward(store_dir):
+def test_double_backward(store_dir, warned):
     def run(ssd):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -330,6 +330,7 @@ def test_double_backward(store_dir):
         loss = model(x).square().mean()
         if off:
             wait_copies(off)  # every write done: the first backward reads the activations back
+            assert not warned("create_graph")
         grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
         penalty = sum(g.square().sum() for g in grads)
         penalty.backward()
@@ -345,7 +346,6 @@ def test_double_backward(store_dir):
     # the first backward, whose graph (create_graph) then uses them in the second.
     s = got[2]
     assert s.tensors_offloaded > 0 and s.bytes_read_nvme > 0
-
     assert len(warned("create_graph=True")) == 1  # what they cost said once
 
 
@@ -362,6 +362,7 @@ def test_a_graph_freed_without_a_backward_lets_its_written_sources_go(store_dir)
             e.out.ticket.wait()  # done, not yet seen done
         del loss
         assert off.res.sources == 0 and not off.cpu.writing
+
 
 def test_no_grad_and_inference_mode_offload_nothing(store_dir):
     torch.manual_seed(0)

@@ -120,6 +120,13 @@ TRACED = (
 )
 
 
+CREATE_GRAPH = (
+    "a backward with create_graph=True (a gradient penalty) holds each activation it reads back "
+    "in the graph it builds, until that graph's own backward: offloading frees no memory in such "
+    "a step, and a device budget cannot hold there"
+)
+
+
 class Life(enum.Enum):
     """An offloader's lifetime: hooked; detached with entries that graphs still hold; its
     store closed (or shelved)."""
@@ -622,6 +629,7 @@ class Offloader:
     def _keep(self, t: torch.Tensor, nbytes: int, f: Fwd, key: tuple) -> Kept:
         if self.adaptive is not None and key not in self._kept_st:
             self.adaptive.saved(f.tag, nbytes, False, nbytes < self._min_bytes)  # each storage once
+            self.cpu.hold_back(nbytes)
         self.c["tensors_kept"] += 1
         self.c["bytes_kept"] += nbytes
         kept = Kept(self, t, nbytes, f, key)
@@ -629,7 +637,6 @@ class Offloader:
         return kept
 
     @staticmethod
-            self.cpu.hold_back(nbytes)
     def _moved(e: Entry, src: torch.UntypedStorage, wrote: int) -> SsdtierError | None:
         """An error if the source storage was freed or resized while its bytes were being
         copied out (as sharded data parallelism does with a gathered parameter's storage after
@@ -658,6 +665,8 @@ class Offloader:
             return self._unpack_other(h, tp)
         c = self.c
         c["unpacks"] += 1
+        if torch.is_grad_enabled() and top_hooks() is None:  # (not a checkpoint's recomputation)
+            self.once.warn("create_graph", CREATE_GRAPH)
         if h.probe._version != h.version:
             check_version(h, h.version, h.probe._version)
         e: Entry = h.entry
@@ -828,6 +837,7 @@ class Offloader:
                 # when a poll sees it done: now, if it is (no backward may come to poll).
                 key, e.key = e.key, None
                 self._free_key(key)
+                self.cpu.poll()
             else:
                 self.drop_source(e)
                 if e.cuda:
@@ -837,7 +847,6 @@ class Offloader:
             if self._life is Life.DETACHED and self.entries.live == 0:
                 self._close_store()
 
-                self.cpu.poll()
     def drop_source(self, e: Entry) -> None:
         """Let go of the source an entry holds, if any."""
         if e.source() is not None:
