@@ -110,13 +110,13 @@ def _first_peak(model, ssd):
     return off.res.peak
 
 
-def test_the_first_forward_holds_blocks_called_out_of_order_as_in_order(store_dir):
-    # With no plan yet the guard projects the blocks to come from those run so far: counted
-    # by position in the stack, the block called last was never checked (1.3x in order's).
+def test_the_first_forward_holds_the_budget_with_blocks_in_and_out_of_order(store_dir):
+    # With no plan yet the guard projects the blocks to come from those run whole so far: by
+    # position in the stack the block called last was never checked (1.4x), and averaged with
+    # the recomputed ones (their inputs only) the last was kept (1.09x).
     torch.manual_seed(0)
     keep = _first_peak(_MaskNet(), adaptive(store_dir, device_budget="1GiB"))
-    ssd = adaptive(store_dir, device_budget=int(0.3 * keep))
-    torch.manual_seed(0)
-    in_order = _first_peak(_MaskNet(), ssd)
-    torch.manual_seed(0)
-    assert _first_peak(_Reversed(), ssd) <= in_order < keep / 2
+    budget = int(0.3 * keep)
+    for net in (_MaskNet, _Reversed):
+        torch.manual_seed(0)
+        assert _first_peak(net(), adaptive(store_dir, device_budget=budget)) <= budget, net

@@ -242,10 +242,10 @@ class Adaptive:
                 budget = max(budget, out.peak)
             budget += int(SLACK * budget)
         else:  # no plan yet: the blocks to come saving what the ones so far did, kept
-            done, saved = self.profile.so_far()
+            done, per = self.profile.so_far(tag)
             if not done and not again:
                 return
-            coming = 0.0 if again else saved / done * (len(acts) - done)
+            coming = 0.0 if again else per * (len(acts) - done)
             # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
             budget -= self.watch.working or int(FIRST_FREE * budget)
         if now + coming <= budget:

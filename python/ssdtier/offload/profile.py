@@ -192,10 +192,14 @@ class Profile:
         seen = [e for e in (self._exponent(i) for i in range(self.n)) if e is not None]
         return statistics.median(seen) if seen else UNSEEN
 
-    def so_far(self) -> tuple[int, int]:
-        """The blocks this forward ran before the one it enters now (in any order), and the
-        bytes it saved by then, small tensors included."""
-        return sum(1 for c in self.calls if c) - 1, sum(self.saved) + sum(self.small)
+    def so_far(self, tag: int) -> tuple[int, float]:
+        """The blocks this forward ran before block ``tag`` - 1 (in any order), and what one
+        of them saved, small tensors included: on average over those run whole, if any (a
+        recomputed one saves only its inputs)."""
+        ran = [i for i, c in enumerate(self.calls) if c and i != tag - 1]
+        whole = [i for i in ran if not self.recomputed[i]] or ran
+        per = sum(self.saved[i + 1] + self.small[i + 1] for i in whole) / len(whole) if whole else 0.0
+        return len(ran), per
 
     # ---------------------------------------------------------------- backward
 
