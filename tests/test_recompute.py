@@ -293,13 +293,11 @@ class _Masked(nn.Module):
         return x + torch.tanh(self.fc(x) * mask + (z * z.conj()).real)
 
 
-class _MaskNet(nn.Module):
+class _MaskNet(_Net):
     """One mask for every block, and a conjugate view (a lazy bit its copy must keep)."""
 
     def __init__(self, block=_Masked) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 1)
-        self.blocks = nn.ModuleList(block() for _ in range(N))
+        super().__init__(block)
 
     def forward(self, x):
         h = self.inp(x)

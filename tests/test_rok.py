@@ -947,6 +947,7 @@ def test_the_guard_expects_the_sources_a_plan_leaves_leaving():
             _saving=lambda acts, i: 1.0,
             profile=SimpleNamespace(recomputable=[Recomputable.YES] * 4, calls=[1] * 4),
         )
+        me.limit = lambda me=me: Adaptive.limit(me)
         Adaptive.guard(me, f, 2)
         assert me.switched == switched, (held, plan.outcome.before, plan.outcome.forward_peak)
         assert me.off.c["guard_recomputed"] == switched
@@ -1020,6 +1021,7 @@ def test_the_guard_scales_by_what_this_forward_saved():
             ),
         )
         me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
+        me.limit = lambda me=me: Adaptive.limit(me)
         Adaptive.guard(me, f, 4)
         assert me.switched == switched and f.acts[3] is (RO if switched else K), (saved, f.acts)
 

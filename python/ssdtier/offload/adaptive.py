@@ -222,7 +222,7 @@ class Adaptive:
         """Before block ``tag`` - 1 runs: if, scaled by what this forward saved so far against
         the plan's, the rest would pass the budget, the block is recomputed with its inputs
         offloaded (the least it can hold), never left to run the GPU out of memory."""
-        budget = self.off._budget
+        budget = self.limit()
         acts = f.acts
         i = tag - 1
         least = Action.OFFLOAD if self.profile.recomputable[i] is not Recomputable.YES else Action.RECOMPUTE_OFFLOAD
@@ -238,8 +238,6 @@ class Adaptive:
             coming = 0.0 if again else growth * max(out.forward_peak - out.before[i], 0)
             if growth > 1.0:  # the backward's peak grows too
                 now = max(now, int(growth * out.peak) - int(coming))
-            if not self.plan.fits:  # the least it could: only growth is news
-                budget = max(budget, out.peak)
             budget += int(SLACK * budget)
         else:  # no plan yet: the blocks to come saving what the ones so far did, kept
             done, per = self.profile.so_far(tag)

@@ -203,22 +203,22 @@ def _hollow(x: Any, tensors: list, seen: set[int]) -> Any:
     if t is list or t is tuple or (issubclass(t, tuple) and hasattr(t, "_make")):  # (a named tuple)
         items = [_hollow(v, tensors, seen) for v in x]
         make: Any = t if t is list or t is tuple else t._make
-    elif isinstance(x, dict) and not dataclasses.is_dataclass(x):  # (not a model output: its own rules)
+        return _Node(make, items) if len(tensors) > n else x
+    if isinstance(x, (tuple, list)) or (isinstance(x, dict) and dataclasses.is_dataclass(x)):
+        return x  # another sequence, or a model output (its fields ordered as they are set)
+    if isinstance(x, dict):
         keys = list(x)
         items = [_hollow(x[k], tensors, seen) for k in keys]
-        if t is dict:
-            make = functools.partial(_dict, keys)
-        else:  # an ordered dict, a default dict: its type kept, emptied of tensors
-            like = _set(copy.copy(x), keys, [None if type(v) in (_Hole, _Node) else v for v in items])
-            make = functools.partial(_like, like, keys)
-    elif dataclasses.is_dataclass(x) and not isinstance(x, (tuple, list, dict)):
+    else:  # a dataclass
         keys = [f.name for f in dataclasses.fields(x) if hasattr(x, f.name)]
         items = [_hollow(getattr(x, k), tensors, seen) for k in keys]
-        like = _set(copy.copy(x), keys, [None if type(v) in (_Hole, _Node) else v for v in items])
-        make = functools.partial(_like, like, keys)
-    else:
+    if len(tensors) == n:
         return x
-    return _Node(make, items) if len(tensors) > n else x
+    if t is dict:
+        return _Node(functools.partial(_dict, keys), items)
+    # An ordered dict, a default dict, a dataclass: its type kept, emptied of tensors.
+    like = _set(copy.copy(x), keys, [None if type(v) in (_Hole, _Node) else v for v in items])
+    return _Node(functools.partial(_like, like, keys), items)
 
 
 def _fill(x: Any, tensors: tuple) -> Any:
