@@ -77,6 +77,7 @@ class Sweep:
         "held",
         "largest",
         "layer_max",
+        "now",
         "order",
         "rank",
         "read_to",
@@ -102,6 +103,7 @@ class Sweep:
         self.layer_max = max(layers.values(), default=0)  # the largest layer's bytes
         self.largest = max((b.seq[p].nbytes for p in order), default=0)  # the largest entry's
         self.at = -1  # the furthest rank unpacked (-1: none yet, the kept layers above them)
+        self.now = -1  # the rank unpacked last: a storage blocks share jumps ``at`` ahead of it
         self.read_to = -1  # the furthest rank whose read was started
         self.seen: list[int] = []  # positions, in the order of their first unpack
         self.held: set[int] = set()  # ranks served from their source, with no read
@@ -191,7 +193,7 @@ class ReadAhead:
                 # The backward's own pace: its waits for reads are what the window should remove.
                 s.times[r] = now - s.t0 - (self.off.res.stall - s.stall0)
                 s.seen.append(pos)
-            s.at = max(s.at, r)
+            s.at, s.now = max(s.at, r), r
         window = self.window if self.window is not None else self._first_window(s)
         if s.arena_cap:
             window = min(window, s.arena_cap)
@@ -201,9 +203,9 @@ class ReadAhead:
         order, cum, nxt = s.order, s.cum, s.at + 1
         j = start = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
-            # Within the budget, past the first entry needed now: entries passed over (a storage
+            # Within the budget, but for the entry needed next: entries passed over (a storage
             # blocks share, unpacked first, jumps a guessed order) and the window's last too.
-            if room is not None and cum[j + 1] - cum[start] > room and (j > start or j > nxt):
+            if room is not None and cum[j + 1] - cum[start] > room and (j > start or j != s.now + 1):
                 break
             if not self._want(s.seq[order[j]]):
                 s.held.add(j)
