@@ -1015,6 +1015,7 @@ def test_the_guard_scales_by_what_this_forward_saved():
             held=lambda saved=saved: 3 * saved,
             plan=plan,
             swell=1.0,
+            since=1,
             switched=0,
             profile=SimpleNamespace(
                 saved=[0, saved, saved, saved, 0, 0], recomputable=[Recomputable.YES] * 4, calls=[1] * 4

@@ -253,3 +253,25 @@ def test_a_plan_for_longer_inputs_gives_way_after_eight_shorter_forwards(store_d
     assert changed and plans[changed[0]].count("r") < plans[3].count("r"), plans
     hooked = sum(1 for f in flags[3 : changed[0]] if not f)  # shorter forwards measured before it
     assert hooked >= LONGEST, (hooked, flags, plans)
+
+
+def test_a_block_recomputed_at_a_larger_batch_grows_as_its_siblings_did(store_dir, monkeypatch):
+    # Blocks measured whole at batches 2 and 4 saved about twice as much at 4: the last block,
+    # recomputed at 4, is estimated as they grew, not as attention's scores would (4x).
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.plan import Action
+
+    from .test_rok import GPT, adaptive, forced, steps
+
+    K = Action.KEEP
+    forced(monkeypatch, (K,) * 4)
+    seen = []
+    monkeypatch.setattr(Adaptive, "_adopt", lambda self, blocks, *a: seen.append(blocks))
+
+    def next_step(off):
+        off.set_actions((K, K, K, Action.RECOMPUTE))
+
+    steps(GPT, adaptive(store_dir), batches=(2, 4, 4), on_step=next_step)
+    at2, at4 = seen[0], seen[1]
+    assert at4[1].bytes == pytest.approx(2 * at2[1].bytes, rel=0.05)  # measured whole at both
+    assert at4[3].bytes == pytest.approx(2 * at2[3].bytes, rel=0.05), (at2[3].bytes, at4[3].bytes)

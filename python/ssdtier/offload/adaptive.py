@@ -66,6 +66,7 @@ class Adaptive:
         self.inputs_last = 0  # the first block's input bytes in the last forward
         self.growth = 1.0  # this forward's first block's inputs over the last one's (a larger batch)
         self.swell = 1.0  # ... and what its blocks may save over the last one's (longer: more than that)
+        self.since = 1  # the blocks _saving weighs start here (a later stack's: its first)
         self.switched = 0  # blocks the guard recomputed in this forward
         # A plan that could settle, on a GPU with a budget: allocated less held() as each block
         # began, less that as the forward began (gradients, an earlier forward's activations).
@@ -170,6 +171,7 @@ class Adaptive:
             self.beside[tag - 1] = (meter.counters().allocated - held - aside, held - held0)
         if stack:  # a decoder's first block: its inputs are part of the forward's too
             self.settled.seen(stack, args)
+            self.since = tag - 1  # its own blocks: a shorter source must not hide a longer target
         if tag == 1:
             last, self.settled.shapes = self.settled.shapes, shapes(args)
             now = self.profile.inputs[0]
@@ -230,7 +232,7 @@ class Adaptive:
             return
         now = self.held()
         # Called again (two views): the plan's one pass has every call's bytes, the first
-        # pass's among those held, so only what is held now is news.
+        # pass's among those held, so with a plan only what is held now is news.
         again = self.profile.calls[i] > 1
         if self.plan is not None:
             growth = 1.0 if again else max(1.0, self.swell, self._saving(acts, i))
@@ -241,9 +243,12 @@ class Adaptive:
             budget += int(SLACK * budget)
         else:  # no plan yet: the blocks to come saving what the ones so far did, kept
             done, per = self.profile.so_far(tag)
+            prof, own = self.profile, 0.0
+            if again and not prof.recomputed[i]:  # this call saves what the earlier ones did
+                own = (prof.saved[tag] + prof.small[tag]) / (prof.calls[i] - 1)
             if not done and not again:
                 return
-            coming = 0.0 if again else per * (len(acts) - done)
+            coming = own + per * (len(acts) - done - again)
             # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
             budget -= self.watch.working or int(FIRST_FREE * budget)
         if now + coming <= budget:
@@ -354,13 +359,13 @@ class Adaptive:
         return len(switched)
 
     def _saving(self, acts: list[Action], i: int) -> float:
-        """What blocks 1 to ``i`` - 1 saved in this forward against what the plan has them
-        save (block 0's bytes hold what runs before it): attention's T x T scores grow faster
-        than the first block's inputs."""
+        """What the stack's blocks before ``i`` (from 1: block 0's bytes hold what runs before
+        it) saved in this forward against what the plan has them save: attention's T x T
+        scores grow faster than the first block's inputs."""
         assert self.plan is not None
         want = got = 0
         saved = self.profile.saved
-        for j in range(1, i):
+        for j in range(max(self.since, 1), i):
             b = self.plan.decisions[j].block
             want += b.inputs - b.inputs_small if acts[j].recomputes else b.bytes  # (small: not in saved)
             got += saved[j + 1]
@@ -413,6 +418,7 @@ class Adaptive:
         self.wait0 = self.off.io_wait()
         self.profile.begin_forward()
         self.growth = self.swell = 1.0
+        self.since = 1
         self.switched = 0
         f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)

@@ -313,11 +313,13 @@ class Offloader:
         """The most bytes of activations kept from now on (adaptive mode's, with "auto")."""
         self._budget = budget
 
-    def room(self) -> int | None:
+    def room(self, ahead: bool = False) -> int | None:
         """Bytes of activations the device budget still has room for (adaptive mode): what
-        reads ahead may bring, and sources writes in flight may hold."""
+        sources writes in flight may hold, and reads ahead bring (``ahead``). Those are
+        optional, so they stay within the budget itself, not a plan's that does not fit it
+        (predicted at other inputs, perhaps)."""
         ad = self.adaptive
-        limit = ad.limit() if ad is not None else None
+        limit = None if ad is None else self._budget if ahead else ad.limit()
         return None if ad is None or limit is None else max(limit - ad.held(), 0)
 
     def landed(self) -> None:

@@ -295,6 +295,7 @@ class Profile:
         self._io_cost(fwd)
         per_byte = self.io_per_byte
         blocks = []
+        grows = self.exponent()
         for i in range(n):
             inputs = self.inputs[i]
             known = self.full[i]
@@ -302,8 +303,8 @@ class Profile:
                 nbytes, small = int(per_input * inputs), int(small_per_input * inputs)
             elif self.recomputed[i] and known[1] > 0:
                 # Measured at another batch or length: attention's T x T scores grow faster
-                # than inputs (UNSEEN until the block was measured at two sizes).
-                power = self._exponent(i) or (UNSEEN if inputs > known[1] else 1.0)
+                # than inputs (as its siblings grew, UNSEEN until one was measured at two sizes).
+                power = self._exponent(i) or (grows if inputs > known[1] else 1.0)
                 scale = (inputs / known[1]) ** power
                 nbytes, small = int(known[0] * scale), int(self.full_small[i] * scale)
                 if per_input_now is not None and not _like(known[1], inputs):

@@ -197,8 +197,8 @@ class ReadAhead:
         window = self.window if self.window is not None else self._first_window(s)
         if s.arena_cap:
             window = min(window, s.arena_cap)
-        room = self.off.room()
-        if room is not None:  # the plan's device budget holds what is read ahead too
+        room = self.off.room(ahead=True)
+        if room is not None:  # the device budget holds what is read ahead too
             window = min(window, room)
         order, cum, nxt = s.order, s.cum, s.at + 1
         j = start = s.read_to + 1
