@@ -997,3 +997,41 @@ def test_an_unpack_larger_than_the_arena_waits_for_no_copy_back(transport, gpu, 
     st, _ = transport.restore(big, None)
     assert len(transport.h2d) == 1 and warned("found no room in the host arena to be read back")
     assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st), source(2 << 20, 5))
+
+
+def test_copies_that_lag_hold_the_forward_back_within_the_budget(store_dir, gpu, monkeypatch):
+    # The twin of test_within_budget's lagging writes: copies out the GPU had not finished
+    # held their sources past the budget (1.65x) while the forward never waited.
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.offload.stats import Resident
+    from ssdtier.plan import Action
+
+    from .test_rok import GPT, adaptive, forced
+
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    forced(monkeypatch, (Action.OFFLOAD,) * 4)
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e9, 1e9))
+    monkeypatch.setattr(Adaptive, "guard", lambda self, f, tag: None)  # no plan to guard
+    budget = 512 << 10
+    cfg = adaptive(store_dir, device_budget=budget)
+    cfg["host"]["capacity"] = "8MiB"  # the arena's own bound on copies in flight: not first
+    held, offs = [0], []
+    note, init = Resident.note, offloader.Offloader.__init__
+
+    def noted(res, host_used):  # the device's bytes: the arena is host memory
+        note(res, host_used)
+        for o in offs:
+            if o.res is res:
+                held[0] = max(held[0], res.kept + res.sources + res.restored + o.cuda.inflight)
+
+    def made(self, *a, **k):
+        init(self, *a, **k)
+        offs.append(self)
+
+    monkeypatch.setattr(Resident, "note", noted)
+    monkeypatch.setattr(offloader.Offloader, "__init__", made)
+    got = train(GPT, cfg, sizes=(4, 4), on_step=lambda off: gpu.run())
+    assert_same(train(GPT, sizes=(4, 4)), got)
+    largest = 4 * 16 * 128 * 4  # an MLP's hidden activation: the entry read ahead past the room
+    assert held[0] <= budget + largest, held
+    assert got[2].forward_wait_seconds > 0  # it did wait

@@ -245,6 +245,7 @@ class CudaTransport:
         native = self.native
         stream = self._streams(whole.device)[0]
         self.poll()  # committed slots can be evicted to make room
+        self.hold_back(nbytes)
         while self.pending and self.inflight + nbytes > self.bound:
             self._wait_oldest()
         while True:
@@ -332,6 +333,16 @@ class CudaTransport:
         self.off.res.held_back += waited
         self.off.res.forward_wait += waited
         self.poll()
+
+    def hold_back(self, nbytes: int) -> None:
+        """Back-pressure within a device budget: before ``nbytes`` more are held, copies out
+        that lag the link's planned rate are waited for, while that can make room, rather
+        than their sources piling up past it (as ``CpuTransport.wait_writes``)."""
+        while self.pending and not torch.cuda.is_current_stream_capturing():
+            room = self.off.room()
+            if room is None or nbytes <= room or room + self.inflight < nbytes:
+                break  # within it, or held past it whatever the copies do (a plan that does not fit)
+            self._wait_oldest()
 
     def _wait_oldest(self) -> None:
         """Back-pressure: the host waits for the oldest copy into or out of the arena."""
@@ -623,6 +634,7 @@ class CudaTransport:
         self.poll()  # their keys freed: a store kept open (shelf.py) holds nothing of this one's
         self.bounces.clear()
         self.pending.clear()
+        self.staging.clear()
         self.inflight = 0
         self.h2d = Unpins()
         self.free_later.clear()

@@ -632,6 +632,7 @@ class Offloader:
         if self.adaptive is not None and key not in self._kept_st:
             self.adaptive.saved(f.tag, nbytes, False, nbytes < self._min_bytes)  # each storage once
             self.cpu.hold_back(nbytes)
+            self.cuda.hold_back(nbytes)
         self.c["tensors_kept"] += 1
         self.c["bytes_kept"] += nbytes
         kept = Kept(self, t, nbytes, f, key)

@@ -59,6 +59,8 @@ class CudaOwner(TransportOwner, Protocol):
     @property
     def uses_cufile(self) -> bool: ...
 
+    def room(self) -> int | None: ...
+
 
 class CpuOwner(TransportOwner, Protocol):
     config: Config
