@@ -242,8 +242,8 @@ class Adaptive:
                 now = max(now, int(growth * out.peak) - int(coming))
             budget += int(SLACK * budget)
         else:  # no plan yet: the blocks to come saving what the ones so far did, kept
-            done, per = self.profile.so_far(tag)
             prof, own = self.profile, 0.0
+            done, per = prof.so_far(tag)
             if again and not prof.recomputed[i]:  # this call saves what the earlier ones did
                 own = (prof.saved[tag] + prof.small[tag]) / (prof.calls[i] - 1)
             if not done and not again:

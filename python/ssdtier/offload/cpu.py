@@ -92,13 +92,13 @@ class CpuTransport:
         sources piling up past it. Returns the seconds waited."""
         waited = 0.0
         while self.writing:
-            room = self.off.room()
-            if room is None or nbytes <= room:
+            short = self.off.short(nbytes)
+            if not short:
                 break
             with self.off._lock:  # another thread's poll may end writes meanwhile
                 pending = list(self.writing)
-            if not pending or room + sum(e.nbytes for e in pending) < nbytes:
-                break  # held past the budget otherwise (a plan that does not fit): no use
+            if not pending or sum(e.nbytes for e in pending) < short:
+                break  # held past the budget whatever the writes do (a plan that does not fit)
             w = pending[0].out
             if type(w) is not Writing:
                 break

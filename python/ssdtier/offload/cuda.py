@@ -339,8 +339,8 @@ class CudaTransport:
         that lag the link's planned rate are waited for, while that can make room, rather
         than their sources piling up past it (as ``CpuTransport.wait_writes``)."""
         while self.pending and not torch.cuda.is_current_stream_capturing():
-            room = self.off.room()
-            if room is None or nbytes <= room or room + self.inflight < nbytes:
+            short = self.off.short(nbytes)
+            if not short or self.inflight < short:
                 break  # within it, or held past it whatever the copies do (a plan that does not fit)
             self._wait_oldest()
 

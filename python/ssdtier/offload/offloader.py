@@ -322,6 +322,12 @@ class Offloader:
         limit = None if ad is None else self._budget if ahead else ad.limit()
         return None if ad is None or limit is None else max(limit - ad.held(), 0)
 
+    def short(self, nbytes: int) -> int:
+        """By how many bytes ``nbytes`` more held would pass the device budget (0: within it,
+        or none): what waiting for copies or writes in flight must free."""
+        room = self.room()
+        return 0 if room is None else max(nbytes - room, 0)
+
     def landed(self) -> None:
         """Copies out that landed since the last unpack or save leave the bytes held."""
         if self.cuda.pending:
