@@ -1022,6 +1022,7 @@ def test_the_guard_scales_by_what_this_forward_saved():
             ),
         )
         me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
+        me._backward_peak = lambda acts, i, me=me: Adaptive._backward_peak(me, acts, i)
         me.limit = lambda me=me: Adaptive.limit(me)
         Adaptive.guard(me, f, 4)
         assert me.switched == switched and f.acts[3] is (RO if switched else K), (saved, f.acts)

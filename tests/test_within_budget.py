@@ -225,6 +225,41 @@ def test_a_decoder_that_grows_while_its_encoder_shrinks_is_guarded():
             profile=SimpleNamespace(saved=saved, recomputable=[Recomputable.YES] * 8, calls=[1] * 8),
         )
         me._saving = lambda acts, i, me=me: Adaptive._saving(me, acts, i)
+        me._backward_peak = lambda acts, i, me=me: Adaptive._backward_peak(me, acts, i)
         me.limit = lambda me=me: Adaptive.limit(me)
         Adaptive.guard(me, f, 6)  # the second decoder block
         assert me.switched == switched, (since, f.acts)
+
+
+def test_a_forward_that_grew_recomputes_only_the_blocks_it_must():
+    # The guard held the plan's whole peak, scaled by the growth, against the budget at every
+    # block: one switch meant all (a dynamic-padding hunt ran RRRRRR at 0.05x of its budget).
+    # Blocks it switched hold less until their backward: the rest stay as planned.
+    from types import SimpleNamespace
+
+    from ssdtier.plan import Block, Head, Transfers, solve
+
+    mb = 1 << 20
+    blocks = [Block(i, 100 * mb, 10 * mb, 0.01, 0.02, 0.01) for i in range(8)]
+    budget = 1300 * mb
+    plan = solve(blocks, Transfers(1e3, 1e3, host=0), budget, Head())
+    assert plan.fits and plan.actions == (Action.KEEP,) * 8, plan.table()
+    f = SimpleNamespace(acts=list(plan.actions), off_tag=[False] * 10)
+    held = [0]
+    me = SimpleNamespace(
+        off=SimpleNamespace(_budget=budget, c={"guard_recomputed": 0}),
+        held=lambda: held[0],
+        plan=plan,
+        swell=2.0,  # the blocks save twice the plan's: kept, 1600 MiB
+        since=1,
+        switched=0,
+        profile=SimpleNamespace(saved=[0] * 10, recomputable=[Recomputable.YES] * 8, calls=[1] * 8),
+    )
+    me._saving = lambda acts, i: 1.0
+    me._backward_peak = lambda acts, i, me=me: Adaptive._backward_peak(me, acts, i)
+    me.limit = lambda me=me: Adaptive.limit(me)
+    for tag in range(1, 9):
+        Adaptive.guard(me, f, tag)
+        held[0] += 0 if f.acts[tag - 1].recomputes else 200 * mb
+    assert f.acts == [Action.RECOMPUTE_OFFLOAD] * 2 + [Action.KEEP] * 6, f.acts
+    assert held[0] <= budget

@@ -122,6 +122,7 @@ class Outcome:
     late: tuple[int, ...]  # blocks whose bytes come back late
     fits_host: bool  # the host tier and NVMe hold what is offloaded
     before: tuple[int, ...] = ()  # bytes held as each block starts, sources still leaving included
+    back: tuple[int, ...] = ()  # ... in each block's backward, with what is read ahead (peak's terms)
 
 
 def _wait_for_queue(channel_free: float, t: float, rate: float, queue: int) -> float:
@@ -265,6 +266,7 @@ def simulate(
     t = t_fwd + head.backward_s
     wait_b = rec = 0.0
     late: list[int] = []
+    back = [0] * n
     for j in range(n - 1, -1, -1):
         b, a = blocks[j], actions[j]
         below -= held[j]
@@ -286,7 +288,8 @@ def simulate(
         working = max(b.whole, held[j]) + (b.inputs if again[j] else 0)
         gone = leaving(t, j) if late_spans else 0
         fill(t, below + working + gone)
-        peak = max(peak, below + working + ahead + gone)
+        back[j] = below + working + ahead + gone + head.working
+        peak = max(peak, back[j] - head.working)
         t += b.backward_s
         if again[j]:
             t += b.recompute_s
@@ -307,6 +310,7 @@ def simulate(
         late=tuple(late),
         fits_host=total <= room,
         before=tuple(before),
+        back=tuple(back),
     )
 
 

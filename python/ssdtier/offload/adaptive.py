@@ -239,7 +239,7 @@ class Adaptive:
             out = self.plan.outcome
             coming = 0.0 if again else growth * max(out.forward_peak - out.before[i], 0)
             if growth > 1.0:  # the backward's peak grows too
-                now = max(now, int(growth * out.peak) - int(coming))
+                now = max(now, int(growth * self._backward_peak(acts, i)) - int(coming))
             budget += int(SLACK * budget)
         else:  # no plan yet: the blocks to come saving what the ones so far did, kept
             prof, own = self.profile, 0.0
@@ -266,6 +266,21 @@ class Adaptive:
                 format_size(budget),
                 i,
             )
+
+    def _backward_peak(self, acts: list[Action], i: int) -> int:
+        """The plan's peak with blocks before ``i`` as this forward ran them: those the guard
+        switched hold less until their backward, where a recomputation holds their inputs too."""
+        assert self.plan is not None
+        plan = self.plan
+        out, ds = plan.outcome, plan.decisions
+        if len(out.back) != len(ds):
+            return out.peak
+        freed, low = 0, 0  # freed: by the switched blocks below, in the backward of those above
+        for j in range(i):
+            b, was = ds[j].block, ds[j].action
+            low = max(low, out.back[j] - freed + (b.inputs if acts[j].recomputes and not was.recomputes else 0))
+            freed += b.held(was) - b.held(acts[j])  # less, where a block holds more than planned
+        return max(max([out.forward_peak + plan.head.working, *out.back[i:]]) - freed, low)
 
     def trip(self, f: Fwd, tag: int) -> None:
         """Before block ``tag`` - 1 of a forward without hooks (GPU, with a budget): what was
