@@ -21,6 +21,7 @@ from torch import nn
 import ssdtier
 from ssdtier.bench.models import BertConfig, GPTConfig, T5Config, batch_loss, build_model, make_batch
 from ssdtier.offload.entry import Reading, Writing
+from ssdtier.sizes import format_size
 
 from .conftest import store_config
 
@@ -1123,7 +1124,9 @@ def test_auto_read_ahead_margin(store_dir):
             return off.stats().prefetch_bytes
 
         assert off.stats().prefetch_bytes == 0 and off.stats().prefetch_layers == 0
+        assert "read ahead: a byte window, not sized yet" in str(off.stats())
         one = backward()
+        assert f"read ahead: {format_size(one)}" in str(off.stats())
         assert 2_000_000 < one <= 2_130_000
         assert backward(stall=0.0005) == one, "0.5 ms of a 100 ms backward is jitter"
         assert backward(stall=0.002) == 2 * one, "a stall doubles the margin"
@@ -1146,6 +1149,7 @@ def test_auto_read_ahead_margin(store_dir):
         off._enter(model, ())  # a fixed prefetch_layers is never tuned
         off._exit(model, (), None)
         assert off.stats().prefetch_layers == 3 and off.stats().prefetch_bytes == 0
+        assert "read ahead: 3 layers" in str(off.stats())
 
 
 class _Probe(torch.autograd.Function):

@@ -64,6 +64,8 @@ def test_info_reports_the_backend(store_dir):
     assert "\nmemory left     " in r.stdout and "a GPU's host arena can take " in r.stdout
     assert "default policy  all: 'auto' on the CPU: every block is offloaded" in r.stdout  # (no CUDA here)
     assert "default arena   1GiB: 'auto' off a GPU" in r.stdout
+    # Its probe store's capacity is no setting of the user's: no note weighs it against the free space.
+    assert "nvme[0].capacity" not in r.stdout, r.stdout
 
 
 def test_info_does_not_create_the_directory(store_dir):

@@ -14,9 +14,10 @@ tensor is classified once, at pack time:
   size, stride and conjugate bit.
 
 The parts: ``offloader.py`` (hooks, pack, unpack), ``forward.py`` (the
-forward's lifecycle per thread), ``entry.py`` (handles), ``cpu.py`` and
-``cuda.py`` (transports), ``readahead.py``, ``adaptive.py``, ``profile.py``,
-``recompute.py``, ``budget.py``, ``watch.py``, ``control.py``, ``layers.py``, ``shelf.py`` and ``stats.py``;
+forward's lifecycle per thread), ``entry.py`` (handles), ``registry.py`` (the live
+entries), ``cpu.py``, ``cuda.py`` and ``cufile.py`` (transports), ``readahead.py``,
+``adaptive.py``, ``settled.py``, ``profile.py``, ``recompute.py``, ``budget.py``,
+``watch.py``, ``control.py``, ``layers.py``, ``shelf.py`` and ``stats.py``;
 ``owner.py`` holds what each part uses of the offloader, so none imports
 ``offloader.py``. docs/offloader.md maps them.
 """

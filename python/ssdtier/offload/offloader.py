@@ -898,6 +898,7 @@ class Offloader:
             layers_found=_blocks_text(self.layers),
             prefetch_layers=self.ahead.depth,
             prefetch_bytes=self.ahead.window or 0,
+            prefetch_auto=self.ahead.auto,
             plan=self.plan(),
             store=st,
             chosen=tuple(str(c) for c in self.choices),

@@ -43,9 +43,9 @@ class OffloadStats:
     memory at once: kept tensors (each storage once), the host arena in use,
     GPU tensors whose copy is in flight, CPU tensors whose write is in flight,
     and restored storages. ``prefetch_layers`` is how many layers the
-    backward reads ahead (0 with ``policy.prefetch_layers = "auto"``);
-    ``prefetch_bytes`` is the byte window ``"auto"`` has reached (0 before its
-    first backward, and with whole layers). ``copied_ahead`` counts, on CUDA, the read-ahead
+    backward reads ahead (0 with ``policy.prefetch_layers = "auto"``, which
+    ``prefetch_auto`` says); ``prefetch_bytes`` is the byte window ``"auto"`` has reached
+    (0 until a backward's reads have sized it, and with whole layers). ``copied_ahead`` counts, on CUDA, the read-ahead
     entries copied to the GPU on the prefetch stream before their unpack (the
     others are copied on the compute stream when unpacked). ``failed_writes``
     counts the activations whose copy to the store failed (no space, an I/O
@@ -85,6 +85,7 @@ class OffloadStats:
     layers_found: str  # the stacks of blocks found: path (count class), ...; "none"
     prefetch_layers: int
     prefetch_bytes: int
+    prefetch_auto: bool
     tensors_kept: int
     bytes_kept: int
     packs: int
@@ -113,7 +114,13 @@ class OffloadStats:
             + f"layers {self.layers_offloaded} offloaded, "
             + (f"{self.layers_recomputed} recomputed, " if self.layers_recomputed else "")
             + f"{self.layers_kept} kept of {self.layers_found}; read ahead: "
-            + (f"{format_size(self.prefetch_bytes)}" if self.prefetch_bytes else f"{self.prefetch_layers} layers"),
+            + (
+                format_size(self.prefetch_bytes)
+                if self.prefetch_bytes
+                else "a byte window, not sized yet"
+                if self.prefetch_auto
+                else f"{self.prefetch_layers} layers"
+            ),
         ]
         if self.forwards_unhooked:
             lines.append(f"{self.forwards_unhooked} forwards ran without hooks: the plan moved nothing")
