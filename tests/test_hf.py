@@ -278,12 +278,14 @@ def test_blocks_that_update_a_cache_run_whole_and_without_one_recompute(store_di
         got = train(name, cfg, data=data, loss_fn=_padded)
     same(train(name, data=data, loss_fn=_padded), got)
     assert got[2].bytes_offloaded > 0, got[2]
+    # The first forward's guard chose recomputation before the cache was seen: not counted.
+    assert name != "llama" or got[2].guard_recomputed == 0, got[2]
     cached = got[2].plan.actions
 
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ssdtier.SsdtierWarning)
+        warnings.filterwarnings("error", ".*key/value cache", ssdtier.SsdtierWarning)
         got = train(name, cfg, prepare=without_cache, data=data, loss_fn=_padded)
     same(train(name, prepare=without_cache, data=data, loss_fn=_padded), got)
     assert sum(a.recomputes for a in got[2].plan.actions) > sum(a.recomputes for a in cached), (cached, got[2])

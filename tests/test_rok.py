@@ -1028,6 +1028,22 @@ def test_the_guard_scales_by_what_this_forward_saved():
         assert me.switched == switched and f.acts[3] is (RO if switched else K), (saved, f.acts)
 
 
+def test_a_plan_predicted_anew_says_whether_it_fits_now():
+    # Chosen at longer inputs where nothing fitted, then predicted within the budget at
+    # shorter ones: its reason still said "nothing fits" beside "within" (a hunt's stats()).
+    from types import SimpleNamespace
+
+    from ssdtier.plan import Block, Head, Transfers, simulate, solve
+
+    mb, tr = 1 << 20, Transfers(1e3, 1e3, host=0)
+    plan = solve([Block(i, 100 * mb, 10 * mb, 0.01, 0.02, 0.01) for i in range(4)], tr, 20 * mb, Head())
+    assert not plan.fits and "nothing fits" in plan.reason and " past 20MiB" in plan.summary(), plan.table()
+    short = [Block(i, 10 * mb, 1 * mb, 0.01, 0.02, 0.01) for i in range(4)]
+    now = simulate(short, plan.actions, tr, Head(), 20 * mb)
+    again = Adaptive._again(SimpleNamespace(plan=plan), now, short, tr, Head(), 20 * mb, 0.12)
+    assert again.fits and "nothing fits" not in again.reason and " within 20MiB" in again.summary(), again.table()
+
+
 def test_a_plan_stands_on_noisy_measurements_until_it_no_longer_serves(store_dir):
     # On the H100 a solve took 20-100 ms of the host at a forward's start, and timings that
     # moved past 5% solved again at every step. The plan in force now stands while, predicted

@@ -369,7 +369,8 @@ class Plan:
 
     def summary(self) -> str:
         parts = [f"{self.count(a)} {a.value}" for a in Action if self.count(a)]
-        budget = "" if self.device_budget is None else f" within {format_size(self.device_budget)}"
+        where = "within" if self.outcome.peak <= (self.device_budget or 0) else "past"
+        budget = "" if self.device_budget is None else f" {where} {format_size(self.device_budget)}"
         return (
             f"{', '.join(parts) or 'no blocks'}; predicted peak {format_size(self.outcome.peak)}{budget}, "
             f"{self.slowdown:.3f}x keep's step"

@@ -342,6 +342,7 @@ class Adaptive:
             self.settled.calm = 0
             return
         assert f.acts is not None
+        self._unguard(f, i)
         f.acts[i], f.off_tag[tag] = Action.OFFLOAD, True
         prof.recomputed[i], prof.offloaded[i] = False, True
 
@@ -351,12 +352,19 @@ class Adaptive:
         i = tag - 1
         self.profile.recomputable[i] = Recomputable.INPUTS
         if f.acts is not None and f.acts[i].recomputes:
+            self._unguard(f, i)
             f.acts[i], f.off_tag[tag] = Action.OFFLOAD, True
         self.off.once.warn(
             f"inputs {type(block).__name__}",
             f"a {type(block).__name__} block changes its inputs in place, so a recomputation would start from "
             "those changes (torch.utils.checkpoint refuses such blocks too): ssdtier keeps or offloads it",
         )
+
+    def _unguard(self, f: Fwd, i: int) -> None:
+        """Block ``i``, which the guard had recomputed, cannot be: it is no longer counted."""
+        assert f.acts is not None
+        if f.acts[i].recomputes and not self.off.actions[i].recomputes:
+            self.off.c["guard_recomputed"] -= 1
 
     def _recompute_rest(self, f: Fwd, i: int) -> int:
         """Blocks ``i`` on of a forward without hooks that were to be kept recompute instead:
@@ -517,6 +525,12 @@ class Adaptive:
                 new = self._again(now, *inputs, step)
         if plan is None or new.actions != plan.actions:
             log.info("%s", new.table())
+        if budget is not None and not new.fits:
+            self.off.once.warn(
+                "fits",
+                f"no plan holds this model's activations within the device budget ({format_size(budget)}): "
+                f"{new.reason}. Steps like this one pass it: a smaller micro-batch or a larger budget fits",
+            )
         solving.plan = new
         self._use(new)
 
@@ -525,7 +539,11 @@ class Adaptive:
         plan = self.plan
         assert plan is not None
         decisions = tuple(Decision(b, d.action, d.reason) for d, b in zip(plan.decisions, blocks, strict=True))
-        return Plan(decisions, now, tr, head, budget, step, budget is None or now.peak <= budget, plan.reason)
+        fits = budget is None or now.peak <= budget
+        reason = plan.reason
+        if fits != plan.fits:  # "nothing fits" said of other inputs
+            reason = f"the plan in force, {'within the budget' if fits else 'past it'} at these inputs"
+        return Plan(decisions, now, tr, head, budget, step, fits, reason)
 
     def _use(self, plan: Plan) -> None:
         self.plan = plan
