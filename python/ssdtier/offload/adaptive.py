@@ -68,6 +68,7 @@ class Adaptive:
         self.swell = 1.0  # ... and what its blocks may save over the last one's (longer: more than that)
         self.since = 1  # the blocks _saving weighs start here (a later stack's: its first)
         self.switched = 0  # blocks the guard recomputed in this forward
+        self.remaking = 0  # bytes the backward's current block holds recomputed (``_remade``)
         # A plan that could settle, on a GPU with a budget: allocated less held() as each block
         # began, less that as the forward began (gradients, an earlier forward's activations).
         # And held() then, since the forward began: what a forward without hooks is held to.
@@ -193,9 +194,21 @@ class Adaptive:
 
     def backward_reached(self, tag: int) -> None:
         """The backward's first unpack of layer ``tag`` (once per layer and backward)."""
+        self.remaking = self._remade(tag - 1)
         if self._timing():
             self.profile.backward_reached(tag)
             self.watch.reached(tag)
+
+    def _remade(self, i: int) -> int:
+        """What block ``i``'s recomputation will hold through its backward, beside ``held()``,
+        if this forward recomputed it: its bytes as planned; before any plan, what the blocks
+        run whole saved."""
+        plan, ran = self.plan, self.ran
+        if ran is None or not 0 <= i < len(ran) or not ran[i].recomputes:
+            return 0
+        if plan is not None and i < len(plan.decisions):
+            return plan.decisions[i].block.whole
+        return int(self.profile.so_far(i + 1)[1])
 
     def forward_end(self) -> None:
         if self._timing():
@@ -269,7 +282,8 @@ class Adaptive:
 
     def _backward_peak(self, acts: list[Action], i: int) -> int:
         """The plan's peak with blocks before ``i`` as this forward ran them: those the guard
-        switched hold less until their backward, where a recomputation holds their inputs too."""
+        switched hold less, but what they moved may be read back from the forward's end on,
+        and a recomputation holds its inputs beside what it remakes."""
         assert self.plan is not None
         plan = self.plan
         out, ds = plan.outcome, plan.decisions
@@ -277,9 +291,9 @@ class Adaptive:
             return out.peak
         freed, low = 0, 0  # freed: by the switched blocks below, in the backward of those above
         for j in range(i):
-            b, was = ds[j].block, ds[j].action
-            low = max(low, out.back[j] - freed + (b.inputs if acts[j].recomputes and not was.recomputes else 0))
-            freed += b.held(was) - b.held(acts[j])  # less, where a block holds more than planned
+            b, was, now = ds[j].block, ds[j].action, acts[j]
+            low = max(low, out.back[j] - freed + (b.inputs if now.recomputes and not was.recomputes else 0))
+            freed += b.held(was) - b.held(now) - b.moved(now)  # less, where a block holds more than planned
         return max(max([out.forward_peak + plan.head.working, *out.back[i:]]) - freed, low)
 
     def trip(self, f: Fwd, tag: int) -> None:
@@ -442,7 +456,7 @@ class Adaptive:
         self.profile.begin_forward()
         self.growth = self.swell = 1.0
         self.since = 1
-        self.switched = 0
+        self.switched = self.remaking = 0
         f.acts = self.ran = list(self.off.actions)
         f.off_tag = list(self.off._off_tag)
         self.replan_s += time.perf_counter() - t0

@@ -320,7 +320,9 @@ class Offloader:
         (predicted at other inputs, perhaps)."""
         ad = self.adaptive
         limit = None if ad is None else self._budget if ahead else ad.limit()
-        return None if ad is None or limit is None else max(limit - ad.held(), 0)
+        if ad is None or limit is None:
+            return None
+        return max(limit - ad.held() - (ad.remaking if ahead else 0), 0)  # (beside a recomputation)
 
     def short(self, nbytes: int) -> int:
         """By how many bytes ``nbytes`` more held would pass the device budget (0: within it,

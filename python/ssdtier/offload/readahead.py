@@ -138,8 +138,14 @@ class ReadAhead:
         """Entering a layer's backward: start reading the next layers' entries. Called with
         the offloader's lock held."""
         off = self.off
+        room, reading = off.room(ahead=True), 0  # within the device budget, but for the first read
         for d in range(1, self.depth + 1):
             for entry in off.entries.of_layer(forward, layer - d):
+                reads = entry.refs and entry.back is None and type(entry.out) not in (Writing, Held)
+                if reads and room is not None and reading and reading + entry.nbytes > room:
+                    off.cuda.stage_ready()
+                    return
+                reading += entry.nbytes if reads else 0
                 self._want(entry)
         off.cuda.stage_ready()
 
