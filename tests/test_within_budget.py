@@ -272,6 +272,10 @@ def test_a_forward_that_grew_recomputes_only_the_blocks_it_must():
     planned = Adaptive._backward_peak(me, acts, first + 1)
     acts[first] = Action.RECOMPUTE_OFFLOAD
     assert Adaptive._backward_peak(me, acts, first + 1) == planned, plan.table()
+    # Blocks the plan offloads are read back in its own model: unswitched, they change nothing.
+    me.plan = plan = solve(blocks, Transfers(1e3, 1e3, 1e12, 1e12, 1 << 40), 500 * mb, Head())
+    assert any(a is OF for a in plan.actions), plan.table()
+    assert all(Adaptive._backward_peak(me, list(plan.actions), i) == plan.outcome.peak for i in range(9))
 
 
 def _saved_per_block(model, idx):

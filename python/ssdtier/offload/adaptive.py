@@ -192,18 +192,19 @@ class Adaptive:
             return
         self.profile.block_exit(tag)
 
-    def backward_reached(self, tag: int) -> None:
-        """The backward's first unpack of layer ``tag`` (once per layer and backward)."""
-        self.remaking = self._remade(tag - 1)
+    def backward_reached(self, tag: int, acts: list[Action] | None = None) -> None:
+        """The backward's first unpack of layer ``tag`` (once per layer and backward), of a
+        forward that ran ``acts``."""
+        self.remaking = self._remade(tag - 1, acts)
         if self._timing():
             self.profile.backward_reached(tag)
             self.watch.reached(tag)
 
-    def _remade(self, i: int) -> int:
+    def _remade(self, i: int, ran: list[Action] | None) -> int:
         """What block ``i``'s recomputation will hold through its backward, beside ``held()``,
-        if this forward recomputed it: its bytes as planned; before any plan, what the blocks
-        run whole saved."""
-        plan, ran = self.plan, self.ran
+        if its forward (``ran``) recomputed it: its bytes as planned; before any plan, what the
+        blocks run whole saved."""
+        plan = self.plan
         if ran is None or not 0 <= i < len(ran) or not ran[i].recomputes:
             return 0
         if plan is not None and i < len(plan.decisions):
@@ -293,7 +294,8 @@ class Adaptive:
         for j in range(i):
             b, was, now = ds[j].block, ds[j].action, acts[j]
             low = max(low, out.back[j] - freed + (b.inputs if now.recomputes and not was.recomputes else 0))
-            freed += b.held(was) - b.held(now) - b.moved(now)  # less, where a block holds more than planned
+            # What a switch moves may be read back early; what the plan moved, its model reads back.
+            freed += b.held(was) - b.held(now) - max(b.moved(now) - b.moved(was), 0)
         return max(max([out.forward_peak + plan.head.working, *out.back[i:]]) - freed, low)
 
     def trip(self, f: Fwd, tag: int) -> None:

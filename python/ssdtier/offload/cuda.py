@@ -437,6 +437,10 @@ class CudaTransport:
         if not self.stage_off:
             self.staging.append(e)
 
+    def pending_bytes(self) -> int:
+        """Bytes of reads ahead not copied to the GPU yet: they will be."""
+        return sum(e.nbytes for e in self.staging if type(e.back) is Reading and e.back.staged is None)
+
     def stage_ready(self) -> None:
         """Copy to the GPU, on the prefetch stream, the read-ahead entries now in the arena."""
         if not self.staging:

@@ -322,7 +322,10 @@ class Offloader:
         limit = None if ad is None else self._budget if ahead else ad.limit()
         if ad is None or limit is None:
             return None
-        return max(limit - ad.held() - (ad.remaking if ahead else 0), 0)  # (beside a recomputation)
+        if not ahead:
+            return max(limit - ad.held(), 0)
+        # Reads ahead: beside a recomputation, and reads under way that will land on the GPU.
+        return max(limit - ad.held() - ad.remaking - self.cuda.pending_bytes(), 0)
 
     def short(self, nbytes: int) -> int:
         """By how many bytes ``nbytes`` more held would pass the device budget (0: within it,
@@ -455,7 +458,7 @@ class Offloader:
             self._check_pace(f.forward)
         f.wait0 = self._native.wait_seconds
         self._native.set_group(f.forward if self._fifo else 0)
-        f.backward = Backward(self._begun)
+        f.backward = Backward(self._begun, f.acts)
         if f.forward % 16 == 0 and "graphs" not in self.once.given:
             self._check_graphs()
         f.tag = f.excluded = 0
@@ -695,7 +698,7 @@ class Offloader:
             layer = h.layer
             if layer != b.last and b.due(layer):
                 if self.adaptive is not None:
-                    self.adaptive.backward_reached(layer)
+                    self.adaptive.backward_reached(layer, b.acts)
                 if self._sample is not None:
                     self._sample(layer)
                 self.cpu.poll()  # writes done since the last block let their sources go
@@ -761,7 +764,7 @@ class Offloader:
                 self._sample(h.layer)  # each layer's first, and each of the head's
             if h.layer != b.last and b.due(h.layer):
                 if self.adaptive is not None:
-                    self.adaptive.backward_reached(h.layer)
+                    self.adaptive.backward_reached(h.layer, b.acts)
                 self.cpu.poll()
                 with self._lock:
                     if self.ahead.auto:

@@ -33,10 +33,11 @@ class Backward:
     With a byte window (``prefetch_layers = "auto"``) it also holds the forward's entries in
     pack order (``seq``, ``Entry.pos``) and the sweep of the backward under way."""
 
-    __slots__ = ("begun", "cum", "done", "last", "low", "round", "seq", "sweep", "task")
+    __slots__ = ("acts", "begun", "cum", "done", "last", "low", "round", "seq", "sweep", "task")
 
-    def __init__(self, begun: int = 0) -> None:
+    def __init__(self, begun: int = 0, acts: list | None = None) -> None:
         self.begun = begun  # backwards of any forward begun before this forward
+        self.acts = acts  # the forward's actions (adaptive mode; the guard's included)
         self.round = 0
         self.low: int | None = None
         # The layer of the last call of due(): called again with it, due() is False and
@@ -138,13 +139,12 @@ class ReadAhead:
         """Entering a layer's backward: start reading the next layers' entries. Called with
         the offloader's lock held."""
         off = self.off
-        room, reading = off.room(ahead=True), 0  # within the device budget, but for the first read
+        room, reading = off.room(ahead=True), 0  # within the device budget, but for a first read below
         for d in range(1, self.depth + 1):
             for entry in off.entries.of_layer(forward, layer - d):
                 reads = entry.refs and entry.back is None and type(entry.out) not in (Writing, Held)
-                if reads and room is not None and reading and reading + entry.nbytes > room:
-                    off.cuda.stage_ready()
-                    return
+                if reads and room is not None and reading + entry.nbytes > room and (reading or d > 1):
+                    continue  # the unpack reads it
                 reading += entry.nbytes if reads else 0
                 self._want(entry)
         off.cuda.stage_ready()
