@@ -748,9 +748,9 @@ def test_an_auto_budget_reads_the_steps_peak_in_its_backward(store_dir, monkeypa
         self.watch.meter.backward = False
         replan(self, f)
 
-    def in_backward(self, tag):
+    def in_backward(self, tag, acts=None):
         self.watch.meter.backward = True
-        reached(self, tag)
+        reached(self, tag, acts)
 
     monkeypatch.setattr(Adaptive, "__init__", start)
     monkeypatch.setattr(Adaptive, "replan", in_forward)
@@ -827,9 +827,9 @@ def test_a_fixed_budget_learns_its_steps_peak_below_an_earlier_higher_one(store_
         init(self, off)
         self.watch.meter = meter
 
-    def in_backward(self, tag):
+    def in_backward(self, tag, acts=None):
         meter.peak = max(meter.peak, 9 * gib)
-        reached(self, tag)
+        reached(self, tag, acts)
 
     def recorded(self, *a):
         learn(self, *a)
@@ -1349,7 +1349,9 @@ def test_a_context_every_block_saves_marks_each_block_reached_once(store_dir, mo
     forced(monkeypatch, (OF,) * 4)
     reached = []
     was = Adaptive.backward_reached
-    monkeypatch.setattr(Adaptive, "backward_reached", lambda self, tag: (reached.append(tag), was(self, tag)))
+    monkeypatch.setattr(
+        Adaptive, "backward_reached", lambda self, tag, acts=None: (reached.append(tag), was(self, tag, acts))
+    )
     torch.manual_seed(0)
     model = _Decoder()
     want = copy.deepcopy(model)
