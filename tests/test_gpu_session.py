@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -176,7 +177,13 @@ def test_a_part_cut_short_from_outside_still_brings_its_log(tmp_path):
     fake.write_text('#!/bin/sh\ncase "$*" in *" info "*) echo started; exec sleep 60 ;; esac\n')
     fake.chmod(0o755)
     env = {**os.environ, "PY": str(fake), "OUT": str(tmp_path / "out"), "LOGS": str(tmp_path / "logs"), "PACK_S": "1"}
-    p = subprocess.Popen(["bash", str(SCRIPT), "info"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        ["bash", str(SCRIPT), "info"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # killed as a group: the part and the packing loop too
+    )
     tgz = tmp_path / "out" / "gpu_session.tgz"
     try:
         for _ in range(300):  # up to 30 s on a busy machine
@@ -188,5 +195,5 @@ def test_a_part_cut_short_from_outside_still_brings_its_log(tmp_path):
         else:
             raise AssertionError("info.log was not packed while the part ran")
     finally:
-        p.kill()
+        os.killpg(p.pid, signal.SIGKILL)
         p.wait()
