@@ -322,10 +322,9 @@ class Offloader:
         limit = None if ad is None else self._budget if ahead else ad.limit()
         if ad is None or limit is None:
             return None
-        if not ahead:
-            return max(limit - ad.held(), 0)
         # Reads ahead: beside a recomputation, and reads under way that will land on the GPU.
-        return max(limit - ad.held() - ad.remaking - self.cuda.pending_bytes(), 0)
+        coming = ad.remaking + self.cuda.pending_bytes() if ahead else 0
+        return max(limit - ad.held() - coming, 0)
 
     def short(self, nbytes: int) -> int:
         """By how many bytes ``nbytes`` more held would pass the device budget (0: within it,
