@@ -5,6 +5,7 @@ stream ordering on real hardware, is tests/test_cuda.py's."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import gc
@@ -22,7 +23,7 @@ from ssdtier.bench.models import batch_loss, build_model, make_batch
 from ssdtier.errors import SsdtierError
 from ssdtier.offload import cuda, offloader
 from ssdtier.offload.cuda import GpuWaits, Pinned
-from ssdtier.offload.entry import Bouncing, Copying, Held
+from ssdtier.offload.entry import Bouncing, Copying, Held, Reading, Restored
 from ssdtier.offload.readahead import Backward
 from ssdtier.store import ByteStore
 
@@ -1035,3 +1036,46 @@ def test_copies_that_lag_hold_the_forward_back_within_the_budget(store_dir, gpu,
     largest = 4 * 16 * 128 * 4  # an MLP's hidden activation: the entry read ahead past the room
     assert held[0] <= budget + largest, held
     assert got[2].forward_wait_seconds > 0  # it did wait
+
+
+@pytest.mark.parametrize("prefetch", ["auto", 2])
+def test_reads_ahead_past_the_budget_still_come_from_nvme_into_the_arena(store_dir, gpu, monkeypatch, prefetch):
+    # With no room left in the device budget, reads ahead stopped whole, and each entry on
+    # NVMe was read at its unpack (82 of 180 with "auto", 154 with 2). Only the copy to the
+    # GPU needs the room: the read into the host arena goes ahead.
+    from ssdtier.offload.adaptive import Adaptive
+    from ssdtier.plan import Action
+
+    from .test_rok import GPT, adaptive, forced
+
+    monkeypatch.setattr(offloader.Offloader, "_streamed", frozenset({"cuda", "cpu"}))
+    forced(monkeypatch, (Action.OFFLOAD,) * 4)
+    monkeypatch.setattr(Adaptive, "calibrate", lambda self: (1e9, 1e9))
+    monkeypatch.setattr(Adaptive, "guard", lambda self, f, tag: None)  # no plan to guard
+    budget = 1  # no room for anything read ahead, but the entry needed next
+    restored, restore = [], offloader.Offloader._restore
+    staged, most, stage = set(), [0], cuda.CudaTransport._stage
+
+    def spied(self, e):
+        back = e.back
+        if e.source() is None and type(back) is not Restored:
+            if type(back) is Reading:
+                restored.append("host" if back.from_host else "nvme, ahead")
+            else:
+                restored.append("host" if self._native.location(e.key)[0] else "nvme, now")
+        staged.discard(e)
+        return restore(self, e)
+
+    def copied_ahead(self, e, r):
+        stage(self, e, r)
+        if r.staged is not None:
+            staged.add(e)
+            most[0] = max(most[0], len(staged))
+
+    monkeypatch.setattr(offloader.Offloader, "_restore", spied)
+    monkeypatch.setattr(cuda.CudaTransport, "_stage", copied_ahead)
+    cfg = adaptive(store_dir, device_budget=budget, prefetch_layers=prefetch)
+    got = train(GPT, cfg, sizes=(4, 4), on_step=lambda off: gpu.run())
+    assert_same(train(GPT, sizes=(4, 4)), got)
+    assert "nvme, now" not in restored and "nvme, ahead" in restored, collections.Counter(restored)
+    assert most[0] <= 2, most  # copied to the GPU ahead: the entry being unpacked and the next

@@ -434,7 +434,8 @@ class CudaTransport:
         e.back = Reading(None, 0, None if from_host and ticket.done() else ticket, from_host)
 
     def stage_later(self, e: Entry) -> None:
-        if not self.stage_off:
+        if not self.stage_off and type(e.back) is Reading and not e.back.queued:
+            e.back.queued = True
             self.staging.append(e)
 
     def pending_bytes(self) -> int:

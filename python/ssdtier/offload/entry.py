@@ -175,7 +175,7 @@ class Reading:
     """A read under way: into ``st`` (None: into the arena, for the CUDA transport), the data
     ``pad`` bytes into it; ``ticket`` None once done; ``from_host`` served from the arena."""
 
-    __slots__ = ("from_host", "made", "pad", "st", "staged", "ticket")
+    __slots__ = ("from_host", "made", "pad", "queued", "st", "staged", "ticket")
 
     def __init__(
         self, st: torch.UntypedStorage | None, pad: int, ticket: Any, from_host: bool, made: Made | None = None
@@ -185,6 +185,7 @@ class Reading:
         # CUDA: copied to the GPU ahead of its unpack: (GPU bytes, event of the copy on the
         # prefetch stream, the stream whose pool the bytes are from).
         self.staged: tuple[torch.Tensor, Any, Any] | None = None
+        self.queued = False  # CUDA: to be copied to the GPU ahead (else at its unpack)
 
 
 class Made:

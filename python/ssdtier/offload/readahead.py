@@ -5,6 +5,7 @@ sized after each backward from what it measured (docs/how-it-works.md)."""
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import math
 import time
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .control import StepControl
-from .entry import Entry, Held, Writing
+from .entry import Entry, Held, Reading, Writing
 
 if TYPE_CHECKING:
     from .owner import ReadAheadOwner
@@ -88,6 +89,7 @@ class Sweep:
         "stall0",
         "t0",
         "times",
+        "unstaged",
     )
 
     def __init__(self, b: Backward, order: list[int], now: float, stall: float, guessed: bool = False) -> None:
@@ -110,7 +112,14 @@ class Sweep:
         self.held: set[int] = set()  # ranks served from their source, with no read
         self.t0, self.stall0 = now, stall
         self.arena_cap = 0  # the most read ahead into the host arena (0: no bound)
+        self.unstaged: collections.deque[int] = collections.deque()  # ranks read into the arena alone
         self.times: list[float | None] = [None] * len(order)  # seconds into the sweep less its waits, by rank
+
+
+def _unstaged(e: Entry) -> bool:
+    """A CUDA entry read (or being read) into the arena, not to be copied to the GPU ahead."""
+    back = e.back
+    return e.cuda and type(back) is Reading and not back.queued
 
 
 class ReadAhead:
@@ -142,16 +151,20 @@ class ReadAhead:
         room, reading = off.room(ahead=True), 0  # within the device budget, but for a first read below
         for d in range(1, self.depth + 1):
             for entry in off.entries.of_layer(forward, layer - d):
-                reads = entry.refs and entry.back is None and type(entry.out) not in (Writing, Held)
-                if reads and room is not None and reading + entry.nbytes > room and (reading or d > 1):
-                    continue  # the unpack reads it
-                reading += entry.nbytes if reads else 0
+                fresh = entry.back is None
+                brings = entry.refs and (fresh or _unstaged(entry)) and type(entry.out) not in (Writing, Held)
+                if brings and room is not None and reading + entry.nbytes > room and (reading or d > 1):
+                    if fresh and entry.cuda:
+                        self._want(entry, stage=False)  # from NVMe into the arena: host memory
+                    continue  # the unpack reads it, or copies it to the GPU
+                reading += entry.nbytes if brings else 0
                 self._want(entry)
         off.cuda.stage_ready()
 
-    def _want(self, entry: Entry) -> bool:
+    def _want(self, entry: Entry, stage: bool = True) -> bool:
         """Have ``entry`` read back, unless it is in memory; False if its source is (its
-        write still in flight, or done and not yet let go): it serves with no read."""
+        write still in flight, or done and not yet let go): it serves with no read. A CUDA
+        entry is copied on to the GPU ahead too, if ``stage``."""
         if entry.refs == 0:
             return True
         entry.wanted = True
@@ -161,7 +174,9 @@ class ReadAhead:
             return False
         if type(out) is Held:
             return False
-        if entry.back is None:
+        if stage and _unstaged(entry):  # read into the arena alone before, for want of room
+            self.off.cuda.stage_later(entry)
+        elif entry.back is None:
             if not entry.cuda and entry.device.type in self.off.cpu.gds_types:  # cuFile: into GPU memory
                 if self.off.cuda.stage_off:
                     return True  # out of GPU memory: the unpack reads it
@@ -172,7 +187,7 @@ class ReadAhead:
                     return True
             else:
                 self.off._start_read(entry)
-            if entry.cuda:
+            if entry.cuda and stage:
                 self.off.cuda.stage_later(entry)
             ticket = entry.back.ticket
             if self.auto and ticket is not None:  # an NVMe read: tune() learns from it
@@ -204,21 +219,45 @@ class ReadAhead:
         if s.arena_cap:
             window = min(window, s.arena_cap)
         room = self.off.room(ahead=True)
-        if room is not None:  # the device budget holds what is read ahead too
+        if room is not None and not s.arena_cap:  # the device budget holds what is read ahead too
             window = min(window, room)
         order, cum, nxt = s.order, s.cum, s.at + 1
+        if room is not None and s.unstaged:
+            room -= self._stage_unstaged(s, room)
         j = start = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
+            entry = s.seq[order[j]]
             # Within the budget, but for the entry needed next: entries passed over (a storage
             # blocks share, unpacked first, jumps a guessed order) and the window's last too.
-            if room is not None and cum[j + 1] - cum[start] > room and (j > start or j != s.now + 1):
+            # Past it, a CUDA entry is still read from NVMe into the host arena.
+            past = room is not None and (
+                bool(s.unstaged) or cum[j + 1] - cum[start] > room and (j > start or j != s.now + 1)
+            )
+            if past and not entry.cuda:
                 break
-            if not self._want(s.seq[order[j]]):
+            if not self._want(entry, stage=not past):
                 s.held.add(j)
+            elif past:
+                s.unstaged.append(j)
             j += 1
         s.read_to = j - 1
         if self.off.cuda.staging:
             self.off.cuda.stage_ready()
+
+    def _stage_unstaged(self, s: Sweep, room: int) -> int:
+        """Copy to the GPU ahead, nearest first, the entries read into the arena alone that
+        now fit in ``room`` (the one needed next in any case); returns their bytes."""
+        used = 0
+        while s.unstaged and not self.off.cuda.stage_off:  # (out of GPU memory: kept for later)
+            r = s.unstaged[0]
+            e = s.seq[s.order[r]]
+            if e.refs and _unstaged(e):
+                if used + e.nbytes > room and (used or r != s.now + 1):
+                    break
+                self.off.cuda.stage_later(e)
+                used += e.nbytes
+            s.unstaged.popleft()
+        return used
 
     def _order(self, b: Backward) -> list[int]:
         """The order the last backward unpacked in, if the forward looks the same; else []."""
