@@ -37,7 +37,9 @@ COUNTS = (
 class OffloadStats:
     """What the offloader did so far.
 
-    ``forwarded`` counts the unpacks served from memory with no NVMe read (a
+    ``bytes_written_nvme`` and ``bytes_read_nvme`` are the disk's bytes: each entry
+    rounded up to whole blocks (4 KiB with ``O_DIRECT``), so small ones move more than
+    ``bytes_offloaded``. ``forwarded`` counts the unpacks served from memory with no NVMe read (a
     write still in flight, the host arena, a kept tensor). ``peak_resident_bytes``
     is the most bytes of saved activations that ssdtier held in device or process
     memory at once: kept tensors (each storage once), the host arena in use,
