@@ -84,3 +84,18 @@ def test_attach_on_a_full_disk_keeps_activations_and_exact_gradients(small_fs, z
     # The file is grown ahead of its use, so the full file system shows when space is taken
     # (fallocate), before any write: the tensor that found no room stays in memory.
     assert warned("no space")
+
+
+def test_adaptive_mode_attaches_where_the_disk_cannot_hold_its_calibration(small_fs, warned):
+    # Measuring the store wrote 64 MiB whatever the disk held: attach raised OutOfSpaceError.
+    from ssdtier.bench.models import GPTConfig
+
+    from .test_attach import assert_same, train
+
+    cfg = store_config(small_fs / "st", host="1MiB", nvme="1GiB")
+    cfg["policy"] = {"min_tensor_bytes": 0, "mode": "adaptive", "device_budget": "256KiB"}
+    model_cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+    got = train(model_cfg, cfg, micro=2)
+    assert_same(train(model_cfg, micro=2), got)
+    assert warned("measuring the store's speed needs 16MiB of capacity and 32MiB free")
+    assert not list((small_fs / "st").iterdir())

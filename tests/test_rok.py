@@ -1377,3 +1377,16 @@ def test_a_context_every_block_saves_marks_each_block_reached_once(store_dir, mo
     first.backward()
     for p, q in zip(want.parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_store_that_fails_its_measurement_is_planned_as_a_slow_disk(store_dir, monkeypatch, warned):
+    from ssdtier.errors import OutOfSpaceError
+    from ssdtier.offload.adaptive import UNMEASURED
+
+    def full(*a):
+        raise OutOfSpaceError(28, "no space for 8388608 bytes")
+
+    monkeypatch.setattr(Adaptive, "_measure", staticmethod(full))
+    with ssdtier.attach(build_model(GPT), adaptive(store_dir)) as off:
+        assert off.adaptive.bw == (UNMEASURED, UNMEASURED)
+    assert warned("could not measure the store's speed (")

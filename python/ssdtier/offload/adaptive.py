@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..errors import SsdtierWarning
+from ..errors import OutOfSpaceError, SsdtierOSError, SsdtierWarning
 from ..plan import Action, Decision, Head, Outcome, Plan, Transfers, simulate, solve
 from ..sizes import format_size
 from ..store import TieredStore
@@ -38,6 +39,7 @@ RESOLVE = 32  # steps a plan stands on measurements that moved before it is solv
 FIRST_FREE = 0.25  # of the budget, left before anything is measured for what no block saves
 SLACK = 0.03  # of the budget: held bytes past the plan's by less are the copies' timing, not growth
 CALIBRATE = (8 << 20, 8)  # the store measured on 8 writes and reads of 8 MiB
+UNMEASURED = 50e6  # bytes/s the plan takes for a store it could not measure: a slow disk
 LONGEST = 8  # hooked forwards, all smaller, that a plan chosen at larger inputs stands through
 UNREAD = 3  # steps whose GPU timings are dropped, not waited for, before the host waits for one
 SAMPLES = 8  # blocks whose backward reads the allocator's counters, at most (each read: tens of us)
@@ -96,10 +98,29 @@ class Adaptive:
         on the same directories: stats() counts activations only."""
         off = self.off
         chunk, n = CALIBRATE
+        # Within the capacity the user gave and half the space free: a disk nearly full
+        # is measured on fewer writes.
+        room = min(min(cap, shutil.disk_usage(path).free // 2) for path, cap in off.store.devices)
+        n = min(n, room // chunk)
+        if n < 2:
+            warn(
+                f"measuring the store's speed needs {format_size(2 * chunk)} of capacity and "
+                f"{format_size(4 * chunk)} free in each directory: the plan takes the disk for "
+                f"{UNMEASURED / 1e6:.0f} MB/s, so it moves little there"
+            )
+            return UNMEASURED, UNMEASURED
         cfg = off.config.replace(
             host__capacity=min(off.config.host.capacity, 2 * chunk),
             nvme=[{"path": path, "capacity": n * chunk} for path, _ in off.store.devices],
         )
+        try:
+            return self._measure(cfg, chunk, n)
+        except (OutOfSpaceError, SsdtierOSError) as err:  # the disk filled meanwhile, or failed
+            warn(f"could not measure the store's speed ({err}): the plan takes {UNMEASURED / 1e6:.0f} MB/s")
+            return UNMEASURED, UNMEASURED
+
+    @staticmethod
+    def _measure(cfg: Any, chunk: int, n: int) -> tuple[float, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SsdtierWarning)  # said already, by the main store
             store = TieredStore(cfg)
