@@ -29,6 +29,16 @@ def test_bench_disk(store_dir, fio):
     assert sorted(p.name for p in store_dir.iterdir()) == [], "nothing left in the directory"
 
 
+def test_bench_disk_bad_sizes(store_dir):
+    # --tensor 4 raised from inside torch; --size 0 ran 32MiB.
+    for args, said in [
+        (["--tensor", "4"], "--tensor must be at least 8 bytes, got 4"),
+        (["--size", "0"], "--size (0) must hold at least one --tensor (32MiB)"),
+    ]:
+        r = ssdtier("bench", "disk", str(store_dir), "--no-fio", *args)
+        assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_bench_train_side_by_side(store_dir):
     r = ssdtier("bench", "train", *TINY, *FAST, "--dir", str(store_dir), "--min-tensor-bytes", "0", "--json")
     assert r.returncode == 0, r.stderr

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._cli import CLI
 from ..config import Config
-from ..errors import SsdtierError
+from ..errors import ConfigError, SsdtierError
 from ..paths import check_paths, default_nvme_dir
 from ..sizes import format_size, parse_size
 from ._report import Progress, emit, table
@@ -96,7 +96,11 @@ def cmd_disk(args: argparse.Namespace) -> int:
     size = parse_size(args.size, key="--size", source=CLI)
     tensor = parse_size(args.tensor, key="--tensor", source=CLI)
     block = parse_size(args.block_size, key="--block-size", source=CLI)
-    count = max(1, size // max(tensor, 1))
+    if tensor < 8:  # each tensor carries its index in its first 8 bytes
+        raise ConfigError(f"{CLI}: --tensor must be at least 8 bytes, got {args.tensor}")
+    if size < tensor:
+        raise ConfigError(f"{CLI}: --size ({args.size}) must hold at least one --tensor ({args.tensor})")
+    count = size // tensor
     slot = -(-tensor // 4096) * 4096
     cfg = Config.from_dict(
         {
