@@ -222,17 +222,15 @@ class ReadAhead:
         if room is not None and not s.arena_cap:  # the device budget holds what is read ahead too
             window = min(window, room)
         order, cum, nxt = s.order, s.cum, s.at + 1
-        if room is not None and s.unstaged:
-            room -= self._stage_unstaged(s, room)
+        used = self._stage_unstaged(s, room) if room is not None and s.unstaged else 0
         j = start = s.read_to + 1
         while j < len(order) and (j <= nxt or cum[j] - cum[nxt] < window):
             entry = s.seq[order[j]]
             # Within the budget, but for the entry needed next: entries passed over (a storage
             # blocks share, unpacked first, jumps a guessed order) and the window's last too.
             # Past it, a CUDA entry is still read from NVMe into the host arena.
-            past = room is not None and (
-                bool(s.unstaged) or cum[j + 1] - cum[start] > room and (j > start or j != s.now + 1)
-            )
+            needed = j == start == s.now + 1 and not used
+            past = room is not None and not needed and (bool(s.unstaged) or cum[j + 1] - cum[start] > room - used)
             if past and not entry.cuda:
                 break
             if not self._want(entry, stage=not past):
