@@ -323,7 +323,7 @@ def test_cufile_without_nvme_says_so(warned):
     cfg = {"host": {"capacity": "1MiB"}, "io": {"backend": "cufile"}}
     with ssdtier.attach(torch.nn.Linear(4, 4), cfg) as off:
         assert off.cpu.gds is None
-    assert len(warned("needs an [[nvme]] device")) == 1
+    assert len(warned("needs an [[nvme]] table naming a directory on a local NVMe")) == 1
 
 
 def test_compatibility_mode_is_said_once(store_dir, gds, monkeypatch, warned):

@@ -278,7 +278,10 @@ def open_cufile(model: torch.nn.Module, config: Any, native: Any) -> CuFile | No
     if backend == "auto" and (device is None or device.type != "cuda" or not config.nvme):
         return None  # nothing for cuFile to do: not worth a probe
     if not config.nvme:
-        warn('io.backend = "cufile" needs an [[nvme]] device; activations go through the host arena')
+        warn(
+            'io.backend = "cufile" needs an [[nvme]] table naming a directory on a local NVMe, not '
+            "$SSDTIER_DIR's default; activations go through the host arena"
+        )
         return None
     gds = probe_once()
     if gds.state is GdsState.UNAVAILABLE or (backend == "auto" and gds.state is not GdsState.USABLE):
