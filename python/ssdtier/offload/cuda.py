@@ -434,6 +434,7 @@ class CudaTransport:
         e.back = Reading(None, 0, None if from_host and ticket.done() else ticket, from_host)
 
     def stage_later(self, e: Entry) -> None:
+        """Queue a read's copy to the GPU ahead, once (none while out of GPU memory)."""
         if not self.stage_off and type(e.back) is Reading and not e.back.queued:
             e.back.queued = True
             self.staging.append(e)

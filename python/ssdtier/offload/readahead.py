@@ -174,9 +174,7 @@ class ReadAhead:
             return False
         if type(out) is Held:
             return False
-        if stage and _unstaged(entry):  # read into the arena alone before, for want of room
-            self.off.cuda.stage_later(entry)
-        elif entry.back is None:
+        if entry.back is None:
             if not entry.cuda and entry.device.type in self.off.cpu.gds_types:  # cuFile: into GPU memory
                 if self.off.cuda.stage_off:
                     return True  # out of GPU memory: the unpack reads it
@@ -187,11 +185,11 @@ class ReadAhead:
                     return True
             else:
                 self.off._start_read(entry)
-            if entry.cuda and stage:
-                self.off.cuda.stage_later(entry)
             ticket = entry.back.ticket
             if self.auto and ticket is not None:  # an NVMe read: tune() learns from it
                 self.reads.append((time.perf_counter(), ticket, entry.nbytes))
+        if entry.cuda and stage:  # read now, or into the arena alone before, for want of room
+            self.off.cuda.stage_later(entry)
         return True
 
     def advance(self, b: Backward, pos: int) -> None:
