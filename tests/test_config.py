@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from ssdtier.config import (
     load_config,
     resolve_config,
 )
-from ssdtier.errors import ConfigError
+from ssdtier.errors import ConfigError, SsdtierWarning
 from ssdtier.mounts import mount_of
 from ssdtier.paths import RAMFS_MAGIC, TMPFS_MAGIC, check_paths, default_nvme_dir, is_tmpfs
 from ssdtier.sizes import GiB, KiB, MiB, TiB, format_size, parse_size
@@ -352,6 +353,17 @@ def test_load_config(tmp_path):
     assert cfg == FULL_CONFIG
     assert cfg.source == str(path)
     assert load_config(str(path)) == FULL_CONFIG
+
+
+def test_a_throttle_without_a_unit_under_1_mib_is_called_out(tmp_path):
+    path = tmp_path / "slow.toml"
+    path.write_text("[io]\nthrottle = 200\n")
+    with pytest.warns(SsdtierWarning, match=r'io.throttle = 200 caps the disk at 200 bytes per second; write "200MB"'):
+        assert load_config(path).io.throttle == 200
+    path.write_text('[io]\nthrottle = "20KB"\n')  # a unit says what is meant
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(path).io.throttle == 20_000
 
 
 def test_load_config_empty_file_is_defaults(tmp_path):

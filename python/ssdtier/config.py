@@ -30,7 +30,7 @@ from contextvars import ContextVar
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from .errors import ConfigError, bad_value, where
+from .errors import ConfigError, bad_value, warn, where
 from .sizes import GiB, KiB, MiB, TiB, exact_size, format_size, parse_value
 
 ARENA_OFF_GPU = 1 * GiB  # host.capacity "auto" where the arena is not pinned for a GPU
@@ -119,6 +119,13 @@ def _preallocate(value: Any, key: str, source: str | None) -> int | str:
     if value == "all" and isinstance(value, str):
         return value
     return _ANY_SIZE(value, key, source)  # type: ignore[return-value]
+
+
+def _throttle(value: Any, key: str, source: str | None) -> int | None:
+    n = _size_range(0, optional=True)(value, key, source)
+    if n and n < MiB and _is_int(value):  # 200 meant as MB/s would crawl without a word
+        warn(f'{where(source, key)} = {value} caps the disk at {value} bytes per second; write "{value}MB" for MB/s')
+    return n
 
 
 def _host_capacity(value: Any, key: str, source: str | None) -> int | str:
@@ -375,7 +382,7 @@ class IoConfig:
     direct: bool = _key(_bool, True)
     fixed_buffers: bool = _key(_bool, True)
     threads: int = _key(_int_range(1, 64), 4)
-    throttle: int | None = _key(_size_range(0, optional=True), None, size=True)
+    throttle: int | None = _key(_throttle, None, size=True)
     zero_copy: bool = _key(_bool, True)
     preallocate: int | str = _key(_preallocate, 256 * MiB, size=True)
     local_ranks: int | str = _key(_auto_or_int(1, 1024), "auto")
