@@ -360,10 +360,12 @@ def test_a_throttle_without_a_unit_under_1_mib_is_called_out(tmp_path):
     path.write_text("[io]\nthrottle = 200\n")
     with pytest.warns(SsdtierWarning, match=r'io.throttle = 200 caps the disk at 200 bytes per second; write "200MB"'):
         assert load_config(path).io.throttle == 200
+    with pytest.warns(SsdtierWarning, match=r"<overrides>: io.throttle = 300 caps"):
+        assert Config().replace(io__throttle=300).io.throttle == 300
     path.write_text('[io]\nthrottle = "20KB"\n')  # a unit says what is meant
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert load_config(path).io.throttle == 20_000
+        assert load_config(path).replace(policy__dedup=False).io.throttle == 20_000  # 20000 checked once
 
 
 def test_load_config_empty_file_is_defaults(tmp_path):

@@ -121,13 +121,6 @@ def _preallocate(value: Any, key: str, source: str | None) -> int | str:
     return _ANY_SIZE(value, key, source)  # type: ignore[return-value]
 
 
-def _throttle(value: Any, key: str, source: str | None) -> int | None:
-    n = _size_range(0, optional=True)(value, key, source)
-    if n and n < MiB and _is_int(value):  # 200 meant as MB/s would crawl without a word
-        warn(f'{where(source, key)} = {value} caps the disk at {value} bytes per second; write "{value}MB" for MB/s')
-    return n
-
-
 def _host_capacity(value: Any, key: str, source: str | None) -> int | str:
     if value == "auto" and isinstance(value, str):
         return value
@@ -382,7 +375,7 @@ class IoConfig:
     direct: bool = _key(_bool, True)
     fixed_buffers: bool = _key(_bool, True)
     threads: int = _key(_int_range(1, 64), 4)
-    throttle: int | None = _key(_throttle, None, size=True)
+    throttle: int | None = _key(_size_range(0, optional=True), None, size=True)
     zero_copy: bool = _key(_bool, True)
     preallocate: int | str = _key(_preallocate, 256 * MiB, size=True)
     local_ranks: int | str = _key(_auto_or_int(1, 1024), "auto")
@@ -499,6 +492,10 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
         with problems.check(), _located(source, prefix):
             built = cls(**{k: v for k, v in data.items() if k in allowed})
     problems.raise_any()
+    slow = data.get("throttle") if table == "io" else None
+    if _is_int(slow) and 0 < slow < MiB:  # 200 meant as MB/s would crawl without a word
+        at = where(source, f"{prefix}.throttle")
+        warn(f'{at} = {slow} caps the disk at {slow} bytes per second; write "{slow}MB" for MB/s')
     return built
 
 
@@ -650,6 +647,8 @@ class Config:
             "io": _table_dict(self.io, human=False),
             "policy": _table_dict(self.policy, human=False),
         }
+        if data["io"]["throttle"] is not None:  # checked already: not a user's bare number
+            data["io"]["throttle"] = exact_size(data["io"]["throttle"])
         problems = _Problems(src)
         for key, value, keyword in items:
             if not isinstance(key, str):
@@ -688,10 +687,11 @@ class Config:
                 )
             else:
                 data[parts[0]][parts[1]] = value
+        cfg = None
         with problems.check():
-            Config.from_dict(data, source=src)
+            cfg = Config.from_dict(data, source=src)
         problems.raise_any()
-        cfg = Config.from_dict(data, source=src)
+        assert cfg is not None
         with _located(src, None):
             return Config(
                 host=cfg.host,

@@ -28,6 +28,7 @@ from .watch import Watch
 if TYPE_CHECKING:
     from .forward import Fwd
     from .owner import AdaptiveOwner
+    from .readahead import Backward
 
 log = logging.getLogger("ssdtier")
 
@@ -200,6 +201,7 @@ class Adaptive:
             self.growth = now / self.inputs_last if now and self.inputs_last else 1.0
             more = self.growth > 1.0 and not batch_grew(last, self.settled.shapes)
             self.swell = self.growth ** self.profile.exponent() if more else self.growth
+            f.backward.swell = max(1.0, self.swell)  # what its recomputations may hold over the plan's
             # Or past the largest inputs a budget was measured after, by any share (creeping lengths).
             if self.watch.gpu is not None and (self.growth > GROWTH or now > self.watch.inputs_top > 0):
                 self.watch.grew(self.growth, now)
@@ -213,24 +215,24 @@ class Adaptive:
             return
         self.profile.block_exit(tag)
 
-    def backward_reached(self, tag: int, acts: list[Action] | None = None) -> None:
-        """The backward's first unpack of layer ``tag`` (once per layer and backward), of a
-        forward that ran ``acts``."""
-        self.remaking = self._remade(tag - 1, acts)
+    def backward_reached(self, tag: int, b: Backward) -> None:
+        """The backward's first unpack of layer ``tag`` (once per layer and backward ``b``)."""
+        self.remaking = self._remade(tag - 1, b)
         if self._timing():
             self.profile.backward_reached(tag)
             self.watch.reached(tag)
 
-    def _remade(self, i: int, ran: list[Action] | None) -> int:
-        """What block ``i``'s recomputation will hold through its backward, beside ``held()``,
-        if its forward (``ran``) recomputed it: its bytes as planned; before any plan, what the
-        blocks run whole saved."""
-        plan = self.plan
-        if ran is None or not 0 <= i < len(ran) or not ran[i].recomputes:
+    def _remade(self, i: int, b: Backward) -> int:
+        """What a recomputation in block ``i``'s backward or below will hold beside ``held()``
+        (reads ahead started now are held through those below too): the most planned for one,
+        scaled by its forward's swell; before any plan, what the blocks run whole saved."""
+        ran, plan = b.acts or [], self.plan
+        below = [j for j in range(min(i + 1, len(ran))) if ran[j].recomputes]
+        if not below:
             return 0
-        if plan is not None and i < len(plan.decisions):
-            return plan.decisions[i].block.whole
-        return int(self.profile.so_far(i + 1)[1])
+        if plan is None or len(plan.decisions) < len(ran):
+            return int(self.profile.so_far(below[-1] + 1)[1])
+        return int(max(plan.decisions[j].block.whole for j in below) * b.swell)
 
     def forward_end(self) -> None:
         if self._timing():

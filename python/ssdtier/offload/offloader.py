@@ -697,7 +697,7 @@ class Offloader:
             layer = h.layer
             if layer != b.last and b.due(layer):
                 if self.adaptive is not None:
-                    self.adaptive.backward_reached(layer, b.acts)
+                    self.adaptive.backward_reached(layer, b)
                 if self._sample is not None:
                     self._sample(layer)
                 self.cpu.poll()  # writes done since the last block let their sources go
@@ -763,7 +763,7 @@ class Offloader:
                 self._sample(h.layer)  # each layer's first, and each of the head's
             if h.layer != b.last and b.due(h.layer):
                 if self.adaptive is not None:
-                    self.adaptive.backward_reached(h.layer, b.acts)
+                    self.adaptive.backward_reached(h.layer, b)
                 self.cpu.poll()
                 with self._lock:
                     if self.ahead.auto:

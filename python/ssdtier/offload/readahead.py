@@ -34,11 +34,12 @@ class Backward:
     With a byte window (``prefetch_layers = "auto"``) it also holds the forward's entries in
     pack order (``seq``, ``Entry.pos``) and the sweep of the backward under way."""
 
-    __slots__ = ("acts", "begun", "cum", "done", "last", "low", "round", "seq", "sweep", "task")
+    __slots__ = ("acts", "begun", "cum", "done", "last", "low", "round", "seq", "swell", "sweep", "task")
 
     def __init__(self, begun: int = 0, acts: list | None = None) -> None:
         self.begun = begun  # backwards of any forward begun before this forward
         self.acts = acts  # the forward's actions (adaptive mode; the guard's included)
+        self.swell = 1.0  # ... and what its blocks may save over the plan's (Adaptive.swell)
         self.round = 0
         self.low: int | None = None
         # The layer of the last call of due(): called again with it, due() is False and
