@@ -493,7 +493,8 @@ def _build_table(cls: type, data: Any, source: str | None, prefix: str) -> Any:
             built = cls(**{k: v for k, v in data.items() if k in allowed})
     problems.raise_any()
     slow = data.get("throttle") if table == "io" else None
-    if _is_int(slow) and 0 < slow < MiB:  # 200 meant as MB/s would crawl without a word
+    # 200 meant as MB/s would crawl without a word.
+    if isinstance(slow, int) and not isinstance(slow, bool) and 0 < slow < MiB:
         at = where(source, f"{prefix}.throttle")
         warn(f'{at} = {slow} caps the disk at {slow} bytes per second; write "{slow}MB" for MB/s')
     return built
