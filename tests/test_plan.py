@@ -165,6 +165,16 @@ def test_where_offloading_cannot_hide_the_budget_is_met_by_recomputation():
     assert p.slowdown == pytest.approx(1 + 0.3 / p.step_s)
 
 
+def test_reads_ahead_leave_room_for_a_recomputation_below():
+    # As at run time: reads started above a recomputed block are held through it, so they
+    # leave room for what it remakes. Filled to the limit above, the 300 MB block made again
+    # peaked at 510 MB, past any of these limits: a plan that fits was taken for one that did not.
+    blocks = [*uniform(2), Block(2, 300 * MB, 10 * MB, 0.1, 0.2, 0.1), Block(3, 50 * MB, 10 * MB, 0.1, 0.2, 0.1)]
+    for limit in (400 * MB, 500 * MB):
+        o = simulate(blocks, [OF, OF, R, K], gpu(1e9), Head(20 * MB, 0.01, 0.02), limit)
+        assert o.peak <= limit and o.extra_s == pytest.approx(0.1), (limit, o)
+
+
 def test_a_block_that_updates_a_cache_is_never_recomputed():
     # Blocks 1 to 3 were called with a key/value cache: the plan keeps or offloads them, at
     # any budget, and recomputes the others.

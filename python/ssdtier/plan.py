@@ -9,6 +9,7 @@ held at once. :func:`solve` searches assignments for the fastest within a device
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -141,8 +142,9 @@ def simulate(
     inputs at its start), one transfer after another at the channel's rate. Through a host
     tier the store writes the oldest bytes out once three quarters of it are held, and a copy
     waits for room. A source holds device memory until its bytes are out. In backward a
-    block's bytes come back as early as the device has room for them within ``limit`` (None:
-    the most the plan holds without them, and one block's more); spilled bytes are read
+    block's bytes come back as early as the device has room for them within ``limit``, beside
+    the most a recomputation at or below it remakes (None: the most the plan holds without
+    them, and one block's more); spilled bytes are read
     from NVMe first, after the writes. The backward waits for bytes that are late."""
     n = len(blocks)
     cap = tr.host
@@ -221,6 +223,10 @@ def simulate(
     for i in range(n):
         on_disk[i] = min(moved[i], left)
         left -= on_disk[i]
+    remakes = [0] * n
+    if limit is not None:
+        remakes = list(itertools.accumulate((b.whole if r else 0 for b, r in zip(blocks, again, strict=True)), max))
+    aside = [max(r - (b.whole if a else 0), 0) for r, b, a in zip(remakes, blocks, again, strict=True)]
     if limit is None:  # the most the plan holds anyway (at the forward's end, or a block made again), and a block ahead
         below, limit = kept, peak
         for j in range(n - 1, -1, -1):
@@ -262,7 +268,7 @@ def simulate(
     if n:  # during the head's backward, with room for the last block's
         last = blocks[-1]
         first = below - held[-1] + max(last.whole, held[-1]) + (last.inputs if again[-1] else 0)
-        fill(t_fwd, max(head.bytes + below, first))
+        fill(t_fwd, max(head.bytes + below + remakes[-1], first))
     t = t_fwd + head.backward_s
     wait_b = rec = 0.0
     late: list[int] = []
@@ -287,7 +293,7 @@ def simulate(
                 wait_b += lateness
         working = max(b.whole, held[j]) + (b.inputs if again[j] else 0)
         gone = leaving(t, j) if late_spans else 0
-        fill(t, below + working + gone)
+        fill(t, below + working + gone + aside[j])
         back[j] = below + working + ahead + gone + head.working
         peak = max(peak, back[j] - head.working)
         t += b.backward_s
