@@ -480,7 +480,7 @@ def test_a_settled_plan_that_recomputes_runs_without_hooks_and_still_recomputes(
     )
     assert_same(steps(GPT, batches=(2,) * n), got)
     p = got[2].plan
-    assert p.actions == (R, R, K, K), p.table()
+    assert p.count(R) == 2 and p.count(K) == 2, p.table()  # (which two: as the bytes measured fall)
     assert got[2].forwards_unhooked == n - 4, seen  # hooked: forwards 1 to 4 (no plan, then 3 to settle)
     per_step = [b[1] - a[1] for a, b in zip([(0, 0), *seen[:-1]], seen, strict=True)]
     assert per_step[4:] == [GPT.n_layers + 2] * (n - 4), per_step  # each block, and each recomputed again
@@ -593,7 +593,7 @@ def test_a_settled_plan_recomputes_in_a_forward_on_another_thread(store_dir, mon
     want, _ = run()
     got, calls = run(ssd)
     assert_same(want, got)
-    assert got[2].plan.actions == (R, R, K, K) and got[2].forwards_unhooked == 5
+    assert got[2].plan.count(R) == 2 and got[2].plan.count(K) == 2 and got[2].forwards_unhooked == 5
     assert calls == GPT.n_layers + 2  # each block, and the two recomputed again
 
 
@@ -1048,7 +1048,7 @@ def test_a_storage_kept_is_not_offloaded_when_saved_again_near_the_budget(store_
             moved.append(off.stats().bytes_offloaded)
         s = off.stats()
     assert moved[2:] == [moved[1]] * 6, moved  # (the first step's guard offloads a block's inputs)
-    assert plans[2:] == [(R, K, K, K)] * 6, plans
+    assert plans[2:] == [plans[2]] * 6 and plans[2].count(R) == 1 and plans[2].count(K) == 3, plans
     assert len({d.block.bytes for d in s.plan.decisions[1:]}) == 1, s.plan.table()  # alike blocks, alike bytes
 
 
@@ -1115,7 +1115,7 @@ def test_forwards_without_hooks_before_one_backward_are_counted_on_the_cpu(store
         for _ in range(6):
             model(x).backward()
         settled = off.stats()
-        assert settled.forwards_unhooked > 0 and off.actions == (R, K, K, K), settled
+        assert settled.forwards_unhooked > 0 and off.actions.count(R) == 1 and off.actions.count(K) == 3, settled
         pending = off.adaptive.settled.pending
         assert pending.count == 0
         first = model(x)

@@ -23,6 +23,15 @@ def cuda_device(model: torch.nn.Module) -> torch.device | None:
     return next((t.device for t in tensors if t.is_cuda), None)
 
 
+def autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
+    """Whether ``t`` is (a view of) a cast of a leaf, such as a weight, as autocast caches."""
+    fn = (base if base is not None else t).grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    leaf = fn.next_functions[0][0]
+    return leaf is not None and type(leaf).__name__ == "AccumulateGrad"
+
+
 # Dynamo's error under fullgraph=True quotes it (torch >= 2.8).
 COMPILED = (
     "ssdtier's model hooks push saved-tensor hooks, which torch.compile cannot trace, so they run "

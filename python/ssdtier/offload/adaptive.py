@@ -217,24 +217,31 @@ class Adaptive:
 
     def backward_reached(self, tag: int, b: Backward) -> None:
         """The backward's first unpack of layer ``tag`` (once per layer and backward ``b``)."""
-        self.remaking = self._remade(tag - 1, b)
+        own, self.remaking = self._remade(tag - 1, b)
+        if own:  # writes and copies out still under way make room for it first, as in the forward
+            self.off.cpu.hold_back(own, backward=True)
+            self.off.cuda.hold_back(own, backward=True)
         if self._timing():
             self.profile.backward_reached(tag)
             self.watch.reached(tag)
 
-    def _remade(self, i: int, b: Backward) -> int:
-        """What a recomputation in block ``i``'s backward or below will hold beside ``held()``
-        (reads ahead started now are held through those below too): the most planned for one,
-        scaled by its forward's swell; before any plan, what the blocks run whole saved."""
+    def _remade(self, i: int, b: Backward) -> tuple[int, int]:
+        """What recomputations will hold beside ``held()``: block ``i``'s own, and the most one
+        at or below it holds (reads ahead started now are held through those below too). As
+        planned, scaled by the forward's swell; before any plan, what the blocks run whole saved."""
         ran, plan = b.acts or [], self.plan
         below = [j for j in range(min(i + 1, len(ran))) if ran[j].recomputes]
         if not below:
-            return 0
+            return 0, 0
         if plan is None or len(plan.decisions) < len(ran):
-            return int(self.profile.so_far(below[-1] + 1)[1])
-        return int(max(plan.decisions[j].block.whole for j in below) * b.swell)
+            per = int(self.profile.so_far(below[-1] + 1)[1])
+            return per if below[-1] == i else 0, per
+        sizes = {j: int(plan.decisions[j].block.whole * b.swell) for j in below}
+        return sizes.get(i, 0), max(sizes.values())
 
-    def forward_end(self) -> None:
+    def forward_end(self, b: Backward) -> None:
+        """Before the reads ahead of the backward ``b`` start."""
+        self.remaking = self._remade(self.off.n_layers, b)[1]
         if self._timing():
             self.profile.forward_end()
 

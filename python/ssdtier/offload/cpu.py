@@ -109,13 +109,12 @@ class CpuTransport:
             self.poll()
         return waited
 
-    def hold_back(self, nbytes: int) -> None:
-        """In a forward: wait_writes, counted as the forward held back."""
+    def hold_back(self, nbytes: int, backward: bool = False) -> None:
+        """wait_writes, counted as the forward held back (or the backward stalled)."""
         if self.writing:
             waited = self.wait_writes(nbytes)
             if waited:
-                self.off.res.held_back += waited
-                self.off.res.forward_wait += waited
+                self.off.res.waited(waited, backward)
 
     def _writing(self, e: Entry, st: torch.UntypedStorage, ticket: Any, ptr: int) -> Entry:
         """A new entry written from its source's memory: the source is held until a poll sees

@@ -329,12 +329,10 @@ class CudaTransport:
             b.event.synchronize()
         else:
             concurrent.futures.wait([b.write])
-        waited = time.perf_counter() - t0
-        self.off.res.held_back += waited
-        self.off.res.forward_wait += waited
+        self.off.res.waited(time.perf_counter() - t0, False)
         self.poll()
 
-    def hold_back(self, nbytes: int) -> None:
+    def hold_back(self, nbytes: int, backward: bool = False) -> None:
         """Back-pressure within a device budget: before ``nbytes`` more are held, copies out
         that lag the link's planned rate are waited for, while that can make room, rather
         than their sources piling up past it (as ``CpuTransport.wait_writes``)."""
@@ -342,18 +340,16 @@ class CudaTransport:
             short = self.off.short(nbytes)
             if not short or self.inflight < short:
                 break  # within it, or held past it whatever the copies do (a plan that does not fit)
-            self._wait_oldest()
+            self._wait_oldest(backward)
 
-    def _wait_oldest(self) -> None:
+    def _wait_oldest(self, backward: bool = False) -> None:
         """Back-pressure: the host waits for the oldest copy into or out of the arena."""
         t0 = time.perf_counter()
         if self.pending:
             self.pending[0].out.event.synchronize()
         elif self.h2d:
             self.h2d.oldest().synchronize()
-        waited = time.perf_counter() - t0
-        self.off.res.held_back += waited
-        self.off.res.forward_wait += waited
+        self.off.res.waited(time.perf_counter() - t0, backward)
         self.poll()
 
     def poll(self) -> None:

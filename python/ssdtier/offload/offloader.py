@@ -25,7 +25,7 @@ from ..ram import available
 from ..sizes import format_size
 from ..store import ByteStore
 from . import cuda, shelf
-from ._util import Once, cuda_device, imported, warn
+from ._util import Once, autocast_cast, cuda_device, imported, warn
 from .adaptive import Adaptive
 from .cpu import CpuTransport
 from .cuda import CudaTransport
@@ -68,15 +68,6 @@ def type_dtensor() -> type:
 def _is_dtensor(t: torch.Tensor) -> bool:
     # By name first: importing torch.distributed for every subclass would cost more.
     return type(t).__name__ == "DTensor" and isinstance(t, type_dtensor())
-
-
-def _autocast_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
-    """Whether ``t`` is (a view of) a cast of a leaf, such as a weight, as autocast caches."""
-    fn = (base if base is not None else t).grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    leaf = fn.next_functions[0][0]
-    return leaf is not None and type(leaf).__name__ == "AccumulateGrad"
 
 
 def _described(stacks: list[tuple[str, list[nn.Module]]]) -> tuple[tuple[str, int, str], ...]:
@@ -479,7 +470,7 @@ class Offloader:
         unpush(f)
         self.res.forward_wait += self._native.wait_seconds - f.wait0
         if self.adaptive is not None:
-            self.adaptive.forward_end()
+            self.adaptive.forward_end(f.backward)
         if self._sample is not None:
             self.adaptive.watch.sample()
         with self._lock:  # a backward, or a graph being freed, on another thread may poll too
@@ -561,7 +552,7 @@ class Offloader:
             # Not this thread's forward: an autograd engine thread (its copy of the hooks packs
             # for a graph built in backward), or a backward building one after the forward.
             f = self._last_fwd
-        if f.autocast and t.requires_grad and _autocast_cast(t, base):
+        if f.autocast and t.requires_grad and autocast_cast(t, base):
             return Same(t)  # autocast's cache holds it until the autocast region ends anyway
         nbytes = st.nbytes()
         tag = f.tag

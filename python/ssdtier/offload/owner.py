@@ -95,6 +95,7 @@ class HookOwner(Protocol):
 
 class RecomputeOwner(HookOwner, Protocol):
     _params: Params
+    res: Resident
 
     def _unpack(self, h: Any) -> torch.Tensor: ...
 
@@ -118,6 +119,7 @@ class AdaptiveOwner(StatsOwner, LayersOwner, Protocol):
     config: Config
     c: dict[str, int]  # counters of stats()
     store: ByteStore
+    cpu: CpuTransport
     cuda: CudaTransport
     actions: tuple[Action, ...]
     _budget: int | None

@@ -123,6 +123,7 @@ class Profile:
         self.fwd_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.back_recent: list[deque[tuple[float, int]]] = [deque(maxlen=RECENT) for _ in range(n)]
         self.rec_spans: list[tuple[int, Any]] = []
+        self.rec_saved: list[tuple[int, int, int] | None] = [None] * n  # (bytes, small, inputs) made again
         self.recomputable = [Recomputable.YES] * n
         self.io_per_byte: float | None = None  # what offloading costs the step per byte, past its waits
         self.end_mark: Any = None  # the forward's end, where the backward's marks start from
@@ -242,8 +243,11 @@ class Profile:
     def recompute_begins(self, tag: int) -> Any:
         return self.clock.start()
 
-    def recompute_ends(self, tag: int, token: Any, host_s: float) -> None:
+    def recompute_ends(self, tag: int, token: Any, host_s: float, saved: tuple[int, int] | None = None) -> None:
+        """``saved``: what the recomputation saved, (bytes, of which in small storages)."""
         self.rec_spans.append((tag, self.clock.stop(token)))
+        if saved is not None and self.calls[tag - 1] == 1:  # (a block called twice saves both calls')
+            self.rec_saved[tag - 1] = (saved[0], saved[1], self.inputs[tag - 1])
 
     # ---------------------------------------------------------------- at the next plan
 
@@ -267,16 +271,18 @@ class Profile:
         if not self.ended or not any(fwd[1 : n + 1]):
             return None
         self._backward_times(self.recomputed)
-        now = []  # bytes per input byte of the blocks this forward saved whole
+        now = []  # bytes per input byte of the blocks this forward saved whole, or made again
         for i in range(n):
-            if not self.recomputed[i]:
+            again = self.rec_saved[i] if self.recomputed[i] else None
+            if not self.recomputed[i] or again is not None:
+                nbytes, small, inputs = again or (self.saved[i + 1], self.small[i + 1], self.inputs[i])
                 last = self.full[i]
-                if last is not None and not _like(last[1], self.inputs[i]):
+                if last is not None and not _like(last[1], inputs):
                     self.other[i] = last
-                self.full[i] = (self.saved[i + 1], self.inputs[i])
-                self.full_small[i] = self.small[i + 1]
-                if self.inputs[i] > 0 and self.saved[i + 1] + self.small[i + 1] > 0:
-                    now.append(self.saved[i + 1] / self.inputs[i])
+                self.full[i], self.full_small[i] = (nbytes, inputs), small
+                if inputs > 0 and nbytes + small > 0:
+                    now.append(nbytes / inputs)
+        self.rec_saved = [None] * n
         # Blocks that saved nothing at all (frozen) say nothing of what the others save.
         some = [
             (f, s)

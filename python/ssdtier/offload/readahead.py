@@ -153,9 +153,11 @@ class ReadAhead:
         for d in range(1, self.depth + 1):
             for entry in off.entries.of_layer(forward, layer - d):
                 fresh = entry.back is None
-                brings = entry.refs and (fresh or _unstaged(entry)) and type(entry.out) not in (Writing, Held)
-                if brings and room is not None and reading + entry.nbytes > room and (reading or d > 1):
-                    if fresh and entry.cuda:
+                source = type(entry.out) in (Writing, Held)  # wanted, held to serve with no read
+                brings = entry.refs and (fresh or _unstaged(entry)) and not source
+                over = brings and reading + entry.nbytes > room if room is not None else False
+                if (over or (source and room == 0)) and (reading or d > 1):
+                    if over and fresh and entry.cuda:
                         self._want(entry, stage=False)  # from NVMe into the arena: host memory
                     continue  # the unpack reads it, or copies it to the GPU
                 reading += entry.nbytes if brings else 0

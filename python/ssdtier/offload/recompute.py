@@ -19,6 +19,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import SsdtierError
+from ._util import autocast_cast
 from .forward import flat, opened, top_hooks
 from .profile import Recomputable
 
@@ -403,9 +404,49 @@ class _Timed(_Again):
         ad = self.off.adaptive
         if ad is None:
             return super().again(*args)
+        top = top_hooks()  # checkpoint's, which keep what the recomputation saves
+        off = self.off
+        tally = None if top is None else _Tally(top[0], off._params.ptrs, off.res.sizes(), ad.profile.min_bytes)
         token = ad.profile.recompute_begins(self.tag)
         t0 = time.perf_counter()
         try:
-            return super().again(*args)
+            if tally is None:
+                return super().again(*args)
+            with torch.autograd.graph.saved_tensors_hooks(tally, top[1]):
+                return super().again(*args)
         finally:
-            ad.profile.recompute_ends(self.tag, token, time.perf_counter() - t0)
+            saved = None if tally is None else (tally.big, tally.small)
+            ad.profile.recompute_ends(self.tag, token, time.perf_counter() - t0, saved)
+
+
+class _Tally:
+    """What a recomputation saves, each storage once and as a forward run whole counts it
+    (parameters and autocast's casts of them aside), on its way to checkpoint's own hook: a
+    block recomputed from its first forward on is measured nowhere else."""
+
+    __slots__ = ("below", "big", "pack", "params", "restored", "seen", "small")
+
+    def __init__(self, pack: Any, params: Any, restored: dict, below: int) -> None:
+        self.pack, self.params, self.restored, self.below = pack, params, restored, below
+        self.seen: set[tuple[torch.device, int]] = set()
+        self.big = self.small = 0
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        if type(t) is torch.Tensor and t.layout is torch.strided and not (t.is_nested or t.is_quantized):
+            st = t.untyped_storage()
+            key = (t.device, st.data_ptr())
+            base = t._base
+            if not (
+                key in self.seen
+                or key in self.params
+                or isinstance(base, nn.Parameter)
+                or getattr(t, "_is_param", False)
+                or (t.requires_grad and autocast_cast(t, base))
+            ):
+                self.seen.add(key)
+                n = self.restored.get(key) or st.nbytes()  # an input read back: its bytes, not its pages
+                if n < self.below:
+                    self.small += n
+                else:
+                    self.big += n
+        return self.pack(t)

@@ -182,8 +182,26 @@ class Resident:
         ref = weakref.ref(st, self._forget)
         self.tracked[id(ref)] = (ref, nbytes)
 
+    def sizes(self) -> dict[tuple[torch.device, int], int]:
+        """The restored storages alive, by (device, address): their entries' bytes, without
+        the page a read's alignment adds."""
+        out = {}
+        for ref, n in list(self.tracked.values()):
+            st = ref()
+            if st is not None:
+                out[(st.device, st.data_ptr())] = n
+        return out
+
     def _forget(self, ref: weakref.ref) -> None:
         self.restored -= self.tracked.pop(id(ref))[1]
+
+    def waited(self, seconds: float, backward: bool) -> None:
+        """Back-pressure: the forward held back, or the backward stalled, for copies or writes out."""
+        if backward:
+            self.stall += seconds
+        else:
+            self.held_back += seconds
+            self.forward_wait += seconds
 
     def note(self, host_used: int) -> None:
         now = self.kept + self.sources + self.restored + host_used
