@@ -86,3 +86,48 @@ def test_bench_train_on_cuda_shows_reserved_memory_too():
     text = render(results, w)
     row = next(line.split() for line in text.splitlines() if line.startswith("ssdtier "))
     assert "reserved MiB" in text and row[:5] == ["ssdtier", "100.0", "0.25", "300.0", "0.71"]
+
+
+def test_bench_disk_refuses_a_size_past_the_free_space(store_dir, monkeypatch, capsys):
+    # It warned, then filled the disk: now nothing is written.
+    from ssdtier.__main__ import main
+    from ssdtier.bench import disk
+
+    usage = shutil.disk_usage(store_dir)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
+    monkeypatch.setattr(disk, "_store_pass", lambda *a: pytest.fail("written past the free space"))
+    assert main(["bench", "disk", str(store_dir), "--size", "4MiB", "--tensor", "1MiB", "--no-fio"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ssdtier: error: command line: --size 4MiB needs ") and "has 1MiB free" in err, err
+    assert list(store_dir.iterdir()) == []
+
+
+def test_an_interrupted_setting_stops_its_worker(monkeypatch):
+    # Ctrl-C (or any error) in the parent: the worker is ended, not left training, orphaned.
+    import signal
+    import subprocess
+    import sys
+
+    from ssdtier.bench import train
+    from ssdtier.bench.train import Mode, Setting, Workload
+
+    started = []
+
+    def worker(s, w, lockstep=False):
+        code = f"import sys, time; print({train._TAG + 'step'!r}, file=sys.stderr, flush=True); time.sleep(600)"
+        pipe = subprocess.PIPE
+        started.append(subprocess.Popen([sys.executable, "-c", code], stdout=pipe, stderr=pipe, text=True))
+        return started[-1]
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "worker", worker)
+    w = Workload(None, 2, 32, 2, 16, 2, 64, 1, 1, "cpu", None, "auto", "0", 1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train._in_subprocess(Setting(Mode.KEEP), w, interrupt)
+        assert started[0].returncode == -signal.SIGTERM
+    finally:
+        started[0].kill()  # a no-op once it has ended; else no sleeper outlives a failure
+        started[0].wait()

@@ -8,6 +8,9 @@ import argparse
 import csv
 import enum
 import json
+import os
+import re
+import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,6 +19,7 @@ import torch
 
 from ssdtier.bench import add_parser, fit, rok, summary, train, train_cli
 from ssdtier.bench.train import Mode, Setting, Workload
+from ssdtier.errors import ConfigError
 
 from .test_cli import ssdtier
 
@@ -717,3 +721,112 @@ def test_dominance_by_reserved_memory_too():
     row = rok.dominance(results, (0.4,), memory="reserved_bytes")[0]
     assert row["ssdtier"] is None and row["other"] == "checkpoint" and row["met"] is False
     assert "at each share of keep's reserved memory" in rok.render_dominance([row], memory="reserved memory")
+
+
+# ---------------------------------------------------------------- said before any run
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """cmd_rok may not get as far as running a setting."""
+    monkeypatch.setattr(rok, "run_rounds", lambda *a, **k: pytest.fail("ran before refusing"))
+
+
+def test_an_output_directory_that_cannot_be_written_is_said_first(tmp_path, no_run):
+    # Found only at the end, once every setting had run: the results were lost.
+    taken = tmp_path / "taken"
+    (taken / "rok.csv").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"--out: .*rok\.csv is a directory"):
+        rok.cmd_rok(parse("--device", "cpu", "--out", str(taken)))
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for out in (plain, plain / "sub"):
+        with pytest.raises(ConfigError, match="--out: ") as e:
+            rok.cmd_rok(parse("--device", "cpu", "--out", str(out)))
+    assert str(e.value) == f"command line: --out: cannot write in {plain / 'sub'}: Not a directory"
+    with pytest.raises(ConfigError, match=f"--out: {plain} is a file, not a directory"):
+        rok.cmd_rok(parse("--device", "cpu", "--out", str(plain)))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only directory")
+def test_a_read_only_output_directory_is_said_first(tmp_path, no_run):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        with pytest.raises(ConfigError, match=f"--out: cannot write in {locked}: Permission denied"):
+            rok.cmd_rok(parse("--device", "cpu", "--out", str(locked)))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_fit_options_are_checked_before_the_side_by_side_run(tmp_path, no_run):
+    out = ["--device", "cpu", "--out", str(tmp_path)]
+    for argv, said in [
+        (["--memory-cap", "1GiB"], "--memory-cap needs --fit"),
+        (["--fit", "--memory-cap", "lots"], "--memory-cap"),
+        (["--fit", "--memory-cap", "0"], "--memory-cap must be more than 0, got 0"),
+        (["--fit-modes", "keep"], "--fit-modes needs --fit"),
+        (["--modes", "keep,ssdtier", "--fit", "--memory-cap", "1GiB", "--fit-modes", "keep,checkpoint"],
+         "--fit-modes checkpoint: not in --modes (keep,ssdtier)"),
+        (["--fit", "--memory-cap", "1GiB", "--fit-modes", "ssdtier-compile"],
+         "--fit-modes ssdtier-compile needs --ssdtier-compile BUDGETS"),
+        (["--modes", "keep,checkpoint", "--ssdtier-compile", "0.5"], "--modes must include ssdtier"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            rok.cmd_rok(parse(*out, *argv))
+    # Keep always runs, so it may be searched without being named in --modes.
+    rok.check_rok_args(parse("--modes", "ssdtier", "--fit", "--memory-cap", "1GiB", "--fit-modes", "keep"), TINY)
+
+
+def test_workload_values_are_checked_before_any_worker(monkeypatch, capsys):
+    for dropout in ("1", "-0.1"):
+        with pytest.raises(ConfigError, match=re.escape(f"--dropout must be in [0, 1), got {float(dropout):g}")):
+            train_cli.workload_of(parse("--device", "cpu", "--dropout", dropout))
+    # --warmup 0: the first step's one-time allocations landed in the peak; negatives were clamped.
+    for argv, said in [
+        (["--warmup", "0"], "argument --warmup: must be a positive integer, got '0'"),
+        (["--warmup", "-1"], "argument --warmup: must be a positive integer, got '-1'"),
+        (["--budget-s", "0"], "argument --budget-s: must be a positive number of seconds, got '0'"),
+        (["--budget-s", "-5"], "argument --budget-s: must be a positive number of seconds, got '-5'"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse(*argv)
+        assert said in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers.models.auto", None)
+    with pytest.raises(ConfigError, match=r"--hf needs transformers: pip install 'ssdtier\[hf\]'"):
+        train_cli.workload_of(parse("--device", "cpu", "--hf", "llama"))
+
+
+def test_an_unknown_hf_model_type_is_said_once_with_the_nearest():
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match=r"--hf 'lama': not a transformers model type .*; did you mean 'llama'\?"):
+        train_cli.workload_of(parse("--device", "cpu", "--hf", "lama"))
+    assert train_cli.workload_of(parse("--device", "cpu", "--hf", "gpt2")).hf == "gpt2"
+
+
+def test_dominance_without_ssdtier_in_the_run_says_dash_not_no():
+    results = [result("keep", "keep", 100, 10.0), result("checkpoint", "checkpoint", 20, 13.0)]
+    rows = rok.dominance(results)
+    assert [d["met"] for d in rows] == [None] * len(rok.DOMINANCE_FRACTIONS)
+    text = rok.render_dominance(rows)
+    assert "NO" not in text and "(not in the run)" in text, text
+
+
+def test_keep_out_of_time_is_an_error_and_writes_no_plot(tmp_path, monkeypatch):
+    from ssdtier.bench.train import OUT_OF_TIME
+
+    def late(settings, w, *a):
+        return [train.failed(s, w, "skipped", OUT_OF_TIME) for s in settings]
+
+    monkeypatch.setattr(rok, "run_rounds", late)
+    with pytest.raises(ConfigError, match="--budget-s 0.5 ran out before keep, the first setting, started"):
+        rok.cmd_rok(parse("--device", "cpu", "--modes", "keep,ssdtier", "--budget-s", "0.5", "--out", str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
+    # No setting ran to the end (keep failed, say): no empty plot, whose legend matplotlib warns of.
+    files = [tmp_path / "rok.csv"]
+    assert (
+        rok._plot(tmp_path, late([Setting(Mode.KEEP)], TINY), TINY, files)
+        == "\n(no rok.png: no setting ran to the end)"
+    )
+    assert files == [tmp_path / "rok.csv"] and list(tmp_path.iterdir()) == []

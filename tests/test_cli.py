@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from ssdtier.mounts import where
 
 from .conftest import REPO
@@ -179,3 +181,28 @@ def test_check_says_every_problem_at_once(store_dir):
     assert r.returncode == 1
     assert "io.queue_depth" in r.stderr and "nvme[1].path" in r.stderr and "is not a directory" in r.stderr, r.stderr
     assert "nvme[0].path" not in r.stderr
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    import ssdtier.__main__ as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    try:
+        rc = cli.main(["info"])
+    except KeyboardInterrupt:  # a regression fails this test, not the whole session
+        pytest.fail("main() let KeyboardInterrupt through, traceback and all")
+    assert rc == 130
+    assert capsys.readouterr().err == "ssdtier: interrupted\n"
+
+
+def test_info_under_a_file_says_a_parent_is_a_file(store_dir, capsys):
+    from ssdtier.__main__ import main
+
+    plain = store_dir / "afile"
+    plain.write_text("x")
+    assert main(["info", str(plain / "sub")]) == 1
+    out = capsys.readouterr().out
+    assert f"cannot be created: a parent, {plain}, is a file" in out and "would be created" not in out, out

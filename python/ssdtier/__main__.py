@@ -98,6 +98,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"ssdtier {__version__}")
     print(f"directory       {path}{'  (tmpfs: no O_DIRECT)' if is_tmpfs(path) else ''}")
     probe = existing(path)  # a store would create the directory: not for a look
+    if probe != path and not os.path.isdir(probe):
+        print(f"                cannot be created: a parent, {probe}, is a file")
+        return 1
     if probe != path:
         print(f"                does not exist: checked in {probe}, where it would be created")
     w = where(probe)
@@ -320,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = args.func(args)
         sys.stdout.flush()  # a closed pipe (`| head`) shows here, not at exit
         return rc
+    except KeyboardInterrupt:
+        # Ctrl-C: the user knows; no traceback (the bench workers are stopped where they run).
+        print("ssdtier: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader is gone: nothing more to say, and nothing to say it with.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

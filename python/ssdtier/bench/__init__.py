@@ -78,6 +78,16 @@ def _floats(text: str) -> list[float]:
     return got
 
 
+def _seconds(text: str) -> float:
+    try:
+        got = float(text)
+    except ValueError:
+        got = float("nan")
+    if not got > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return got
+
+
 def _ints(text: str) -> list[int]:
     got = _floats(text)
     if any(x != int(x) for x in got):
@@ -121,7 +131,7 @@ def _rok_arguments(p: argparse.ArgumentParser) -> None:
                    help="also ssdtier at each --fractions on blocks compiled under each of these "
                    "activation_memory_budgets (compile runs at each too)")  # fmt: skip
     g.add_argument("--out", default="ssdtier-rok", help="directory for rok.csv, rok.png and rok.json")
-    g.add_argument("--budget-s", type=float, help="settings not started within this many seconds are skipped "
+    g.add_argument("--budget-s", type=_seconds, help="settings not started within this many seconds are skipped "
                    "(with --fit, the side-by-side run gets half)")  # fmt: skip
     g = p.add_argument_group("--fit: the largest micro-batch of each mode")
     g.add_argument("--fit", action="store_true", help="search each mode's largest micro-batch, and its largest at "

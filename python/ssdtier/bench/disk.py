@@ -15,7 +15,8 @@ from typing import Any
 from .._cli import CLI
 from ..config import Config
 from ..errors import ConfigError, SsdtierError
-from ..paths import check_paths, default_nvme_dir
+from ..mounts import existing
+from ..paths import check_paths, default_nvme_dir, space_problems
 from ..sizes import format_size, parse_size
 from ._report import Progress, emit, table
 
@@ -90,6 +91,17 @@ def run_fio(
         raise SsdtierError(f"cannot read fio's output ({e}): {r.stdout[:500]!r}") from e
 
 
+def _check_space(cfg: Config, paths: list[str], size: str) -> None:
+    """Refused before a byte is written: the store's files past the free space would fill the
+    disk, and the bench would fail there."""
+    if space_problems(cfg, paths):
+        free = shutil.disk_usage(existing(paths[0])).free
+        raise ConfigError(
+            f"{CLI}: --size {size} needs {format_size(cfg.nvme[0].capacity)} in {paths[0]} (with the store's "
+            f"room), and its file system has {format_size(free)} free; give a smaller --size"
+        )
+
+
 def cmd_disk(args: argparse.Namespace) -> int:
     """The store against fio on one directory."""
     directory = os.path.abspath(args.dir or default_nvme_dir())
@@ -110,7 +122,7 @@ def cmd_disk(args: argparse.Namespace) -> int:
         },
         source=CLI,
     )
-    check_paths(cfg)
+    _check_space(cfg, check_paths(cfg), args.size)
     fio = None if args.no_fio else shutil.which("fio")
     steps = 2 * count + (2 if fio else 0)
     with Progress(steps, "bench disk", unit="op") as bar:

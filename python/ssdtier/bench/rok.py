@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -114,6 +116,7 @@ def dominance(
     unrun = [
         r["setting"] for r in results if r["mode"] != Mode.SSDTIER.value and (r["status"] == "error" or out_of_time(r))
     ]
+    in_run = any(r["mode"] == Mode.SSDTIER.value for r in results)  # --modes without it: nothing to judge
     rows = []
     for f in fractions:
         limit = f * keep[memory]
@@ -135,6 +138,8 @@ def dominance(
             row["met"] = None if ours is None and other is None else ours is not None
         if row["met"] and unrun:
             row["met"], row["unrun"] = None, unrun
+        if not in_run:
+            row["met"], row["no_ssdtier"] = None, True
         rows.append(row)
     return rows
 
@@ -152,7 +157,7 @@ def render_dominance(rows: list[dict[str, Any]], target: float = TARGET, memory:
                 f"{d['fraction']:.2f}",
                 d["other"] or "(none fits)",
                 f"{d['other_time_vs_keep']:.2f}" if d["other"] else "-",
-                d["ssdtier"] or "(none fits)",
+                d["ssdtier"] or ("(not in the run)" if d.get("no_ssdtier") else "(none fits)"),
                 f"{d['ssdtier_time_vs_keep']:.2f}" if d["ssdtier"] else "-",
                 f"{d['ratio']:.3f}" if d["ratio"] is not None else "-",
                 met,
@@ -360,13 +365,62 @@ def _write(out: Path, doc: dict[str, Any]) -> None:
     (out / "rok.json").write_text(json.dumps(doc, indent=2, default=jsonable) + "\n")
 
 
+def check_rok_args(args: argparse.Namespace, w: Workload) -> None:
+    """What --fit would refuse, or the run drop silently, after the side-by-side run: said before it."""
+    if args.fit and w.device != "cuda" and not args.memory_cap:
+        raise ConfigError(f"{CLI}: --fit on the CPU needs --memory-cap SIZE (nothing runs out of memory there)")
+    for name, given in (("--memory-cap", args.memory_cap), ("--fit-modes", args.fit_modes)):
+        if given is not None and not args.fit:
+            raise ConfigError(f"{CLI}: {name} needs --fit")
+    if args.memory_cap is not None and parse_size(args.memory_cap, key="--memory-cap", source=CLI) <= 0:
+        raise ConfigError(f"{CLI}: --memory-cap must be more than 0, got {args.memory_cap}")
+    if args.ssdtier_compile and "ssdtier" not in args.modes:
+        raise ConfigError(f"{CLI}: --ssdtier-compile runs ssdtier on compiled blocks: --modes must include ssdtier")
+    if COMPILED in (args.fit_modes or ()) and not args.ssdtier_compile:
+        raise ConfigError(f"{CLI}: --fit-modes {COMPILED} needs --ssdtier-compile BUDGETS")
+    unrun = [m for m in args.fit_modes or () if m not in (Mode.KEEP.value, COMPILED, *args.modes)]
+    if unrun:
+        raise ConfigError(f"{CLI}: --fit-modes {','.join(unrun)}: not in --modes ({','.join(args.modes)}); "
+                          "only modes that run side by side are searched")  # fmt: skip
+
+
+def writable_out(out: Path) -> None:
+    """--out is written once every setting ran: a directory that cannot take the files is said
+    before any, by creating (and removing) a file in it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{CLI}: --out: {out} is a file, not a directory")
+    for name in ("rok.csv", "rok.json", "rok.png"):
+        if (out / name).is_dir():
+            raise ConfigError(
+                f"{CLI}: --out: {out / name} is a directory; rok.csv, rok.json and rok.png are written there"
+            )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ssdtier-rok-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{CLI}: --out: cannot write in {out}: {e.strerror or e}") from None
+
+
+def _plot(out: Path, results: list[dict[str, Any]], w: Workload, files: list[Path]) -> str:
+    """rok.png, inserted in ``files`` once written; a note where it is not."""
+    if not any(r.get("status") == "ok" for r in results):
+        return "\n(no rok.png: no setting ran to the end)"
+    try:
+        plot(out / "rok.png", results, describe(w))
+    except ImportError:
+        return "\n(no rok.png: matplotlib is not installed; pip install 'ssdtier[plot]')"
+    files.insert(1, out / "rok.png")
+    return ""
+
+
 def cmd_rok(args: argparse.Namespace) -> int:
     """Every mode side by side; write rok.csv, rok.png and rok.json; the dominance table; --fit."""
     w = workload_of(args)
-    if args.fit and w.device != "cuda" and not args.memory_cap:
-        raise ConfigError(f"{CLI}: --fit on the CPU needs --memory-cap SIZE (nothing runs out of memory there)")
+    check_rok_args(args, w)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_out(out)
     t0 = time.monotonic()
     deadline = t0 + args.budget_s if args.budget_s else None
     # With --fit, the side-by-side run leaves half the time to it.
@@ -381,6 +435,10 @@ def cmd_rok(args: argparse.Namespace) -> int:
     # host arena is opened, registered and pinned once.
     with reusing_stores():
         results = run_rounds(settings, w, "bench rok", repeats_of(args), sweep_deadline, args.lockstep)
+        if out_of_time(results[0]):  # keep, first: no setting started
+            raise ConfigError(
+                f"{CLI}: --budget-s {args.budget_s:g} ran out before keep, the first setting, started: nothing ran"
+            )
         ratios(results, losses_compared(w))
         doc: dict[str, Any] = {"workload": asdict(w), "results": results, "dominance": dominance(results)}
         if w.device == "cuda":  # what the allocator holds decides out of memory too
@@ -391,11 +449,7 @@ def cmd_rok(args: argparse.Namespace) -> int:
         text = render(results, w) + "\n\n" + render_dominance(doc["dominance"])
         if "dominance_reserved" in doc:
             text += "\n\n" + render_dominance(doc["dominance_reserved"], memory="reserved memory")
-        try:
-            plot(out / "rok.png", results, describe(w))
-            files.insert(1, out / "rok.png")
-        except ImportError:
-            text += "\n(no rok.png: matplotlib is not installed; pip install 'ssdtier[plot]')"
+        text += _plot(out, results, w, files)
         if args.fit:
             doc["fit"] = run_fit(settings, w, args, results, deadline, lambda fit: _write(out, {**doc, "fit": fit}))
             _write(out, doc)

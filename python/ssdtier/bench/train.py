@@ -16,6 +16,7 @@ status and why; the others still run.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import enum
 import json
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "Mode",
     "Setting",
     "Workload",
+    "check_hf",
     "is_oom",
     "measure_safely",
     "plan_counts",
@@ -145,6 +147,20 @@ class Workload:
         if self.dir:
             cfg["nvme"] = [{"path": self.dir, "capacity": "64GiB"}]
         return Config.from_dict(cfg, source=CLI)
+
+
+def check_hf(name: str) -> None:
+    """``--hf``'s model type, checked as a worker would meet it: transformers installed, and
+    a causal or seq2seq LM of that type in it."""
+    try:
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:
+        raise ConfigError(f"{CLI}: --hf needs transformers: pip install 'ssdtier[hf]'") from None
+    known = [*auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES]
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else " (llama, gpt2, t5...)"
+        raise ConfigError(f"{CLI}: --hf {name!r}: not a transformers model type with a language-model head{hint}")
 
 
 def _hf_model(w: Workload, device: Any) -> tuple[Any, Callable[[], Any]]:
@@ -520,14 +536,32 @@ def worker(s: Setting, w: Workload, lockstep: bool = False) -> subprocess.Popen:
 def _in_subprocess(s: Setting, w: Workload, on_step: Callable[[], None]) -> dict[str, Any]:
     proc = worker(s, w)
     assert proc.stderr is not None and proc.stdout is not None
-    said = []
-    for line in proc.stderr:
-        if line.startswith(_TAG):
-            on_step()
-        else:
-            said.append(line)
-    out = proc.stdout.read()
-    return result_of(s, w, out, proc.wait(), said)
+    try:
+        said = []
+        for line in proc.stderr:
+            if line.startswith(_TAG):
+                on_step()
+            else:
+                said.append(line)
+        out = proc.stdout.read()
+        return result_of(s, w, out, proc.wait(), said)
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Ends a worker this process no longer reads (Ctrl-C, an error here), so that none trains
+    on, orphaned: SIGTERM, then SIGKILL if it outlives ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
 
 
 def result_of(s: Setting, w: Workload, out: str, rc: int, said: list[str]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ._report import emit
 from .lockstep import run_lockstep
 from .summary import losses_compared, ratios, render
-from .train import Mode, Setting, Workload, run
+from .train import Mode, Setting, Workload, check_hf, run
 
 __all__ = ["PRESETS", "add_workload_arguments", "cmd_train", "combine", "repeats_of", "run_rounds", "workload_of"]
 
@@ -50,7 +50,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, quick_note: str) -> None:
     p.add_argument("--batch", type=positive, help=f"batch size (default {d['batch']})")
     p.add_argument("--vocab", type=positive, help=f"vocabulary size (default {d['vocab']})")
     p.add_argument("--steps", type=positive, help=f"measured steps per setting (default {d['steps']})")
-    p.add_argument("--warmup", type=int, help=f"steps per setting before the measured ones (default {d['warmup']})")
+    p.add_argument("--warmup", type=positive, help="steps per setting before the measured ones, at least 1: the "
+                   f"first step's one-time allocations stay out of the peak (default {d['warmup']})")  # fmt: skip
     p.add_argument("--attention", choices=("plain", "sdpa"), help="the GPT's attention: plain ops (saves T x T "
                    "scores) or scaled_dot_product_attention (default plain)")  # fmt: skip
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="fp32, or the forward under bf16 autocast (default fp32)")
@@ -94,6 +95,10 @@ def workload_of(args: argparse.Namespace) -> Workload:
         raise ConfigError(f"{CLI}: --paired trains a twin in each setting's process: CPU only")
     if v["d_model"] % v["heads"]:
         raise ConfigError(f"{CLI}: --d-model ({v['d_model']}) must be a multiple of --heads ({v['heads']})")
+    if not 0 <= v["dropout"] < 1:
+        raise ConfigError(f"{CLI}: --dropout must be in [0, 1), got {v['dropout']:g}")
+    if args.hf is not None:
+        check_hf(args.hf)  # here once, not in each setting's worker
     return Workload(
         args.hf,
         v["layers"],
@@ -103,7 +108,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         v["batch"],
         v["vocab"],
         v["steps"],
-        max(v["warmup"], 0),
+        v["warmup"],
         device,
         args.dir,
         args.arena,
