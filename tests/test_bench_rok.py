@@ -505,6 +505,10 @@ def test_fit_at_listed_batches_answers_the_targets_in_a_few_probes():
     text = rok.render_fit({"cap": None, "limits": [1.05, 1.1], "steps": 1, "batches": [13, 19], "modes": got})
     assert "keep searched, then batches 13, 19 past its largest" in text
     assert "at checkpoint's time per sample at its largest batch (43, 1200.00 ms): ssdtier 24 (0.56x)" in text
+    slow = [{**p, "s_per_sample": 1e9} if p["fits"] else p for p in got["ssdtier"]["probes"]]
+    modes = {**got, "ssdtier": {**got["ssdtier"], "probes": slow}}
+    text = rok.render_fit({"cap": None, "limits": [1.05, 1.1], "steps": 1, "batches": [13, 19], "modes": modes})
+    assert "(43, 1200.00 ms): ssdtier none" in text  # not "0 (0.00x)"
     # A list that starts past keep's largest: keep's own search still gives the reference.
     runs.clear()
     past = fit.fit_all(["keep", "ssdtier"], listed_run_at(runs), 160, batches=[19, 24])

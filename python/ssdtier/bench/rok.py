@@ -353,7 +353,9 @@ def render_fit(fit: dict[str, Any]) -> str:
     at_ckpt = within_mode(modes, Mode.CHECKPOINT.value)
     if at_ckpt:
         top = modes[Mode.CHECKPOINT.value]["at_largest"]  # there: within_mode found its time
-        said = ", ".join(f"{m} {b} ({b / top['batch']:.2f}x)" for m, b in at_ckpt.items() if m != "keep")
+        said = ", ".join(
+            f"{m} {b} ({b / top['batch']:.2f}x)" if b else f"{m} none" for m, b in at_ckpt.items() if m != "keep"
+        )
         lines.append(f"at checkpoint's time per sample at its largest batch ({top['batch']}, "
                      f"{top['s_per_sample'] * 1e3:.2f} ms): {said}")  # fmt: skip
     up_to = "the last of --fit-batches" if fit.get("batches") else "--fit-max-batch"
