@@ -683,7 +683,7 @@ def test_dominance_is_not_met_against_settings_that_did_not_run():
     assert rok.dominance([results[0], wrong], (0.4,))[0]["ssdtier"] is None
 
 
-def test_fit_searches_keep_and_modes_the_side_by_side_run_had_no_time_for(monkeypatch, tmp_path, store_dir):
+def test_fit_searches_keep_and_modes_the_side_by_side_run_had_no_time_for(monkeypatch, tmp_path, store_dir, capsys):
     from ssdtier.bench.train import OUT_OF_TIME
 
     runs = []
@@ -697,9 +697,16 @@ def test_fit_searches_keep_and_modes_the_side_by_side_run_had_no_time_for(monkey
         {"setting": "keep", "mode": "keep", "status": "OOM", "error": "out of memory"},
         {"setting": "checkpoint", "mode": "checkpoint", "status": "skipped", "error": OUT_OF_TIME},
     ]
-    monkeypatch.setattr(rok, "run_one", fake_run_one)
+
+    def stepping(s, w, on_step):  # each probe's steps reach its progress bar
+        on_step()
+        return fake_run_one(s, w, on_step)
+
+    monkeypatch.setattr(rok, "run_one", stepping)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the bar's line per step, without tqdm
     got = rok.run_fit(settings, w, a, side, None)["modes"]
     assert got["keep"]["largest"] == 13 and got["checkpoint"]["largest"] == 24
+    assert "bench rok --fit: checkpoint at batch 24: 1/" in capsys.readouterr().err
 
 
 def test_fit_modes_tell_ssdtier_on_compiled_blocks_from_eager():

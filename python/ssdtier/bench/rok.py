@@ -34,7 +34,7 @@ from typing import Any
 from .._cli import CLI
 from ..errors import ConfigError
 from ..sizes import format_size, parse_size
-from ._report import emit, jsonable, table
+from ._report import Progress, emit, jsonable, table
 from .fit import fit_all, within_mode
 from .summary import describe, losses_compared, on_compile, pace, ratios, render
 from .train import Mode, Setting, Skipped, Workload, failed, in_a_line, out_of_time, resolve, run_one, skip_reason
@@ -269,7 +269,8 @@ def run_fit(
             if reason is not None:
                 raise Skipped(reason)
             s, wb = resolve(s, wb, [])
-            r = run_one(s, wb, lambda: None)
+            with Progress(wb.warmup + wb.steps, f"bench rok --fit: {label} at batch {b}", unit="step") as bar:
+                r = run_one(s, wb, bar.update)  # a probe on a GPU can take minutes: not silent
         except Skipped as e:
             r = failed(s, wb, "skipped", str(e))
         print(f"bench rok --fit: {label} at batch {b}: {in_a_line(r)}", file=sys.stderr, flush=True)
