@@ -223,6 +223,8 @@ def test_a_block_called_again_in_the_first_forward_counts_what_it_will_save():
         )
         me.profile.so_far = lambda tag, p=me.profile: Profile.so_far(p, tag)
         me.limit = lambda me=me: Adaptive.limit(me)
+        me.per_last, me.swell = 0.0, 1.0
+        me._per_block = lambda tag, me=me: Adaptive._per_block(me, tag)
         Adaptive.guard(me, f, 1)
         assert me.switched == switched, (calls, f.acts)
 
@@ -347,6 +349,35 @@ def test_reads_ahead_set_aside_the_largest_recomputation_below_scaled_by_the_for
     got = [Adaptive._remade(me, i, b) for i in range(-1, 5)]
     assert [(own / mb, most / mb) for own, most in got] == [(0, 0), (0, 0), (450, 450), (0, 450), (600, 600), (0, 600)]
     assert Adaptive._remade(me, 4, Backward(0, None)) == (0, 0)  # not adaptive's forward: nothing recomputed
+
+
+def test_a_second_forward_before_the_first_backward_weighs_its_first_block(store_dir):
+    # With no plan yet, a forward keeps its first block whole (nothing measured before it).
+    # The second of two forwards before the first backward did too, beside the first's: their
+    # recomputations in backward passed the budget (1.38x). It weighs the first's blocks now.
+    idx = torch.randint(0, 50, (8, 64), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    whole = _saved_per_block(_MaskNet(), idx)
+    budget = int(2.5 * max(whole))  # two blocks whole and a little
+    torch.manual_seed(0)
+    model = _MaskNet()
+    off = ssdtier.attach(model, adaptive(store_dir, device_budget=budget))
+    peaks = []
+
+    def remade(i):
+        def hook(mod, args, out):
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() >= 0:
+                peaks.append(off.adaptive.held() + whole[i])
+
+        return hook
+
+    for i, b in enumerate(model.blocks):
+        b.fc2.register_forward_hook(remade(i))
+    losses = [F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()) for _ in range(2)]
+    sum(losses).backward()
+    off.detach()
+    largest = 8 * 64 * 256 * 4
+    assert peaks and max(peaks) <= budget + largest, [p / budget for p in peaks]
 
 
 MIDDLE, LAST = (OF, RO, RO, RO, RO, K), (OF, OF, OF, OF, OF, RO)

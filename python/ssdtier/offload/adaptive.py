@@ -67,6 +67,7 @@ class Adaptive:
         self.ctl = StepControl(patience=3)
         self.wait0 = 0.0
         self.inputs_last = 0  # the first block's input bytes in the last forward
+        self.per_last = 0.0  # ... and what one of its blocks saved (Profile.so_far)
         self.growth = 1.0  # this forward's first block's inputs over the last one's (a larger batch)
         self.swell = 1.0  # ... and what its blocks may save over the last one's (longer: more than that)
         self.since = 1  # the blocks _saving weighs start here (a later stack's: its first)
@@ -234,10 +235,20 @@ class Adaptive:
         if not below:
             return 0, 0
         if plan is None or len(plan.decisions) < len(ran):
-            per = int(self.profile.so_far(below[-1] + 1)[1])
+            per = int(self._per_block(below[-1] + 1)[1])
             return per if below[-1] == i else 0, per
         sizes = {j: int(plan.decisions[j].block.whole * b.swell) for j in below}
         return sizes.get(i, 0), max(sizes.values())
+
+    def _per_block(self, tag: int) -> tuple[int, float]:
+        """``Profile.so_far``; with no block run whole yet in this forward, what one of the last
+        forward's saved, grown as this one's inputs (two forwards before the first backward)."""
+        prof = self.profile
+        done, per = prof.so_far(tag)
+        whole = (j for j, (c, r) in enumerate(zip(prof.calls, prof.recomputed, strict=True)) if c and not r)
+        if all(j == tag - 1 for j in whole):
+            per = max(per, self.per_last * max(1.0, self.swell))
+        return done, per
 
     def forward_end(self, b: Backward) -> None:
         """Before the reads ahead of the backward ``b`` start."""
@@ -287,10 +298,10 @@ class Adaptive:
             budget += int(SLACK * budget)
         else:  # no plan yet: the blocks to come saving what the ones so far did, kept
             prof, own = self.profile, 0.0
-            done, per = prof.so_far(tag)
+            done, per = self._per_block(tag)
             if again and not prof.recomputed[i]:  # this call saves what the earlier ones did
                 own = (prof.saved[tag] + prof.small[tag]) / (prof.calls[i] - 1)
-            if not done and not again:
+            if not (done or again or per):
                 return
             coming = own + per * (len(acts) - done - again)
             # Room for what no block saves (the loss's memory, gradients): measured, or a guess.
@@ -484,6 +495,7 @@ class Adaptive:
             self.beside0 = (mark.allocated - held, held)
         if self.profile.ended and self.profile.inputs:
             self.inputs_last = self.profile.inputs[0]
+            self.per_last = self.profile.so_far(self.off.n_layers + 1)[1]
         self.wait0 = self.off.io_wait()
         self.profile.begin_forward()
         self.growth = self.swell = 1.0
