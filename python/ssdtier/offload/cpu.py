@@ -76,10 +76,7 @@ class CpuTransport:
         e = next(e for e in self.writing if isinstance(e.out.ticket, cufile.Transfer))
         t0 = time.perf_counter()
         concurrent.futures.wait([e.out.ticket.fut])
-        waited = time.perf_counter() - t0
-        res = self.off.res
-        res.held_back += waited
-        res.forward_wait += waited
+        self.off.res.waited(time.perf_counter() - t0, False)
         with self.off._lock:
             if e in self.writing:  # not ended by another thread's poll meanwhile
                 self.writing.remove(e)
@@ -173,10 +170,7 @@ class CpuTransport:
         """The bytes go from NVMe straight into the page-aligned buffer that becomes the
         restored storage; the arena is not used, so read-ahead never evicts what is about to
         be needed. The entry starts `lead` bytes before the data (a write covers whole pages)."""
-        if self.writing:  # earlier blocks' writes lag into the backward: room first
-            waited = self.wait_writes(e.nbytes)
-            if waited:
-                self.off.res.stall += waited
+        self.hold_back(e.nbytes, backward=True)  # earlier blocks' writes lag into the backward: room first
         if e.device.type in self.gds_types:
             self._read_gds(e)
             return

@@ -5,6 +5,7 @@ inputs to the offloader's hooks, so those are kept or offloaded like any saved t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -409,10 +410,9 @@ class _Timed(_Again):
         tally = None if top is None else _Tally(top[0], off._params.ptrs, off.res.sizes(), ad.profile.min_bytes)
         token = ad.profile.recompute_begins(self.tag)
         t0 = time.perf_counter()
+        counted = contextlib.nullcontext() if tally is None else torch.autograd.graph.saved_tensors_hooks(tally, top[1])
         try:
-            if tally is None:
-                return super().again(*args)
-            with torch.autograd.graph.saved_tensors_hooks(tally, top[1]):
+            with counted:
                 return super().again(*args)
         finally:
             saved = None if tally is None else (tally.big, tally.small)
